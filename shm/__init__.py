@@ -18,8 +18,14 @@ from shm._errors import (
     RingError,
     RingFull,
 )
+from shm._ring import SHM_DIR, Reader, ReaderStats, Ring, RingStats
 
 __all__ = (
+    "SHM_DIR",
+    "Reader",
+    "ReaderStats",
+    "Ring",
+    "RingStats",
     "AiospecError",
     "BadSegment",
     "CorruptFrame",
