@@ -238,7 +238,7 @@ def encode_frame(
     for i, v in enumerate(values):
         fields += [0xCF if i == L.HF_STEP else 0xCE, v]
     _HEADER_STRUCT.pack_into(out, 0, *fields)
-    for name, off in zip(L.COLUMNS, offsets):
+    for name, off in zip(L.COLUMNS, offsets, strict=True):
         col = cols[name]
         if col is not None:
             raw = col.tobytes()
@@ -361,7 +361,7 @@ def decode_frame(buffer: Any, *, validate_offsets: bool = True) -> Frame:
         hd.off_handles, hd.off_flags, hd.off_token_offsets, hd.off_token_ids, hd.off_draft_offsets,
         hd.off_draft_ids, hd.off_logprobs, hd.off_ranks, hd.off_topk_ids, hd.off_topk_logprobs,
     )  # fmt: skip
-    for name, want, have in zip(L.COLUMNS, offsets, got):
+    for name, want, have in zip(L.COLUMNS, offsets, got, strict=True):
         if want != have:
             raise FrameError(f"header.{name} offset: expected {want}, got {have}")
     if expected_len != n:
@@ -370,7 +370,7 @@ def decode_frame(buffer: Any, *, validate_offsets: bool = True) -> Frame:
     f.version, f.producer, f.step, f.kind = hd.version, hd.producer, hd.step, Kind(hd.kind)
     f.k, f.has_logprobs, f.nbytes = hd.k, has_lp, n
     counts = (hd.r, hd.r, hd.r + 1, hd.t, hd.r + 1, hd.d, hd.t, hd.t, hd.t * hd.k, hd.t * hd.k)
-    for name, off, cnt in zip(L.COLUMNS, offsets, counts):
+    for name, off, cnt in zip(L.COLUMNS, offsets, counts, strict=True):
         if off == 0:
             setattr(f, name, None)
         else:

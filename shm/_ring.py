@@ -22,7 +22,7 @@ import select
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any
 
 import numpy as np
@@ -179,12 +179,12 @@ class Ring:
         if name is None:
             name = "aiospec-" + secrets.token_hex(16)
         _check_name(name)
-        if not isinstance(capacity, int) or capacity & (capacity - 1) or not (
-            L.MIN_CAPACITY <= capacity <= L.MAX_CAPACITY
+        if (
+            not isinstance(capacity, int)
+            or capacity & (capacity - 1)
+            or not (L.MIN_CAPACITY <= capacity <= L.MAX_CAPACITY)
         ):
-            raise ValueError(
-                f"capacity = {capacity!r}: expected a power of two in {L.MIN_CAPACITY}..{L.MAX_CAPACITY}"
-            )
+            raise ValueError(f"capacity = {capacity!r}: expected a power of two in {L.MIN_CAPACITY}..{L.MAX_CAPACITY}")
         if not isinstance(max_readers, int) or not 1 <= max_readers <= L.MAX_READERS:
             raise ValueError(f"max_readers = {max_readers!r}: expected 1..{L.MAX_READERS}")
         if max_record is None:
@@ -303,9 +303,7 @@ class Ring:
             raise ValueError(f"reserve: n = {n!r}: expected a non-negative int")
         size = L.align(L.FRAME_HEADER + n, L.FRAME_ALIGN)
         if size > self._max_record:
-            raise ValueError(
-                f"reserve: n = {n}: a frame of {size} bytes exceeds max_record = {self._max_record}"
-            )
+            raise ValueError(f"reserve: n = {n}: a frame of {size} bytes exceeds max_record = {self._max_record}")
         head = self._head
         off = head & self._mask
         pad = self._capacity - off if size > self._capacity - off else 0
@@ -427,8 +425,7 @@ class Ring:
             pid = int(self._r_pid[slot])
             dead = self._check_pids and not _pid_alive(pid)
             silent = (
-                self._reader_timeout is not None
-                and now - int(self._r_heartbeat[slot]) > self._reader_timeout * 1e9
+                self._reader_timeout is not None and now - int(self._r_heartbeat[slot]) > self._reader_timeout * 1e9
             )
             if dead or silent:
                 gen = int(self._r_gen[slot])
@@ -525,10 +522,8 @@ class Ring:
                 raise RingError(f"reader: all {self._max_readers} reader slots of ring {self._name} are taken")
             slot = free[0]
             path = _bell_path(self._name, slot)
-            try:
+            with suppress(FileExistsError):
                 os.mkfifo(path, 0o600)
-            except FileExistsError:
-                pass
             bell = os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
             gen = (int(self._r_gen[slot]) + 1) & 0xFFFFFFFF
             self._r_gen[slot] = gen
@@ -616,22 +611,17 @@ class Ring:
             self.unlink()
         del self._r_state, self._r_sleeping, self._r_gen, self._r_pid
         del self._r_tail, self._r_heartbeat, self._r_frames, self._c64, self._c32, self._d64
-        self._buf.release()
-        try:
+        # a caller may still hold a view of a frame: then the mapping goes with the last view
+        with suppress(BufferError):
+            self._buf.release()
             self._mm.close()
-        except BufferError:
-            pass  # a caller still holds a view of a frame; the mapping goes with the last view
         os.close(self._fd)
 
     def unlink(self) -> None:
         """Remove the segment's name and its bells (the owner does this on close)."""
-        for path in [os.path.join(SHM_DIR, self._name)] + [
-            _bell_path(self._name, i) for i in range(L.MAX_READERS)
-        ]:
-            try:
+        for path in [os.path.join(SHM_DIR, self._name)] + [_bell_path(self._name, i) for i in range(L.MAX_READERS)]:
+            with suppress(FileNotFoundError):
                 os.unlink(path)
-            except FileNotFoundError:
-                pass
 
     def __enter__(self) -> Ring:
         return self
@@ -858,10 +848,8 @@ class Reader:
                     ring._r_sleeping[self._slot] = 0
                     ring._r_state[self._slot] = L.READER_FREE
         os.close(self._bell)
-        try:
+        with suppress(FileNotFoundError):
             os.unlink(_bell_path(ring.name, self._slot))
-        except FileNotFoundError:
-            pass
         if self in ring._readers:
             ring._readers.remove(self)
 
@@ -881,9 +869,7 @@ def _bell_path(name: str, slot: int) -> str:
 
 def _check_name(name: str) -> None:
     if not isinstance(name, str) or not _NAME_RE.match(name) or ".bell" in name:
-        raise ValueError(
-            f"name = {name!r}: expected 1..200 characters of [A-Za-z0-9._-], not starting with '.'"
-        )
+        raise ValueError(f"name = {name!r}: expected 1..200 characters of [A-Za-z0-9._-], not starting with '.'")
 
 
 def _map_validated(fd: int, name: str) -> mmap.mmap:
