@@ -1,0 +1,43 @@
+"""aiospec: tokens and logprobs of LLM decoding, from the GPU to asyncio API servers.
+
+The core is the shared-memory ring in ``shm`` (opaque frames, one producer, many readers) and
+the emit op in ``csrc`` (one decoding step -> one frame, written by C++ or straight from a CUDA
+kernel). This package builds on them: the frame codec, the op wrappers (``aiospec.ops``, loaded
+lazily), the asyncio Hub with its per-request streams, OpenAI formatting, and the demo server
+and engine. Imports point one way: ``aiospec -> shm``; nothing here is needed by ``shm``.
+"""
+
+from __future__ import annotations
+
+from aiospec._codec import Flag, Frame, FrameError, Kind, decode_frame, encode_frame
+from shm import (
+    AiospecError,
+    BadSegment,
+    CorruptFrame,
+    FramesLost,
+    ProducerGone,
+    ReaderEvicted,
+    Ring,
+    RingError,
+    RingFull,
+)
+
+__version__ = "0.1.0"
+
+__all__ = (
+    "AiospecError",
+    "BadSegment",
+    "CorruptFrame",
+    "Flag",
+    "Frame",
+    "FrameError",
+    "FramesLost",
+    "Kind",
+    "ProducerGone",
+    "ReaderEvicted",
+    "Ring",
+    "RingError",
+    "RingFull",
+    "decode_frame",
+    "encode_frame",
+)
