@@ -19,6 +19,7 @@ import platform
 import re
 import secrets
 import select
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -34,6 +35,8 @@ __all__ = ("Ring", "Reader", "RingStats", "ReaderStats", "SHM_DIR")
 
 SHM_DIR = "/dev/shm"
 _NAME_RE = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}$")
+if sys.byteorder != "little":
+    raise ImportError("shm: the ring layout is little-endian; this platform is not")
 _TSO = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 _fence_lock = threading.Lock()
 
@@ -120,35 +123,33 @@ class Ring:
         self._owner = owner
         self._closed = False
         self._buf = memoryview(mm)
-        self._c64 = np.frombuffer(mm, dtype="<u8", count=L.CONTROL_SIZE // 8)
-        self._c32 = np.frombuffer(mm, dtype="<u4", count=L.CONTROL_SIZE // 4)
-        self._d64 = np.frombuffer(mm, dtype="<u8", offset=L.CONTROL_SIZE)
-        self._capacity = int(self._c64[L.OFF_CAPACITY // 8])
+        # Word views of the whole segment. memoryview item stores are single aligned native
+        # stores (little-endian on every platform this supports), and cheaper than numpy scalars.
+        self._q = self._buf.cast("Q")
+        self._w = self._buf.cast("I")
+        self._capacity = self._q[L.OFF_CAPACITY // 8]
         self._mask = self._capacity - 1
-        self._max_record = int(self._c32[L.OFF_MAX_RECORD // 4])
-        self._max_readers = int(self._c32[L.OFF_MAX_READERS // 4])
-        base = L.READERS_BASE // 4
-        stride = L.READER_STRIDE // 4
-        n = self._max_readers
-        # strided views: one element per reader slot
-        self._r_state = self._c32[base + L.RD_STATE // 4 :: stride][:n]
-        self._r_sleeping = self._c32[base + L.RD_SLEEPING // 4 :: stride][:n]
-        self._r_gen = self._c32[base + L.RD_GENERATION // 4 :: stride][:n]
-        self._r_pid = self._c32[base + L.RD_PID // 4 :: stride][:n]
-        b64, s64 = L.READERS_BASE // 8, L.READER_STRIDE // 8
-        self._r_tail = self._c64[b64 + L.RD_TAIL // 8 :: s64][:n]
-        self._r_heartbeat = self._c64[b64 + L.RD_HEARTBEAT_NS // 8 :: s64][:n]
-        self._r_frames = self._c64[b64 + L.RD_FRAMES_READ // 8 :: s64][:n]
+        self._max_record = self._w[L.OFF_MAX_RECORD // 4]
+        self._max_readers = self._w[L.OFF_MAX_READERS // 4]
+        slots = range(self._max_readers)
+        # per-slot word indexes into _w (u32 fields) and _q (u64 fields)
+        self._st = [_slot_word(i, L.RD_STATE, 4) for i in slots]
+        self._sl = [_slot_word(i, L.RD_SLEEPING, 4) for i in slots]
+        self._gn = [_slot_word(i, L.RD_GENERATION, 4) for i in slots]
+        self._pd = [_slot_word(i, L.RD_PID, 4) for i in slots]
+        self._tl = [_slot_word(i, L.RD_TAIL, 8) for i in slots]
+        self._hb = [_slot_word(i, L.RD_HEARTBEAT_NS, 8) for i in slots]
+        self._fr = [_slot_word(i, L.RD_FRAMES_READ, 8) for i in slots]
         # producer-side state
         self._producing = False
-        self._head = int(self._c64[L.OFF_HEAD // 8])
+        self._head = self._q[L.OFF_HEAD // 8]
         self._min_tail = self._head  # a lower bound of every active reader's tail
         self._reserved: tuple[int, int] | None = None  # (position, payload capacity)
         self._bells: dict[int, tuple[int, int]] = {}  # slot -> (generation, fd)
         self._reader_timeout: float | None = None
         self._check_pids = True
-        self._frames_written = int(self._c64[L.OFF_FRAMES_WRITTEN // 8])
-        self._bytes_written = int(self._c64[L.OFF_BYTES_WRITTEN // 8])
+        self._frames_written = self._q[L.OFF_FRAMES_WRITTEN // 8]
+        self._bytes_written = self._q[L.OFF_BYTES_WRITTEN // 8]
         self._hb_thread: threading.Thread | None = None
         self._hb_stop = threading.Event()
         self._readers: list[Reader] = []
@@ -331,13 +332,16 @@ class Ring:
         self._publish(pos, n, L.FRAME_DATA)
         self._frames_written += 1
         self._bytes_written += n
-        c64 = self._c64
-        c64[L.OFF_FRAMES_WRITTEN // 8] = self._frames_written
-        c64[L.OFF_BYTES_WRITTEN // 8] = self._bytes_written
-        c64[L.OFF_HEARTBEAT_NS // 8] = time.monotonic_ns()
+        q = self._q
+        q[L.OFF_FRAMES_WRITTEN // 8] = self._frames_written
+        q[L.OFF_BYTES_WRITTEN // 8] = self._bytes_written
+        q[L.OFF_HEARTBEAT_NS // 8] = time.monotonic_ns()
         _full_fence()  # store(commit) -> load(sleeping): pairs with the reader's sleep_begin()
-        if self._r_sleeping.any():
-            self._ring_bells(sleepers_only=True)
+        w = self._w
+        for i in self._sl:
+            if w[i]:
+                self._ring_bells(sleepers_only=True)
+                break
         return pos
 
     def write(self, payload: Any, *, timeout: float | None = 5.0) -> int:
@@ -361,24 +365,24 @@ class Ring:
         the frames are known to be visible, e.g. after the step's stream synchronization.
         """
         _full_fence()
-        return self._ring_bells(sleepers_only=True) if self._r_sleeping.any() else 0
+        return self._ring_bells(sleepers_only=True)
 
     def heartbeat(self) -> None:
         """Refresh the producer heartbeat (readers with a producer timeout watch it)."""
-        self._c64[L.OFF_HEARTBEAT_NS // 8] = time.monotonic_ns()
+        self._q[L.OFF_HEARTBEAT_NS // 8] = time.monotonic_ns()
 
     def _publish(self, pos: int, n: int, ftype: int) -> None:
         size = L.align(L.FRAME_HEADER + n, L.FRAME_ALIGN)
-        word = (L.CONTROL_SIZE + (pos & self._mask)) // 8 - L.CONTROL_SIZE // 8
-        d64 = self._d64
-        d64[word] = pos
-        nxt = ((pos + size) & self._mask) // 8
-        d64[nxt] = 0
-        d64[nxt + 1] = 0
+        word = (L.CONTROL_SIZE + (pos & self._mask)) >> 3
+        q = self._q
+        q[word] = pos
+        nxt = (L.CONTROL_SIZE + ((pos + size) & self._mask)) >> 3
+        q[nxt] = 0
+        q[nxt + 1] = 0
         _release_fence()
-        d64[word + 1] = (L.FRAME_HEADER + n) | (ftype << 32)
+        q[word + 1] = (L.FRAME_HEADER + n) | (ftype << 32)
         self._head = pos + size
-        self._c64[L.OFF_HEAD // 8] = self._head
+        self._q[L.OFF_HEAD // 8] = self._head
 
     def _write_pad(self, pos: int, pad: int) -> None:
         # a PAD frame's length is the whole tail of the data area; it carries no payload
@@ -410,44 +414,46 @@ class Ring:
 
     def _scan_min_tail(self) -> int:
         _acquire_fence()
-        active = self._r_state == L.READER_ACTIVE
-        if not active.any():
-            return self._head
-        return min(int(self._r_tail[active].min()), self._head)
+        w, q, low = self._w, self._q, self._head
+        for slot in range(self._max_readers):
+            if w[self._st[slot]] == L.READER_ACTIVE:
+                low = min(low, q[self._tl[slot]])
+        return low
 
     def _evict_blocking(self, needed_tail: int) -> None:
         """Evict readers that hold the tail below ``needed_tail`` and are dead or silent."""
         now = time.monotonic_ns()
-        for slot in np.flatnonzero(self._r_state == L.READER_ACTIVE):
-            slot = int(slot)
-            if int(self._r_tail[slot]) >= needed_tail:
+        for slot in self._active_slots():
+            if int(self._q[self._tl[slot]]) >= needed_tail:
                 continue
-            pid = int(self._r_pid[slot])
+            pid = int(self._w[self._pd[slot]])
             dead = self._check_pids and not _pid_alive(pid)
             silent = (
-                self._reader_timeout is not None and now - int(self._r_heartbeat[slot]) > self._reader_timeout * 1e9
+                self._reader_timeout is not None and now - int(self._q[self._hb[slot]]) > self._reader_timeout * 1e9
             )
             if dead or silent:
-                gen = int(self._r_gen[slot])
+                gen = int(self._w[self._gn[slot]])
                 with self._slot_lock():
-                    if int(self._r_state[slot]) == L.READER_ACTIVE and int(self._r_gen[slot]) == gen:
-                        self._r_state[slot] = L.READER_EVICTED
+                    if int(self._w[self._st[slot]]) == L.READER_ACTIVE and int(self._w[self._gn[slot]]) == gen:
+                        self._w[self._st[slot]] = L.READER_EVICTED
 
     def _describe_laggards(self, needed_tail: int) -> str:
         parts = []
-        for slot in np.flatnonzero(self._r_state == L.READER_ACTIVE):
-            slot = int(slot)
-            tail = int(self._r_tail[slot])
+        for slot in self._active_slots():
+            tail = int(self._q[self._tl[slot]])
             if tail < needed_tail:
-                parts.append(f"slot {slot} (pid {int(self._r_pid[slot])}, lag {self._head - tail} bytes)")
+                parts.append(f"slot {slot} (pid {int(self._w[self._pd[slot]])}, lag {self._head - tail} bytes)")
         return ", ".join(parts) or "none (they caught up)"
+
+    def _active_slots(self) -> list[int]:
+        return [i for i in range(self._max_readers) if self._w[self._st[i]] == L.READER_ACTIVE]
 
     def _ring_bells(self, *, sleepers_only: bool) -> int:
         rung = 0
         for slot in range(self._max_readers):
-            if int(self._r_state[slot]) != L.READER_ACTIVE:
+            if int(self._w[self._st[slot]]) != L.READER_ACTIVE:
                 continue
-            if sleepers_only and not self._r_sleeping[slot]:
+            if sleepers_only and not self._w[self._sl[slot]]:
                 continue
             fd = self._bell_fd(slot)
             if fd < 0:
@@ -462,7 +468,7 @@ class Ring:
         return rung
 
     def _bell_fd(self, slot: int) -> int:
-        gen = int(self._r_gen[slot])
+        gen = int(self._w[self._gn[slot]])
         cached = self._bells.get(slot)
         if cached is not None:
             if cached[0] == gen:
@@ -516,8 +522,7 @@ class Ring:
         if spin < 0 or recheck <= 0:
             raise ValueError(f"reader: spin = {spin!r}, recheck = {recheck!r}: expected spin >= 0, recheck > 0")
         with self._slot_lock():
-            states = self._r_state
-            free = [i for i in range(self._max_readers) if int(states[i]) != L.READER_ACTIVE]
+            free = [i for i in range(self._max_readers) if self._w[self._st[i]] != L.READER_ACTIVE]
             if not free:
                 raise RingError(f"reader: all {self._max_readers} reader slots of ring {self._name} are taken")
             slot = free[0]
@@ -525,18 +530,18 @@ class Ring:
             with suppress(FileExistsError):
                 os.mkfifo(path, 0o600)
             bell = os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
-            gen = (int(self._r_gen[slot]) + 1) & 0xFFFFFFFF
-            self._r_gen[slot] = gen
-            self._r_pid[slot] = os.getpid()
-            self._r_sleeping[slot] = 0
-            self._r_frames[slot] = 0
-            self._r_heartbeat[slot] = time.monotonic_ns()
-            self._r_tail[slot] = int(self._c64[L.OFF_HEAD // 8])
+            gen = (int(self._w[self._gn[slot]]) + 1) & 0xFFFFFFFF
+            self._w[self._gn[slot]] = gen
+            self._w[self._pd[slot]] = os.getpid()
+            self._w[self._sl[slot]] = 0
+            self._q[self._fr[slot]] = 0
+            self._q[self._hb[slot]] = time.monotonic_ns()
+            self._q[self._tl[slot]] = int(self._q[L.OFF_HEAD // 8])
             _release_fence()
-            states[slot] = L.READER_ACTIVE
+            self._w[self._st[slot]] = L.READER_ACTIVE
             _full_fence()  # store(state) -> load(head): pairs with the producer's commit fence
-            tail = int(self._c64[L.OFF_HEAD // 8])
-            self._r_tail[slot] = tail
+            tail = int(self._q[L.OFF_HEAD // 8])
+            self._q[self._tl[slot]] = tail
         r = Reader(_PRIVATE, self, slot, gen, bell, tail, spin, recheck, producer_timeout)
         self._readers.append(r)
         return r
@@ -552,25 +557,25 @@ class Ring:
     # -- inspection --------------------------------------------------------------------------
 
     def stats(self) -> RingStats:
-        c64, c32 = self._c64, self._c32
+        c64, c32 = self._q, self._w
         now = time.monotonic_ns()
         head = int(c64[L.OFF_HEAD // 8])
         readers = []
         for slot in range(self._max_readers):
-            state = int(self._r_state[slot])
+            state = int(self._w[self._st[slot]])
             if state not in _READER_STATES:
                 continue
-            tail = int(self._r_tail[slot])
+            tail = int(self._q[self._tl[slot]])
             readers.append(
                 ReaderStats(
                     slot=slot,
-                    pid=int(self._r_pid[slot]),
+                    pid=int(self._w[self._pd[slot]]),
                     state=_READER_STATES[state],
                     tail=tail,
                     lag=max(0, head - tail),
-                    sleeping=bool(self._r_sleeping[slot]),
-                    frames_read=int(self._r_frames[slot]),
-                    heartbeat_age_s=max(0, now - int(self._r_heartbeat[slot])) / 1e9,
+                    sleeping=bool(self._w[self._sl[slot]]),
+                    frames_read=int(self._q[self._fr[slot]]),
+                    heartbeat_age_s=max(0, now - int(self._q[self._hb[slot]])) / 1e9,
                 )
             )
         return RingStats(
@@ -600,7 +605,7 @@ class Ring:
             self._hb_stop.set()
             self._hb_thread.join()
         if self._producing:
-            self._c32[L.OFF_PRODUCER_STATE // 4] = L.PRODUCER_CLOSED
+            self._w[L.OFF_PRODUCER_STATE // 4] = L.PRODUCER_CLOSED
             self.heartbeat()
             _full_fence()
             self._ring_bells(sleepers_only=False)  # wake every reader to notice the close
@@ -609,8 +614,8 @@ class Ring:
         self._closed = True
         if self._owner:
             self.unlink()
-        del self._r_state, self._r_sleeping, self._r_gen, self._r_pid
-        del self._r_tail, self._r_heartbeat, self._r_frames, self._c64, self._c32, self._d64
+        self._q.release()
+        self._w.release()
         # a caller may still hold a view of a frame: then the mapping goes with the last view
         with suppress(BufferError):
             self._buf.release()
@@ -657,11 +662,11 @@ class Reader:
         self._spin = spin
         self._recheck = recheck
         self._producer_timeout = producer_timeout
-        self._lost_seen = int(ring._c64[L.OFF_FRAMES_LOST // 8])
+        self._lost_seen = int(ring._q[L.OFF_FRAMES_LOST // 8])
         self._frames_read = 0
         self._closed = False
         self._buf = ring._buf
-        self._d64 = ring._d64
+        self._q = ring._q
         self._cap = ring._capacity
         self._mask = ring._mask
         self._max_record = ring._max_record
@@ -684,7 +689,7 @@ class Reader:
 
     def pending(self) -> bool:
         """True when a committed frame (or PAD) waits at the read position."""
-        return int(self._d64[((self._cursor & self._mask) >> 3) + 1]) != 0
+        return self._q[((L.CONTROL_SIZE + (self._cursor & self._mask)) >> 3) + 1] != 0
 
     def poll(self, max_frames: int = 64) -> list[memoryview]:
         """Return up to ``max_frames`` committed payloads, oldest first, without waiting.
@@ -692,13 +697,13 @@ class Reader:
         The views stay valid until ``release()``; copy what must outlive it.
         """
         self._check_slot()
-        d64, mask, cap = self._d64, self._mask, self._cap
+        q, mask, cap = self._q, self._mask, self._cap
         pos = self._cursor
         frames: list[memoryview] = []
         while len(frames) < max_frames:
             off = pos & mask
-            w = off >> 3
-            commit = int(d64[w + 1])
+            w = (L.CONTROL_SIZE + off) >> 3
+            commit = q[w + 1]
             if commit == 0:
                 break
             _acquire_fence()
@@ -709,7 +714,7 @@ class Reader:
                 raise self._corrupt(pos, f"commit word 0x{commit:016x} (length {length}, type {ftype})")
             if ftype == L.FRAME_DATA and size > self._max_record:
                 raise self._corrupt(pos, f"length {length} exceeds max_record {self._max_record}")
-            stamp = int(d64[w])
+            stamp = q[w]
             if stamp != pos:
                 raise self._corrupt(pos, f"position field {stamp} (stale or torn frame)")
             if ftype == L.FRAME_DATA:
@@ -719,7 +724,7 @@ class Reader:
         self._cursor = pos
         self._polled += len(frames)
         if frames:
-            self._ring._r_heartbeat[self._slot] = time.monotonic_ns()
+            self._ring._q[self._ring._hb[self._slot]] = time.monotonic_ns()
         return frames
 
     def release(self) -> None:
@@ -730,10 +735,10 @@ class Reader:
         self._frames_read += self._polled
         self._polled = 0
         ring = self._ring
-        ring._r_frames[self._slot] = self._frames_read
+        ring._q[ring._fr[self._slot]] = self._frames_read
         _release_fence()
         self._tail = self._cursor
-        ring._r_tail[self._slot] = self._tail
+        ring._q[ring._tl[self._slot]] = self._tail
 
     def read(self, max_frames: int = 64) -> list[bytes]:
         """``poll()``, copy every payload, ``release()``: the simple way to consume."""
@@ -743,7 +748,7 @@ class Reader:
 
     def new_losses(self) -> int:
         """How much the ring's frames_lost counter rose since the last call."""
-        lost = int(self._ring._c64[L.OFF_FRAMES_LOST // 8])
+        lost = int(self._ring._q[L.OFF_FRAMES_LOST // 8])
         delta = lost - self._lost_seen
         self._lost_seen = lost
         return delta
@@ -754,18 +759,18 @@ class Reader:
         Returns False (and withdraws the announcement) when a frame is already readable: then
         do not sleep. Otherwise the producer rings the bell after its next commit.
         """
-        self._ring._r_sleeping[self._slot] = 1
+        self._ring._w[self._ring._sl[self._slot]] = 1
         _full_fence()  # store(sleeping) -> load(commit word): pairs with commit()'s fence
         if self.pending():
-            self._ring._r_sleeping[self._slot] = 0
+            self._ring._w[self._ring._sl[self._slot]] = 0
             return False
         return True
 
     def sleep_end(self) -> None:
         """Withdraw the sleeping flag and drain the bell."""
         ring = self._ring
-        ring._r_sleeping[self._slot] = 0
-        ring._r_heartbeat[self._slot] = time.monotonic_ns()
+        ring._w[ring._sl[self._slot]] = 0
+        ring._q[ring._hb[self._slot]] = time.monotonic_ns()
         try:
             while os.read(self._bell, 4096):
                 pass
@@ -808,7 +813,7 @@ class Reader:
 
     def check_producer(self) -> None:
         """Raise ``ProducerGone`` if the producer is gone and no frame is left to read."""
-        c32 = self._ring._c32
+        c32 = self._ring._w
         state = int(c32[L.OFF_PRODUCER_STATE // 4])
         reason = None
         if state == L.PRODUCER_CLOSED:
@@ -818,7 +823,7 @@ class Reader:
             if state == L.PRODUCER_LIVE and self._ring._check_pids and not _pid_alive(pid):
                 reason = f"(pid {pid}) exited"
             elif self._producer_timeout is not None:
-                age = (time.monotonic_ns() - int(self._ring._c64[L.OFF_HEARTBEAT_NS // 8])) / 1e9
+                age = (time.monotonic_ns() - int(self._ring._q[L.OFF_HEARTBEAT_NS // 8])) / 1e9
                 if age > self._producer_timeout:
                     reason = f"sent no heartbeat for {age:.1f} s (timeout {self._producer_timeout} s)"
         if reason is not None and not self.pending():
@@ -828,7 +833,7 @@ class Reader:
         if self._closed:
             raise RingError(f"reader slot {self._slot} of ring {self._ring.name} is closed")
         ring = self._ring
-        if int(ring._r_state[self._slot]) != L.READER_ACTIVE or int(ring._r_gen[self._slot]) != self._gen:
+        if int(ring._w[ring._st[self._slot]]) != L.READER_ACTIVE or int(ring._w[ring._gn[self._slot]]) != self._gen:
             raise ReaderEvicted(
                 f"ring {ring.name}: reader slot {self._slot} was evicted by the producer; "
                 f"frames after position {self._tail} may be lost"
@@ -844,9 +849,9 @@ class Reader:
         ring = self._ring
         if not ring._closed:
             with ring._slot_lock():
-                if int(ring._r_gen[self._slot]) == self._gen:
-                    ring._r_sleeping[self._slot] = 0
-                    ring._r_state[self._slot] = L.READER_FREE
+                if int(ring._w[ring._gn[self._slot]]) == self._gen:
+                    ring._w[ring._sl[self._slot]] = 0
+                    ring._w[ring._st[self._slot]] = L.READER_FREE
         os.close(self._bell)
         with suppress(FileNotFoundError):
             os.unlink(_bell_path(ring.name, self._slot))
@@ -861,6 +866,11 @@ class Reader:
 
 
 # -- helpers -------------------------------------------------------------------------------
+
+
+def _slot_word(slot: int, field: int, width: int) -> int:
+    """Index of a reader-slot field in the u32 (width 4) or u64 (width 8) view."""
+    return (L.READERS_BASE + slot * L.READER_STRIDE + field) // width
 
 
 def _bell_path(name: str, slot: int) -> str:
