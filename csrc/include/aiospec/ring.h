@@ -1,0 +1,562 @@
+// The ring protocol for native producers (C++ host code, header-only).
+//
+// docs/wire-format.md is the specification; the section numbers below refer to it, and
+// shm/_ring.py is the Python implementation of the same protocol (readers, and a Python
+// producer). This header lets the CPU emit writer and the CUDA host code produce into a ring
+// that Python created: map it by name, validate the control page (section 2), reserve and
+// commit frames (section 3), evict dead readers (section 6), ring the bells (section 5), keep
+// the liveness words (section 7).
+//
+// Shared words are accessed with __atomic builtins (C++17 has no std::atomic_ref); each is an
+// aligned 4- or 8-byte word, so these are the single loads/stores the protocol requires.
+// Not thread-safe: one producer, used by one thread at a time.
+#ifndef AIOSPEC_RING_H_
+#define AIOSPEC_RING_H_
+
+#include <fcntl.h>
+#include <pthread.h>
+#include <sched.h>
+#include <signal.h>
+#include <sys/file.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <charconv>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "aiospec/layout.h"
+
+namespace aiospec {
+
+// ---- errors ---------------------------------------------------------------------------------
+
+enum class RingErrc : int {
+  bad_segment = 1,  // the control page does not describe a ring we can write (shm.BadSegment)
+  ring_full = 2,    // no room within the timeout; message names the lagging readers (shm.RingFull)
+  closed = 3,       // this producer was closed (shm.RingError)
+  os = 4,           // a system call failed; errno in .err (OSError)
+  invalid = 5,      // a bad argument to the ring API itself (ValueError)
+};
+
+class RingError : public std::runtime_error {
+ public:
+  RingError(RingErrc code, const std::string& what, int err = 0) : std::runtime_error(what), code(code), err(err) {}
+  RingErrc code;
+  int err;
+};
+
+// ---- small helpers ----------------------------------------------------------------------------
+
+inline uint64_t monotonic_ns() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return uint64_t(ts.tv_sec) * 1000000000ull + uint64_t(ts.tv_nsec);
+}
+
+// A double as Python's repr() prints it ("5.0", "0.25"), so native and Python messages agree.
+inline std::string py_float(double v) {
+  char buf[64];
+  auto res = std::to_chars(buf, buf + sizeof buf - 3, v);
+  std::string s(buf, res.ptr);
+  if (s.find_first_of(".eni") == std::string::npos) s += ".0";
+  return s;
+}
+
+// True unless pid has exited; a zombie counts as exited (same rule as shm/_ring.py).
+inline bool pid_alive(uint32_t pid) {
+  if (pid == 0) return false;
+  if (kill(pid_t(pid), 0) != 0) return errno == EPERM;
+  char path[64];
+  std::snprintf(path, sizeof path, "/proc/%u/stat", pid);
+  FILE* f = std::fopen(path, "rb");
+  if (f == nullptr) return true;
+  char buf[512];
+  size_t n = std::fread(buf, 1, sizeof buf, f);
+  std::fclose(f);
+  // the state letter follows the parenthesised command name, which may contain ')'
+  for (size_t i = n; i-- > 0;) {
+    if (buf[i] == ')') return i + 2 >= n || (buf[i + 2] != 'Z' && buf[i + 2] != 'X');
+  }
+  return true;
+}
+
+// Same rule as shm/_ring.py: 1..200 of [A-Za-z0-9._-], not starting with '.', no ".bell".
+inline bool valid_ring_name(const std::string& name) {
+  if (name.empty() || name.size() > 200 || name[0] == '.') return false;
+  for (char c : name) {
+    bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' || c == '_' ||
+              c == '-';
+    if (!ok) return false;
+  }
+  return name.find(".bell") == std::string::npos;
+}
+
+inline std::string segment_path(const std::string& name) { return "/dev/shm/" + name; }
+inline std::string bell_path(const std::string& name, uint32_t slot) {
+  return "/dev/shm/" + name + ".bell" + std::to_string(slot);
+}
+
+template <class T>
+inline T load_acquire(const T* p) {
+  return __atomic_load_n(p, __ATOMIC_ACQUIRE);
+}
+template <class T>
+inline T load_relaxed(const T* p) {
+  return __atomic_load_n(p, __ATOMIC_RELAXED);
+}
+template <class T>
+inline void store_release(T* p, T v) {
+  __atomic_store_n(p, v, __ATOMIC_RELEASE);
+}
+template <class T>
+inline void store_relaxed(T* p, T v) {
+  __atomic_store_n(p, v, __ATOMIC_RELAXED);
+}
+
+// ---- mapping and validation (section 2) ---------------------------------------------------
+
+// A validated read-write mapping of a ring segment. The CUDA host code registers `base`
+// (cudaHostRegister) and reads the creator's fields from here.
+class RingMap {
+ public:
+  RingMap() = default;
+  RingMap(const RingMap&) = delete;
+  RingMap& operator=(const RingMap&) = delete;
+  RingMap(RingMap&& o) noexcept { *this = std::move(o); }
+  RingMap& operator=(RingMap&& o) noexcept {
+    if (this != &o) {
+      unmap();
+      name = std::move(o.name);
+      fd = std::exchange(o.fd, -1);
+      base = std::exchange(o.base, nullptr);
+      size = o.size;
+      capacity = o.capacity;
+      mask = o.mask;
+      max_record = o.max_record;
+      max_readers = o.max_readers;
+    }
+    return *this;
+  }
+  ~RingMap() { unmap(); }
+
+  // Opens /dev/shm/<name>, validates the control page exactly as section 2 says, maps it.
+  static RingMap open(const std::string& name) {
+    if (!valid_ring_name(name)) {
+      throw RingError(RingErrc::invalid, "name = '" + name +
+                                             "': expected 1..200 characters of [A-Za-z0-9._-], not starting with '.'");
+    }
+    RingMap m;
+    m.name = name;
+    m.fd = ::open(segment_path(name).c_str(), O_RDWR | O_CLOEXEC);
+    if (m.fd < 0) {
+      int err = errno;
+      throw RingError(RingErrc::os, "segment " + name + ": cannot open " + segment_path(name) + ": " + strerror(err),
+                      err);
+    }
+    struct stat st;
+    if (fstat(m.fd, &st) != 0) {
+      int err = errno;
+      throw RingError(RingErrc::os, "segment " + name + ": fstat: " + strerror(err), err);
+    }
+    const uint64_t size = uint64_t(st.st_size);
+    auto bad = [&](const std::string& what) { return RingError(RingErrc::bad_segment, "segment " + name + ": " + what); };
+    if (size < AIOSPEC_CONTROL_SIZE) {
+      throw bad(std::to_string(size) + " bytes, expected at least the " + std::to_string(AIOSPEC_CONTROL_SIZE) +
+                "-byte control page");
+    }
+    unsigned char head[64];
+    if (pread(m.fd, head, sizeof head, 0) != ssize_t(sizeof head)) throw bad("cannot read the control page");
+    auto u64 = [&](size_t off) {
+      uint64_t v;
+      std::memcpy(&v, head + off, 8);
+      return v;
+    };
+    auto u32 = [&](size_t off) {
+      uint32_t v;
+      std::memcpy(&v, head + off, 4);
+      return v;
+    };
+    char hex[40];
+    if (u64(AIOSPEC_OFF_MAGIC) != AIOSPEC_MAGIC) {
+      std::snprintf(hex, sizeof hex, "0x%016llx", (unsigned long long)u64(AIOSPEC_OFF_MAGIC));
+      std::string want(hex);
+      std::snprintf(hex, sizeof hex, "0x%016llx", (unsigned long long)AIOSPEC_MAGIC);
+      throw bad("magic " + want + ", expected " + hex + " (not an aiospec ring)");
+    }
+    const std::pair<const char*, std::pair<uint32_t, uint32_t>> checks[] = {
+        {"version", {u32(AIOSPEC_OFF_VERSION), AIOSPEC_VERSION}},
+        {"control_size", {u32(AIOSPEC_OFF_CONTROL_SIZE), AIOSPEC_CONTROL_SIZE}},
+        {"frame_align", {u32(AIOSPEC_OFF_FRAME_ALIGN), AIOSPEC_FRAME_ALIGN}},
+    };
+    for (const auto& c : checks) {
+      if (c.second.first != c.second.second) {
+        throw bad(std::string(c.first) + " " + std::to_string(c.second.first) + ", expected " +
+                  std::to_string(c.second.second));
+      }
+    }
+    const uint64_t cap = u64(AIOSPEC_OFF_CAPACITY);
+    if ((cap & (cap - 1)) != 0 || cap < AIOSPEC_MIN_CAPACITY || cap > AIOSPEC_MAX_CAPACITY) {
+      throw bad("capacity " + std::to_string(cap) + ", expected a power of two in " +
+                std::to_string(AIOSPEC_MIN_CAPACITY) + ".." + std::to_string(AIOSPEC_MAX_CAPACITY));
+    }
+    if (size != AIOSPEC_CONTROL_SIZE + cap) {
+      throw bad(std::to_string(size) + " bytes, expected " + std::to_string(AIOSPEC_CONTROL_SIZE + cap) +
+                " for capacity " + std::to_string(cap));
+    }
+    const uint32_t max_record = u32(AIOSPEC_OFF_MAX_RECORD);
+    if (max_record % AIOSPEC_FRAME_ALIGN != 0 || max_record < 2 * AIOSPEC_FRAME_ALIGN || max_record > cap / 2) {
+      throw bad("max_record " + std::to_string(max_record) + ", expected a multiple of " +
+                std::to_string(AIOSPEC_FRAME_ALIGN) + " in " + std::to_string(2 * AIOSPEC_FRAME_ALIGN) + ".." +
+                std::to_string(cap / 2));
+    }
+    const uint32_t max_readers = u32(AIOSPEC_OFF_MAX_READERS);
+    if (max_readers < 1 || max_readers > AIOSPEC_MAX_READERS) {
+      throw bad("max_readers " + std::to_string(max_readers) + ", expected 1.." + std::to_string(AIOSPEC_MAX_READERS));
+    }
+    void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, m.fd, 0);
+    if (p == MAP_FAILED) {
+      int err = errno;
+      if (err == EACCES || err == EPERM) throw bad(std::string("cannot map it read-write (") + strerror(err) + ")");
+      throw RingError(RingErrc::os, "segment " + name + ": mmap: " + strerror(err), err);
+    }
+    m.base = static_cast<uint8_t*>(p);
+    m.size = size;
+    m.capacity = cap;
+    m.mask = cap - 1;
+    m.max_record = max_record;
+    m.max_readers = max_readers;
+    return m;
+  }
+
+  void unmap() {
+    if (base != nullptr) munmap(base, size);
+    if (fd >= 0) ::close(fd);
+    base = nullptr;
+    fd = -1;
+  }
+
+  uint64_t* ctl64(size_t off) const { return reinterpret_cast<uint64_t*>(base + off); }
+  uint32_t* ctl32(size_t off) const { return reinterpret_cast<uint32_t*>(base + off); }
+  uint64_t* rd64(uint32_t slot, size_t off) const {
+    return ctl64(AIOSPEC_READERS_BASE + size_t(slot) * AIOSPEC_READER_STRIDE + off);
+  }
+  uint32_t* rd32(uint32_t slot, size_t off) const {
+    return ctl32(AIOSPEC_READERS_BASE + size_t(slot) * AIOSPEC_READER_STRIDE + off);
+  }
+  uint8_t* data() const { return base + AIOSPEC_CONTROL_SIZE; }
+
+  std::string name;
+  int fd = -1;
+  uint8_t* base = nullptr;
+  uint64_t size = 0;
+  uint64_t capacity = 0;
+  uint64_t mask = 0;
+  uint32_t max_record = 0;
+  uint32_t max_readers = 0;
+};
+
+// ---- producer ---------------------------------------------------------------------------------
+
+struct ProducerOptions {
+  double reader_timeout = -1.0;  // > 0: evict a blocking reader whose heartbeat is older
+  bool check_pids = true;        // evict a blocking reader whose process is gone
+};
+
+class RingProducer {
+ public:
+  // Maps the ring and becomes its producer: stores this pid, a heartbeat and state live,
+  // and continues from the head the previous producer left.
+  explicit RingProducer(const std::string& name, ProducerOptions opts = ProducerOptions())
+      : map_(RingMap::open(name)), opts_(opts), bells_(map_.max_readers) {
+    head_ = load_acquire(map_.ctl64(AIOSPEC_OFF_HEAD));
+    min_tail_ = head_;
+    frames_written_ = load_relaxed(map_.ctl64(AIOSPEC_OFF_FRAMES_WRITTEN));
+    bytes_written_ = load_relaxed(map_.ctl64(AIOSPEC_OFF_BYTES_WRITTEN));
+    store_relaxed(map_.ctl32(AIOSPEC_OFF_PRODUCER_PID), uint32_t(getpid()));
+    heartbeat();
+    store_release(map_.ctl32(AIOSPEC_OFF_PRODUCER_STATE), uint32_t(AIOSPEC_PRODUCER_LIVE));
+  }
+  RingProducer(const RingProducer&) = delete;
+  RingProducer& operator=(const RingProducer&) = delete;
+  ~RingProducer() { close(true); }
+
+  const RingMap& map() const { return map_; }
+  const std::string& name() const { return map_.name; }
+  uint64_t capacity() const { return map_.capacity; }
+  uint32_t max_record() const { return map_.max_record; }
+  uint64_t max_payload() const { return map_.max_record - AIOSPEC_FRAME_HEADER; }
+  uint64_t head() const { return head_; }
+  uint64_t frames_written() const { return frames_written_; }
+  bool closed() const { return closed_; }
+
+  // Reserves room for an n-byte payload (section 3, steps 1-4) and returns where to write
+  // it. Waits up to `timeout` seconds (< 0: forever) for the slowest active reader, evicting
+  // dead ones, then throws RingErrc::ring_full naming the lagging readers.
+  uint8_t* reserve(uint64_t n, double timeout) {
+    require_open("reserve");
+    if (reserved_) throw RingError(RingErrc::invalid, "reserve: a reservation is pending; commit() it first");
+    const uint64_t size = frame_size(n);
+    if (size > map_.max_record) {
+      throw RingError(RingErrc::invalid, "reserve: n = " + std::to_string(n) + ": a frame of " + std::to_string(size) +
+                                             " bytes exceeds max_record = " + std::to_string(map_.max_record));
+    }
+    const uint64_t off = head_ & map_.mask;
+    const uint64_t pad = size > map_.capacity - off ? map_.capacity - off : 0;
+    const uint64_t need = pad + size + AIOSPEC_FRAME_HEADER;  // + the next header, zeroed at commit
+    if (head_ + need - min_tail_ > map_.capacity) wait_for_room(need, size, timeout);
+    if (pad != 0) publish(head_, pad - AIOSPEC_FRAME_HEADER, AIOSPEC_FRAME_PAD);
+    reserved_ = true;
+    reserved_n_ = n;
+    return map_.data() + (head_ & map_.mask) + AIOSPEC_FRAME_HEADER;
+  }
+
+  // Drops a reservation without publishing it (the space is simply reused).
+  void abandon() { reserved_ = false; }
+
+  // Publishes the reserved frame with its first n payload bytes (steps 5-8); returns its
+  // position. Zero-fills the alignment padding so that equal steps give equal bytes.
+  uint64_t commit(uint64_t n) {
+    require_open("commit");
+    if (!reserved_) throw RingError(RingErrc::invalid, "commit: nothing reserved");
+    if (n > reserved_n_) {
+      throw RingError(RingErrc::invalid,
+                      "commit: n = " + std::to_string(n) + ": expected 0.." + std::to_string(reserved_n_));
+    }
+    reserved_ = false;
+    const uint64_t pos = head_;
+    uint8_t* frame = map_.data() + (pos & map_.mask);
+    std::memset(frame + AIOSPEC_FRAME_HEADER + n, 0, frame_size(n) - AIOSPEC_FRAME_HEADER - n);
+    publish(pos, n, AIOSPEC_FRAME_DATA);
+    ++frames_written_;
+    bytes_written_ += n;
+    store_relaxed(map_.ctl64(AIOSPEC_OFF_FRAMES_WRITTEN), frames_written_);
+    store_relaxed(map_.ctl64(AIOSPEC_OFF_BYTES_WRITTEN), bytes_written_);
+    heartbeat();
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);  // store(commit) -> load(sleeping), pairs with the reader
+    ring_bells(true);
+    return pos;
+  }
+
+  // Rings the bell of every sleeping reader; returns how many were rung (section 5).
+  int notify() {
+    require_open("notify");
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    return ring_bells(true);
+  }
+
+  void heartbeat() { store_relaxed(map_.ctl64(AIOSPEC_OFF_HEARTBEAT_NS), monotonic_ns()); }
+
+  // Counts frames this producer could not write; readers turn a rise into stream errors.
+  void add_frames_lost(uint64_t n) {
+    uint64_t* p = map_.ctl64(AIOSPEC_OFF_FRAMES_LOST);
+    store_release(p, load_relaxed(p) + n);
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    ring_bells(true);
+  }
+
+  // Smallest tail over active readers (head when none): the oldest byte still in use.
+  uint64_t scan_min_tail() const {
+    uint64_t m = head_;
+    for (uint32_t s = 0; s < map_.max_readers; ++s) {
+      if (load_acquire(map_.rd32(s, AIOSPEC_RD_STATE)) != AIOSPEC_READER_ACTIVE) continue;
+      const uint64_t t = load_acquire(map_.rd64(s, AIOSPEC_RD_TAIL));
+      if (t < m) m = t;
+    }
+    return m;
+  }
+
+  // Evicts active readers whose tail is below needed_tail and whose process is gone (or
+  // whose heartbeat is older than reader_timeout); section 6. Returns how many.
+  int evict_blocking(uint64_t needed_tail) {
+    int evicted = 0;
+    const uint64_t now = monotonic_ns();
+    for (uint32_t s = 0; s < map_.max_readers; ++s) {
+      if (load_acquire(map_.rd32(s, AIOSPEC_RD_STATE)) != AIOSPEC_READER_ACTIVE) continue;
+      if (load_acquire(map_.rd64(s, AIOSPEC_RD_TAIL)) >= needed_tail) continue;
+      const uint32_t pid = load_relaxed(map_.rd32(s, AIOSPEC_RD_PID));
+      const bool dead = opts_.check_pids && !pid_alive(pid);
+      const uint64_t hb = load_relaxed(map_.rd64(s, AIOSPEC_RD_HEARTBEAT_NS));
+      const bool silent = opts_.reader_timeout > 0 && now > hb && double(now - hb) > opts_.reader_timeout * 1e9;
+      if (!dead && !silent) continue;
+      const uint32_t gen = load_acquire(map_.rd32(s, AIOSPEC_RD_GENERATION));
+      if (flock(map_.fd, LOCK_EX) != 0) continue;
+      if (load_acquire(map_.rd32(s, AIOSPEC_RD_STATE)) == AIOSPEC_READER_ACTIVE &&
+          load_acquire(map_.rd32(s, AIOSPEC_RD_GENERATION)) == gen) {
+        store_release(map_.rd32(s, AIOSPEC_RD_STATE), uint32_t(AIOSPEC_READER_EVICTED));
+        ++evicted;
+      }
+      flock(map_.fd, LOCK_UN);
+    }
+    return evicted;
+  }
+
+  // Marks the producer closed (readers drain, then see "producer gone") when mark_closed,
+  // wakes every reader, and unmaps. Idempotent.
+  void close(bool mark_closed) {
+    if (closed_) return;
+    if (mark_closed) {
+      store_release(map_.ctl32(AIOSPEC_OFF_PRODUCER_STATE), uint32_t(AIOSPEC_PRODUCER_CLOSED));
+      heartbeat();
+      __atomic_thread_fence(__ATOMIC_SEQ_CST);
+      ring_bells(false);
+    }
+    for (uint32_t s = 0; s < bells_.size(); ++s) drop_bell(s);
+    closed_ = true;
+    map_.unmap();
+  }
+
+  static uint64_t frame_size(uint64_t n) {
+    return (AIOSPEC_FRAME_HEADER + n + AIOSPEC_FRAME_ALIGN - 1) & ~uint64_t(AIOSPEC_FRAME_ALIGN - 1);
+  }
+
+ private:
+  void require_open(const char* what) const {
+    if (closed_) throw RingError(RingErrc::closed, std::string(what) + ": the producer of ring " + map_.name + " is closed");
+  }
+
+  // Section 3 steps 5-7 for a frame whose payload is already in place.
+  void publish(uint64_t pos, uint64_t n, uint32_t type) {
+    const uint64_t size = frame_size(n);
+    uint8_t* data = map_.data();
+    uint64_t* hdr = reinterpret_cast<uint64_t*>(data + (pos & map_.mask));
+    uint64_t* next = reinterpret_cast<uint64_t*>(data + ((pos + size) & map_.mask));
+    store_relaxed(&hdr[0], pos);
+    store_relaxed(&next[0], uint64_t(0));
+    store_relaxed(&next[1], uint64_t(0));
+    store_release(&hdr[1], (AIOSPEC_FRAME_HEADER + n) | (uint64_t(type) << 32));
+    head_ = pos + size;
+    store_release(map_.ctl64(AIOSPEC_OFF_HEAD), head_);
+  }
+
+  void wait_for_room(uint64_t need, uint64_t size, double timeout) {
+    const uint64_t start = monotonic_ns();
+    uint64_t delay_ns = 0;
+    for (;;) {
+      min_tail_ = scan_min_tail();
+      if (head_ + need - min_tail_ <= map_.capacity) return;
+      evict_blocking(head_ + need - map_.capacity);
+      min_tail_ = scan_min_tail();
+      if (head_ + need - min_tail_ <= map_.capacity) return;
+      const uint64_t now = monotonic_ns();
+      if (timeout >= 0 && double(now - start) >= timeout * 1e9) {
+        throw RingError(RingErrc::ring_full, "ring " + map_.name + ": no room for a " + std::to_string(size) +
+                                                 "-byte frame after " + py_float(timeout) +
+                                                 " s; lagging reader(s): " +
+                                                 describe_laggards(head_ + need - map_.capacity));
+      }
+      // back off from yielding to sub-millisecond sleeps: a reader is due any moment
+      if (delay_ns == 0) {
+        sched_yield();
+        delay_ns = 20000;
+      } else {
+        uint64_t d = delay_ns;
+        if (timeout >= 0) {
+          const double left = timeout * 1e9 - double(now - start);
+          if (left < double(d)) d = left > 0 ? uint64_t(left) : 0;
+        }
+        timespec ts{time_t(d / 1000000000ull), long(d % 1000000000ull)};
+        nanosleep(&ts, nullptr);
+        delay_ns = delay_ns * 2 > 1000000 ? 1000000 : delay_ns * 2;
+      }
+    }
+  }
+
+  std::string describe_laggards(uint64_t needed_tail) const {
+    std::string out;
+    for (uint32_t s = 0; s < map_.max_readers; ++s) {
+      if (load_acquire(map_.rd32(s, AIOSPEC_RD_STATE)) != AIOSPEC_READER_ACTIVE) continue;
+      const uint64_t tail = load_acquire(map_.rd64(s, AIOSPEC_RD_TAIL));
+      if (tail >= needed_tail) continue;
+      if (!out.empty()) out += ", ";
+      out += "slot " + std::to_string(s) + " (pid " + std::to_string(load_relaxed(map_.rd32(s, AIOSPEC_RD_PID))) +
+             ", lag " + std::to_string(head_ - tail) + " bytes)";
+    }
+    return out.empty() ? "none (they caught up)" : out;
+  }
+
+  int ring_bells(bool sleepers_only) {
+    int rung = 0;
+    for (uint32_t s = 0; s < map_.max_readers; ++s) {
+      if (load_acquire(map_.rd32(s, AIOSPEC_RD_STATE)) != AIOSPEC_READER_ACTIVE) continue;
+      if (sleepers_only && load_acquire(map_.rd32(s, AIOSPEC_RD_SLEEPING)) == 0) continue;
+      const int fd = bell_fd(s);
+      if (fd < 0) continue;
+      const int r = ring_one(fd);
+      if (r == 0 || r == EAGAIN) {
+        ++rung;  // EAGAIN: the FIFO is full of earlier rings, the reader is due to wake anyway
+      } else {
+        drop_bell(s);
+      }
+    }
+    return rung;
+  }
+
+  // Writes one byte with SIGPIPE blocked: a reader that closed its bell must cost an EPIPE,
+  // never the producer process (whose SIGPIPE disposition we do not own).
+  static int ring_one(int fd) {
+    sigset_t pipe_set, old_set, pending;
+    sigemptyset(&pipe_set);
+    sigaddset(&pipe_set, SIGPIPE);
+    pthread_sigmask(SIG_BLOCK, &pipe_set, &old_set);
+    sigpending(&pending);
+    const bool was_pending = sigismember(&pending, SIGPIPE) == 1;
+    const char one = 1;
+    const ssize_t w = write(fd, &one, 1);
+    const int err = w == 1 ? 0 : errno;
+    if (err == EPIPE && !was_pending) {
+      timespec zero{0, 0};
+      sigtimedwait(&pipe_set, nullptr, &zero);
+    }
+    pthread_sigmask(SIG_SETMASK, &old_set, nullptr);
+    return err == EWOULDBLOCK ? EAGAIN : err;
+  }
+
+  int bell_fd(uint32_t slot) {
+    const uint32_t gen = load_acquire(map_.rd32(slot, AIOSPEC_RD_GENERATION));
+    Bell& b = bells_[slot];
+    if (b.fd >= 0) {
+      if (b.gen == gen) return b.fd;
+      drop_bell(slot);
+    }
+    const int fd = ::open(bell_path(map_.name, slot).c_str(), O_WRONLY | O_NONBLOCK | O_CLOEXEC);
+    if (fd < 0) return -1;  // no reader holds its bell open (it is leaving): nothing to wake
+    b.fd = fd;
+    b.gen = gen;
+    return fd;
+  }
+
+  void drop_bell(uint32_t slot) {
+    Bell& b = bells_[slot];
+    if (b.fd >= 0) ::close(b.fd);
+    b.fd = -1;
+  }
+
+  struct Bell {
+    int fd = -1;
+    uint32_t gen = 0;
+  };
+
+  RingMap map_;
+  ProducerOptions opts_;
+  std::vector<Bell> bells_;
+  uint64_t head_ = 0;
+  uint64_t min_tail_ = 0;  // a lower bound of every active reader's tail
+  uint64_t frames_written_ = 0;
+  uint64_t bytes_written_ = 0;
+  uint64_t reserved_n_ = 0;
+  bool reserved_ = false;
+  bool closed_ = false;
+};
+
+}  // namespace aiospec
+
+#endif  // AIOSPEC_RING_H_
