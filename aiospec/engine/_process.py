@@ -1,0 +1,171 @@
+"""The engine process: a step loop paced by ``step_time`` that listens to its control socket.
+
+The loop sleeps in ``poll()`` on the control socket (and, for a PD decode engine, the handoff
+socket) until the next step is due, so admissions and aborts are handled between steps without
+a thread. End of file on the control socket means the server is gone: the engine stops and its
+ring is closed and unlinked. SIGINT is ignored: Ctrl-C reaches the whole process group, and the
+server, not the terminal, decides when its engines stop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import signal
+import socket
+import time
+import traceback
+
+import msgspec
+
+import shm
+from aiospec.engine._core import EngineConfig, EngineCore, StepOutput
+from aiospec.engine._protocol import (
+    Abort,
+    Admit,
+    EngineStats,
+    Failed,
+    FrameBuffer,
+    Handoff,
+    Ready,
+    Shutdown,
+    StatsRequest,
+    decode_to_engine,
+    encode,
+)
+from aiospec.engine._sinks import Sink, make_sink
+
+__all__ = ("engine_main",)
+
+_IDLE_WAIT = 0.1  # seconds between heartbeats while there is nothing to decode
+
+
+class _Loop:
+    def __init__(self, config: EngineConfig, ctl: socket.socket, handoff: socket.socket | None, sink: Sink) -> None:
+        self.config = config
+        self.core = EngineCore(config)
+        self.ctl = ctl
+        self.handoff = handoff
+        self.sink = sink
+        self.stop = False
+        self.emit_seconds = 0.0
+        self.step_seconds = 0.0
+        self._bufs = {ctl.fileno(): FrameBuffer()}
+        if handoff is not None:
+            self._bufs[handoff.fileno()] = FrameBuffer()
+        self._poller = select.poll()
+        for fd in self._bufs:
+            self._poller.register(fd, select.POLLIN)
+
+    def send(self, msg: msgspec.Struct) -> None:
+        self.ctl.sendall(encode(msg))
+
+    def _on_message(self, body: bytes) -> None:
+        msg = decode_to_engine(memoryview(body))
+        core = self.core
+        try:
+            if isinstance(msg, Admit):
+                core.admit(msg)
+            elif isinstance(msg, Abort):
+                core.abort(msg.handle)
+            elif isinstance(msg, Handoff):
+                core.handoff(msg)
+            elif isinstance(msg, StatsRequest):
+                self.send(self.stats(msg.id))
+            elif isinstance(msg, Shutdown):
+                self.stop = True
+        except ValueError as exc:
+            # a bad request fails alone; the server logs it
+            self.send(Failed(str(exc)))
+
+    def stats(self, req_id: int) -> EngineStats:
+        c = self.core
+        return EngineStats(
+            id=req_id,
+            role=self.config.role,
+            steps=c.step_no,
+            admitted=c.admitted,
+            finished=c.finished,
+            aborted=c.aborted,
+            handed_off=c.handed_off,
+            running=c.running,
+            waiting=c.waiting,
+            tokens=c.tokens,
+            emit_seconds=self.emit_seconds,
+            step_seconds=self.step_seconds,
+        )
+
+    def _drain(self, timeout: float) -> bool:
+        """Handle what arrives within ``timeout``; False once the engine must stop."""
+        for fd, _ in self._poller.poll(max(0.0, timeout) * 1000.0):
+            sock = self.ctl if fd == self.ctl.fileno() else self.handoff
+            assert sock is not None
+            try:
+                data = sock.recv(1 << 20)
+            except BlockingIOError:
+                continue
+            if not data:
+                # the server (or, for a decode engine, the prefill engine) is gone
+                self.stop = True
+                break
+            for body in self._bufs[fd].feed(data):
+                self._on_message(body)
+        return not self.stop
+
+    def run(self) -> None:
+        step_time = self.config.step_time
+        next_step = time.monotonic()
+        pending: StepOutput | None = None
+        while not self.stop:
+            busy = pending is not None or self.core.has_work()
+            timeout = (next_step - time.monotonic()) if busy else _IDLE_WAIT
+            if not self._drain(timeout):
+                break
+            now = time.monotonic()
+            if pending is None and self.core.has_work() and now >= next_step:
+                t0 = time.perf_counter()
+                pending = self.core.step()
+                self.step_seconds += time.perf_counter() - t0
+                next_step = max(next_step + step_time, now)
+            if pending is not None:
+                t0 = time.perf_counter()
+                try:
+                    self.sink.emit(pending)
+                except shm.RingFull:
+                    # a slow reader holds the ring: keep the step, check the socket, retry
+                    self.emit_seconds += time.perf_counter() - t0
+                    continue
+                self.emit_seconds += time.perf_counter() - t0
+                if pending.handoffs and self.handoff is not None:
+                    self.handoff.sendall(b"".join(encode(h) for h in pending.handoffs))
+                pending = None
+            if not self.core.has_work():
+                next_step = time.monotonic()
+                self.sink.idle()
+
+
+def engine_main(config_bytes: bytes, ctl: socket.socket, handoff: socket.socket | None = None) -> None:
+    """Entry point of a spawned engine process."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    ctl.setblocking(True)
+    sink: Sink | None = None
+    try:
+        config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)
+        config.validate()
+        sink = make_sink(config)
+        loop = _Loop(config, ctl, handoff, sink)
+        loop.send(Ready(pid=os.getpid(), role=config.role, transport=sink.transport))
+        loop.run()
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # the server went away mid-send: nothing to report to
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
+            ctl.sendall(encode(Failed(f"engine failed: {exc!r}\n{traceback.format_exc()}")))
+        raise
+    finally:
+        if sink is not None:
+            sink.close()
+        ctl.close()
+        if handoff is not None:
+            handoff.close()

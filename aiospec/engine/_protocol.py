@@ -1,0 +1,137 @@
+"""Messages on the control channel between the server and its engine processes.
+
+Every message is a tagged msgspec Struct, framed on a stream socket as a little-endian u32
+length followed by its msgpack bytes. Handles are assigned by the server.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import msgspec
+
+__all__ = (
+    "Abort",
+    "Admit",
+    "EngineStats",
+    "Failed",
+    "FrameBuffer",
+    "Handoff",
+    "Ready",
+    "Shutdown",
+    "StatsRequest",
+    "decode_to_engine",
+    "decode_to_server",
+    "encode",
+)
+
+
+class Admit(msgspec.Struct, tag="admit", array_like=True, gc=False):
+    """Start a request. ``top_logprobs`` < 0 means no logprobs; 0 means the sampled token's
+    logprob and rank only."""
+
+    handle: int
+    prompt_ids: list[int]
+    max_tokens: int
+    top_logprobs: int = -1
+    temperature: float = 1.0
+    seed: int = 0
+    ignore_eos: bool = False
+
+
+class Abort(msgspec.Struct, tag="abort", array_like=True, gc=False):
+    handle: int
+
+
+class Shutdown(msgspec.Struct, tag="shutdown", array_like=True, gc=False):
+    pass
+
+
+class StatsRequest(msgspec.Struct, tag="stats?", array_like=True, gc=False):
+    id: int
+
+
+class Handoff(msgspec.Struct, tag="handoff", array_like=True, gc=False):
+    """PD: the prefill engine passes a request on with its first token and MTP draft token."""
+
+    request: Admit
+    first_token: int
+    draft_token: int
+
+
+class Ready(msgspec.Struct, tag="ready", array_like=True, gc=False):
+    """The engine is up; ``transport`` names where its tokens go (a ring name for the ring)."""
+
+    pid: int
+    role: str
+    transport: str
+
+
+class EngineStats(msgspec.Struct, tag="stats", array_like=True, gc=False):
+    id: int
+    role: str
+    steps: int
+    admitted: int
+    finished: int
+    aborted: int
+    handed_off: int
+    running: int
+    waiting: int
+    tokens: int
+    emit_seconds: float
+    step_seconds: float
+
+
+class Failed(msgspec.Struct, tag="failed", array_like=True, gc=False):
+    message: str
+
+
+ToEngine = Admit | Abort | Shutdown | StatsRequest | Handoff
+ToServer = Ready | EngineStats | Failed
+
+_encoder = msgspec.msgpack.Encoder()
+_to_engine = msgspec.msgpack.Decoder(ToEngine)
+_to_server = msgspec.msgpack.Decoder(ToServer)
+_LEN = struct.Struct("<I")
+MAX_MESSAGE = 64 << 20
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    body = _encoder.encode(msg)
+    return _LEN.pack(len(body)) + body
+
+
+def decode_to_engine(body: memoryview) -> ToEngine:
+    msg: ToEngine = _to_engine.decode(body)
+    return msg
+
+
+def decode_to_server(body: memoryview) -> ToServer:
+    msg: ToServer = _to_server.decode(body)
+    return msg
+
+
+class FrameBuffer:
+    """Reassembles length-prefixed messages from stream reads."""
+
+    __slots__ = ("_buf",)
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+
+    def feed(self, data: bytes) -> list[bytes]:
+        buf = self._buf
+        buf += data
+        out: list[bytes] = []
+        pos = 0
+        n = len(buf)
+        while n - pos >= 4:
+            (length,) = _LEN.unpack_from(buf, pos)
+            if length > MAX_MESSAGE:
+                raise ValueError(f"control message length = {length}: expected at most {MAX_MESSAGE}")
+            if n - pos - 4 < length:
+                break
+            out.append(bytes(buf[pos + 4 : pos + 4 + length]))
+            pos += 4 + length
+        del buf[:pos]
+        return out

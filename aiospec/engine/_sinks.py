@@ -1,0 +1,119 @@
+"""Where an engine's steps go: the shared-memory ring through the emit op, or a baseline path.
+
+A sink takes a ``StepOutput`` (the emit op's inputs) once per step. The ring sink creates and
+owns the ring (the engine is its producer); the server's Hub attaches by the name the engine
+reports in its ``Ready`` message. The baseline sinks (``aiospec.baselines``) carry the same
+steps over ZeroMQ or a SysV queue, for the end-to-end benchmark.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from typing import Any, Protocol
+
+import numpy as np
+
+import shm
+from aiospec._codec import encode_frame
+from aiospec.engine._core import EngineConfig, StepOutput
+
+__all__ = ("Sink", "make_sink")
+
+
+class Sink(Protocol):
+    transport: str
+
+    def emit(self, out: StepOutput) -> None: ...
+
+    def idle(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def _op_kwargs(out: StepOutput) -> dict[str, Any]:
+    kw: dict[str, Any] = {"flags": out.flags, "step": out.step}
+    if out.draft_ids is not None:
+        kw["draft_ids"] = out.draft_ids
+        kw["num_draft"] = out.num_draft
+    if out.lp_ids is not None:
+        kw.update(lp_ids=out.lp_ids, lp_values=out.lp_values, lp_ranks=out.lp_ranks, lp_offsets=out.lp_offsets, k=out.k)
+    return kw
+
+
+def reference_payload(out: StepOutput, producer: int = 0) -> bytes:
+    """The frame of one step by the emit op's record rule (rows with tokens, flags or drafts),
+    encoded with the reference encoder."""
+    nt = out.num_tokens
+    nd = out.num_draft if out.num_draft is not None else np.zeros_like(nt)
+    keep = (nt > 0) | (out.flags != 0) | (nd > 0)
+    rows = np.flatnonzero(keep)
+    width = out.token_ids.shape[1]
+    tmask = np.arange(width)[None, :] < nt[rows][:, None]
+    offs = np.zeros(rows.size + 1, dtype=np.int32)
+    np.cumsum(nt[rows], out=offs[1:])
+    kw: dict[str, Any] = {"flags": out.flags[rows], "step": out.step, "producer": producer}
+    if out.draft_ids is not None and int(nd.sum()):
+        dmask = np.arange(out.draft_ids.shape[1])[None, :] < nd[rows][:, None]
+        doffs = np.zeros(rows.size + 1, dtype=np.int32)
+        np.cumsum(nd[rows], out=doffs[1:])
+        kw["draft_offsets"] = doffs
+        kw["draft_ids"] = out.draft_ids[rows][dmask]
+    if out.lp_ids is not None and out.lp_offsets is not None and out.lp_values is not None:
+        starts = out.lp_offsets[:-1][rows]
+        sel = (starts[:, None] + np.arange(width)[None, :])[tmask]
+        kw["logprobs"] = out.lp_values[sel, 0]
+        kw["ranks"] = out.lp_ranks[sel] if out.lp_ranks is not None else None
+        if out.k:
+            kw["topk_ids"] = out.lp_ids[sel, 1 : out.k + 1]
+            kw["topk_logprobs"] = out.lp_values[sel, 1 : out.k + 1]
+    return encode_frame(out.handles[rows], offs, out.token_ids[rows][tmask], **kw)
+
+
+class RingSink:
+    """Steps into a ring this engine creates, through the emit op (``aiospec.ops``)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        # the largest step: every slot with num_draft + 1 tokens and max_top_logprobs columns
+        per_token = 4 * 3 + 8 * config.max_top_logprobs
+        worst = 4096 + config.max_batch * (8 + 4 * 4 + (config.num_draft + 1) * per_token)
+        capacity = config.ring_capacity
+        while capacity // 4 < worst:
+            capacity *= 2
+        self.ring = shm.Ring.create(capacity=capacity, max_readers=8, max_record=capacity // 4)
+        self.transport = self.ring.name
+        self._producer_id = config.producer
+        self._producer: Any = None
+        try:
+            ops = importlib.import_module("aiospec.ops")
+        except ImportError:
+            ops = None
+        if ops is not None:
+            device = None if config.device == "auto" else config.device
+            self._producer = ops.Producer(self.ring, device=device, producer=config.producer)
+        self._last_beat = time.monotonic()
+
+    def emit(self, out: StepOutput) -> None:
+        """Write one step; ``shm.RingFull`` after a bounded wait leaves nothing written, so
+        the caller may retry the same step."""
+        if self._producer is not None:
+            self._producer.emit(out.handles, out.token_ids, out.num_tokens, **_op_kwargs(out))
+        else:
+            self.ring.write(reference_payload(out, self._producer_id), timeout=0.5)
+
+    def idle(self) -> None:
+        now = time.monotonic()
+        if now - self._last_beat > 0.1:
+            self.ring.heartbeat()
+            self._last_beat = now
+
+    def close(self) -> None:
+        if self._producer is not None:
+            self._producer.close()
+        self.ring.close()
+
+
+def make_sink(config: EngineConfig) -> Sink:
+    if config.transport == "ring":
+        return RingSink(config)
+    raise ValueError(f"transport = {config.transport!r}: expected ring")

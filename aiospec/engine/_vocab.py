@@ -1,0 +1,109 @@
+"""The built-in vocabulary: a few hundred English words, punctuation and some non-ASCII tokens.
+
+Words carry a leading space (the GPT-2 convention), so concatenating sampled tokens reads as
+text without a detokenizer. Token 0 is the end token; it is never emitted as output.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+__all__ = ("Vocabulary", "default_vocabulary", "EOS")
+
+EOS = "<|endoftext|>"
+
+_WORD_TEXT = """
+the of and to in is was for on that with as it by at from his her they be this which or are an
+not have had one but all were we when there can been has more if will would who no so what up out
+about into than them could only other time new some these two may first then do any like my now
+over such our man me even most made after also did many before must through back years where much
+your way well down should because each just those people how too little state good very make world
+still own see men work long get here between both life being under never day same another know while
+last might us great old year off come since against go came right used take three states himself few
+house use during without again place around however home small found thought went say part once
+general high upon school every does got united left number course war until always away something
+fact though water less public put think almost hand enough far took head yet government system better
+set told nothing night end why called didn't eyes find going look asked later knew point next city
+business give group toward young days let room president side social present given several order
+national possible rather second face per among form important often things looked early white case
+john become large big need four within felt along children saw best church ever least power development
+light thing seemed family interest want members mind country area others done turned although open
+god service certain kind problem began different door thus help sense means whole matter perhaps itself
+york times law human line above name example action company hands local show whether five history
+gave today either act feet across taken past quite anything having seen death experience body word half
+really field am car words already themselves information tell together college shall money period held
+keep sure free seems real behind cannot miss political air question making office brought whose special
+heard major problems ago became federal moment study available known result street economic boy
+"""
+_WORDS = _WORD_TEXT.split()
+
+# words that often start sentences; they get a capitalized copy
+_CAPITALIZED = ("the", "it", "we", "they", "this", "there", "he", "she", "in", "when", "but", "what", "if", "one", "a")
+
+_PUNCT = [".", ",", "!", "?", ";", ":", " -", "\n", "\n\n", "'s", " (", ")", ' "', '"']
+
+# multi-byte UTF-8: 2-byte Latin, 3-byte CJK and punctuation, 4-byte emoji
+_NON_ASCII = [" café", " naïve", " über", " façade", " résumé", "—", "…", " 東京", " 日本", " 😀", " 🚀", " Ω", "€"]
+
+
+class Vocabulary:
+    """Token strings by id, their UTF-8 bytes, and a tiny whitespace encoder for prompts."""
+
+    __slots__ = ("_bytes", "_index", "eos_id", "punct_ids", "start_ids", "tokens")
+
+    def __init__(self, tokens: Sequence[str], eos_id: int = 0) -> None:
+        if not tokens:
+            raise ValueError("tokens: expected a non-empty sequence")
+        if not 0 <= eos_id < len(tokens):
+            raise ValueError(f"eos_id = {eos_id}: expected 0..{len(tokens) - 1}")
+        if len(set(tokens)) != len(tokens):
+            raise ValueError("tokens: expected unique strings")
+        self.tokens: tuple[str, ...] = tuple(tokens)
+        self.eos_id = eos_id
+        self._bytes = tuple(t.encode("utf-8") for t in self.tokens)
+        self._index = {t: i for i, t in enumerate(self.tokens)}
+        self.punct_ids = tuple(i for i, t in enumerate(self.tokens) if i != eos_id and not any(c.isalpha() for c in t))
+        self.start_ids = tuple(i for i, t in enumerate(self.tokens) if t[1:2].isupper())
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def token(self, token_id: int) -> str:
+        return self.tokens[token_id]
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return self._bytes[token_id]
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        toks = self.tokens
+        return "".join(toks[i] for i in token_ids if i != self.eos_id)
+
+    def encode(self, text: str) -> list[int]:
+        """Map text to ids: known words and punctuation to their tokens, anything else to a
+        stable pseudo-token (prompts only need a length and a deterministic last token)."""
+        out: list[int] = []
+        index = self._index
+        n = len(self.tokens)
+        for piece in re.findall(r"\s*[\w']+|\s*[^\w\s]|\s+", text):
+            tid = index.get(piece)
+            if tid is None:
+                tid = index.get(" " + piece.strip())
+            if tid is None:
+                # FNV-1a: stable across processes, unlike hash()
+                h = 0xCBF29CE484222325
+                for b in piece.encode("utf-8"):
+                    h = ((h ^ b) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
+                tid = 1 + h % (n - 1)
+            out.append(tid)
+        return out
+
+
+def default_vocabulary() -> Vocabulary:
+    tokens = [EOS]
+    seen = set(tokens)
+    for t in [" " + w for w in _WORDS] + [" " + w.capitalize() for w in _CAPITALIZED] + _PUNCT + _NON_ASCII:
+        if t not in seen:
+            seen.add(t)
+            tokens.append(t)
+    return Vocabulary(tokens, eos_id=0)
