@@ -201,6 +201,9 @@ class Ring:
             )
         if reader_timeout is not None and reader_timeout <= 0:
             raise ValueError(f"reader_timeout = {reader_timeout!r}: expected a positive number of seconds or None")
+        if heartbeat_interval is not None and not heartbeat_interval > 0:
+            # checked before the segment exists: a failed create must leave nothing in /dev/shm
+            raise ValueError(f"heartbeat_interval = {heartbeat_interval!r}: expected a positive number of seconds")
         path = os.path.join(SHM_DIR, name)
         size = L.CONTROL_SIZE + capacity
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
@@ -364,11 +367,13 @@ class Ring:
         For producers that write frames some other way (the GPU emit op), at a point where
         the frames are known to be visible, e.g. after the step's stream synchronization.
         """
+        self._require_open("notify")
         _full_fence()
         return self._ring_bells(sleepers_only=True)
 
     def heartbeat(self) -> None:
         """Refresh the producer heartbeat (readers with a producer timeout watch it)."""
+        self._require_open("heartbeat")
         self._q[L.OFF_HEARTBEAT_NS // 8] = time.monotonic_ns()
 
     def _publish(self, pos: int, n: int, ftype: int) -> None:
@@ -486,9 +491,12 @@ class Ring:
         if cached is not None:
             os.close(cached[1])
 
-    def _require_producer(self, what: str) -> None:
+    def _require_open(self, what: str) -> None:
         if self._closed:
             raise RingError(f"{what}: ring {self._name} is closed")
+
+    def _require_producer(self, what: str) -> None:
+        self._require_open(what)
         if not self._producing:
             raise RingError(f"{what}: this handle of ring {self._name} is not its producer (use Ring.create)")
 
@@ -557,6 +565,7 @@ class Ring:
     # -- inspection --------------------------------------------------------------------------
 
     def stats(self) -> RingStats:
+        self._require_open("stats")
         c64, c32 = self._q, self._w
         now = time.monotonic_ns()
         head = int(c64[L.OFF_HEAD // 8])
@@ -852,9 +861,11 @@ class Reader:
                 if int(ring._w[ring._gn[self._slot]]) == self._gen:
                     ring._w[ring._sl[self._slot]] = 0
                     ring._w[ring._st[self._slot]] = L.READER_FREE
+                    # only while the slot is still ours: after an eviction a new reader may
+                    # have taken it, and the bell at that path is its bell now
+                    with suppress(FileNotFoundError):
+                        os.unlink(_bell_path(ring.name, self._slot))
         os.close(self._bell)
-        with suppress(FileNotFoundError):
-            os.unlink(_bell_path(ring.name, self._slot))
         if self in ring._readers:
             ring._readers.remove(self)
 
