@@ -86,7 +86,7 @@ enum aiospec_error_code {
   AIOSPEC_E_MISSING = 1,    /* arg is NULL but `value` (an AIOSPEC_ARG_*) requires it */
   AIOSPEC_E_DIM = 2,        /* scalar `arg` = value: expected lo..hi */
   AIOSPEC_E_KIND = 3,       /* kind = value: expected 0..1 */
-  AIOSPEC_E_K = 4,          /* k = value: expected 0..hi (lp width - 1, or MAX_TOPK) */
+  AIOSPEC_E_K = 4,          /* k = value (resolved: -1 = lp_width - 1): expected 0..hi */
   AIOSPEC_E_COUNT = 5,      /* num_tokens / num_draft [row] = value: expected 0..hi */
   AIOSPEC_E_FLAGS = 6,      /* flags[row] = value: bits outside AIOSPEC_FLAG_MASK */
   AIOSPEC_E_HANDLE = 7,     /* handles[row] = value < 0 on a row that makes a record */
@@ -271,7 +271,7 @@ AIOSPEC_HD int aiospec_check_args(const aiospec_emit_args* a, aiospec_error* e) 
   if (has_lp) {
     const int64_t kmax = a->lp_width - 1 < AIOSPEC_MAX_TOPK ? a->lp_width - 1 : AIOSPEC_MAX_TOPK;
     const int64_t k = a->k < 0 ? a->lp_width - 1 : a->k;
-    if (a->k < -1 || k > kmax) return aiospec_set_error(e, AIOSPEC_E_K, AIOSPEC_ARG_K, -1, -1, a->k, 0, kmax, -1);
+    if (a->k < -1 || k > kmax) return aiospec_set_error(e, AIOSPEC_E_K, AIOSPEC_ARG_K, -1, -1, k, 0, kmax, -1);
   }
   return AIOSPEC_E_OK;
 }

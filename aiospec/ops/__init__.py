@@ -1,0 +1,16 @@
+"""aiospec.ops: the emit op, one decoding step of one producer -> one frame in a ring.
+
+``Producer`` binds to a ring and writes frames from numpy / PyTorch / Paddle / CuPy tensors,
+on the CPU (the C++ writer, built on first use; or the Python reference) or straight from the
+GPU (the CUDA kernel, loaded lazily). Importing this package needs neither a compiler, CUDA,
+PyTorch nor Paddle. docs/emit-op.md describes the inputs and their semantics.
+"""
+
+from __future__ import annotations
+
+from aiospec.ops._build import BuildError
+from aiospec.ops._errors import EmitError
+from aiospec.ops._producer import Producer, available_backends, emit
+from aiospec.ops._reference import build_frame
+
+__all__ = ("BuildError", "EmitError", "Producer", "available_backends", "build_frame", "emit")

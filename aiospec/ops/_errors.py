@@ -1,0 +1,146 @@
+"""``EmitError`` and the message formats of csrc/include/aiospec/emit.h, mirrored.
+
+Every path (the Python reference, the C++ CPU writer, the CUDA kernel through its error
+word) describes a bad input with the same fields (code, argument, row, column, value, bounds)
+and the same message; ``format_error`` here and ``aiospec_format_error`` in C must agree
+character for character (tests/test_ops_cpu.py compares them for every code).
+"""
+
+from __future__ import annotations
+
+import enum
+
+from shm import _layout as L
+from shm._errors import AiospecError
+
+__all__ = ("EmitError", "ErrorCode", "Arg", "format_error", "emit_error")
+
+
+class EmitError(AiospecError, ValueError):
+    """The inputs of one emit call break the op's contract; nothing was written to the ring.
+
+    ``code``, ``arg``, ``row``, ``col``, ``value``, ``lo``, ``hi`` describe the failed check
+    (emit.h ``aiospec_error``) when it is one of the op's value checks; shape, dtype and
+    device errors found before the op runs have ``code == 0``.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: int = 0,
+        arg: int = 0,
+        row: int = -1,
+        col: int = -1,
+        value: int = 0,
+        lo: int = 0,
+        hi: int = 0,
+    ) -> None:
+        super().__init__(message)
+        self.code = code
+        self.arg = arg
+        self.row = row
+        self.col = col
+        self.value = value
+        self.lo = lo
+        self.hi = hi
+
+
+class ErrorCode(enum.IntEnum):
+    """``enum aiospec_error_code`` of emit.h."""
+
+    OK = 0
+    MISSING = 1
+    DIM = 2
+    KIND = 3
+    K = 4
+    COUNT = 5
+    FLAGS = 6
+    HANDLE = 7
+    OFFSET = 8
+    SPAN = 9
+    ID = 10
+    FRAME_SIZE = 11
+
+
+class Arg(enum.IntEnum):
+    """``enum aiospec_arg`` of emit.h; ``arg_name`` gives the spelling used in messages."""
+
+    NONE = 0
+    ROWS = 1
+    HANDLES = 2
+    TOKEN_IDS = 3
+    MAX_TOKENS = 4
+    NUM_TOKENS = 5
+    FLAGS = 6
+    DRAFT_IDS = 7
+    MAX_DRAFT = 8
+    NUM_DRAFT = 9
+    LP_IDS = 10
+    LP_VALUES = 11
+    LP_RANKS = 12
+    LP_OFFSETS = 13
+    LP_ROWS = 14
+    LP_WIDTH = 15
+    K = 16
+    KIND = 17
+    FRAME = 18
+
+    @property
+    def arg_name(self) -> str:
+        return self.name.lower()
+
+
+def _arg_name(arg: int) -> str:
+    try:
+        return Arg(arg).arg_name
+    except ValueError:
+        return "?"
+
+
+def format_error(code: int, arg: int, row: int = -1, col: int = -1, value: int = 0, lo: int = 0, hi: int = 0) -> str:
+    """The message ``aiospec_format_error`` (emit.h) writes for the same fields."""
+    name = _arg_name(arg)
+    if row >= 0 and col >= 0:
+        where = f"{name}[{row}, {col}]"
+    elif row >= 0:
+        where = f"{name}[{row}]"
+    else:
+        where = name
+    if code == ErrorCode.OK:
+        return "ok"
+    if code == ErrorCode.MISSING:
+        if value == Arg.NONE:
+            return f"{name}: required"
+        return f"{name}: required when {_arg_name(value)} is given"
+    if code == ErrorCode.DIM:
+        return f"{where} = {value}: expected {lo}..{hi}"
+    if code == ErrorCode.KIND:
+        return f"kind = {value}: expected 0 (target) or 1 (draft)"
+    if code == ErrorCode.K:
+        return f"k = {value}: expected 0..{hi} ({'MAX_TOPK' if hi == L.MAX_TOPK else 'lp_ids width - 1'})"
+    if code == ErrorCode.COUNT:
+        return f"{where} = {value}: expected 0..{hi} ({'max_draft' if arg == Arg.NUM_DRAFT else 'max_tokens'})"
+    if code == ErrorCode.FLAGS:
+        return f"{where} = {value}: expected bits within 0x{hi:x} (FLAG_MASK)"
+    if code == ErrorCode.HANDLE:
+        return f"{where} = {value}: expected >= 0 (the row makes a record)"
+    if code == ErrorCode.OFFSET:
+        return f"{where} = {value}: expected {lo}..{hi} (non-decreasing, at most lp_rows)"
+    if code == ErrorCode.SPAN:
+        return f"lp_offsets[{row + 1}] - lp_offsets[{row}] = {value}: expected >= {lo} (num_tokens[{row}])"
+    if code == ErrorCode.ID:
+        return f"{where} = {value}: expected {lo}..{hi} (int32)"
+    if code == ErrorCode.FRAME_SIZE:
+        return f"frame = {value} bytes: expected at most {hi} (the ring's max_record)"
+    return f"unknown error code {code} (arg {arg})"
+
+
+def emit_error(
+    code: int, arg: int, row: int = -1, col: int = -1, value: int = 0, lo: int = 0, hi: int = 0
+) -> EmitError:
+    """An ``EmitError`` carrying the fields and their formatted message."""
+    return EmitError(
+        format_error(code, arg, row, col, value, lo, hi),
+        code=code, arg=arg, row=row, col=col, value=value, lo=lo, hi=hi,
+    )  # fmt: skip

@@ -1,0 +1,273 @@
+"""``Producer``: one ring's writer of decoding steps, dispatching on where the tensors live."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import threading
+import warnings
+from typing import Any
+
+from aiospec._codec import Kind
+from aiospec.ops._backend import Backend
+from aiospec.ops._build import BuildError, force_cpu
+from aiospec.ops._errors import EmitError
+from aiospec.ops._inputs import Inputs, collect
+from shm import Ring, RingError
+
+__all__ = ("Producer", "emit", "available_backends")
+
+_DEVICES = (None, "cpu", "cuda", "python")
+
+
+def _cuda_module() -> Any:
+    return importlib.import_module("aiospec.ops._cuda")
+
+
+def _cuda_available() -> bool:
+    if force_cpu():
+        return False
+    try:
+        mod = _cuda_module()
+    except ImportError:
+        return False
+    try:
+        return bool(mod.available())
+    except Exception:
+        return False
+
+
+def _cpu_available() -> bool:
+    from aiospec.ops._cpu import load_library
+
+    try:
+        load_library()
+    except (BuildError, OSError):
+        return False
+    return True
+
+
+def available_backends() -> tuple[str, ...]:
+    """The backends that work here, best first: ``"cuda"``, ``"cpu"`` (builds the C++
+    library on first call), ``"python"`` (always)."""
+    out = []
+    if _cuda_available():
+        out.append("cuda")
+    if _cpu_available():
+        out.append("cpu")
+    out.append("python")
+    return tuple(out)
+
+
+class Producer:
+    """Writes one frame per decoding step into a ring.
+
+    ``ring`` is a ``shm.Ring`` or a ring name (``/dev/shm/<name>``). ``device`` picks the
+    backend: ``"cpu"`` (the C++ writer), ``"cuda"`` (the CUDA kernel), ``"python"`` (the
+    reference encoder; needs the ``shm.Ring`` that created the ring) or None: chosen at the
+    first ``emit`` from where its tensors live (``AIOSPEC_FORCE_CPU=1`` copies CUDA tensors
+    to the host and uses the CPU writer). ``producer`` is the id written into every frame;
+    ``timeout`` bounds the wait for ring space (None: forever), then ``shm.RingFull``;
+    ``max_rows`` is the largest batch an emit may carry (the CUDA path sizes its scratch by
+    it); ``reader_timeout`` / ``check_pids`` decide when a reader that blocks the ring is
+    declared dead and evicted.
+
+    One producer per ring at a time, and while it writes, nothing else may write into the
+    ring (not even the ``shm.Ring`` that created it).
+    """
+
+    def __init__(
+        self,
+        ring: Ring | str,
+        *,
+        device: str | None = None,
+        producer: int = 0,
+        timeout: float | None = 5.0,
+        max_rows: int = 4096,
+        reader_timeout: float | None = None,
+        check_pids: bool = True,
+    ) -> None:
+        self._backend: Backend | None = None
+        self._closed = False
+        if isinstance(ring, Ring):
+            self._ring: Ring | None = ring
+            self._name = ring.name
+        elif isinstance(ring, str):
+            self._ring = None
+            self._name = ring
+        else:
+            raise TypeError(f"ring: expected a shm.Ring or a ring name, got {type(ring).__name__}")
+        if device not in _DEVICES:
+            raise ValueError(f"device = {device!r}: expected None, 'cpu', 'cuda' or 'python'")
+        if isinstance(producer, bool) or not isinstance(producer, int) or not 0 <= producer <= 0xFFFFFFFF:
+            raise ValueError(f"producer = {producer!r}: expected an integer in 0..4294967295")
+        if timeout is not None and not timeout >= 0:
+            raise ValueError(f"timeout = {timeout!r}: expected seconds >= 0 or None (wait forever)")
+        if isinstance(max_rows, bool) or not isinstance(max_rows, int) or not 1 <= max_rows <= 0x7FFFFFFF:
+            raise ValueError(f"max_rows = {max_rows!r}: expected an integer in 1..2147483647")
+        if reader_timeout is not None and not reader_timeout > 0:
+            raise ValueError(f"reader_timeout = {reader_timeout!r}: expected seconds > 0 or None")
+        self._device = device
+        self._producer = producer
+        self._timeout = timeout
+        self._max_rows = max_rows
+        self._reader_timeout = reader_timeout
+        self._check_pids = check_pids
+        self._lock = threading.Lock()
+        if device is not None:
+            self._backend = self._open(device, device_id=0)
+
+    # -- properties ----------------------------------------------------------------------
+
+    @property
+    def ring_name(self) -> str:
+        return self._name
+
+    @property
+    def device(self) -> str | None:
+        """The backend in use (``"cpu"``, ``"cuda"``, ``"python"``), None before the first emit."""
+        return self._backend.name if self._backend is not None else None
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else (self.device or "unbound")
+        return f"<aiospec.ops.Producer ring={self._name!r} producer={self._producer} {state}>"
+
+    # -- backends ------------------------------------------------------------------------
+
+    def _open(self, device: str, device_id: int) -> Backend:
+        if device == "python":
+            if self._ring is None or not self._ring.is_owner:
+                raise ValueError(
+                    "device = 'python': needs the shm.Ring that created the ring (Python cannot "
+                    "produce into a ring it attached by name)"
+                )
+            from aiospec.ops._reference import PythonBackend
+
+            return PythonBackend(self._ring)
+        if device == "cpu":
+            from aiospec.ops._cpu import CpuBackend
+
+            return CpuBackend(self._name, reader_timeout=self._reader_timeout, check_pids=self._check_pids)
+        if force_cpu():
+            raise ValueError("device = 'cuda': the CUDA path is disabled by AIOSPEC_FORCE_CPU=1")
+        backend: Backend = _cuda_module().open_backend(
+            self._name,
+            device_id=max(device_id, 0),
+            timeout=self._timeout,
+            max_rows=self._max_rows,
+            reader_timeout=self._reader_timeout,
+            check_pids=self._check_pids,
+        )
+        return backend
+
+    def _open_for_host(self) -> Backend:
+        try:
+            return self._open("cpu", -1)
+        except BuildError:
+            if self._ring is not None and self._ring.is_owner:
+                return self._open("python", -1)
+            raise
+
+    # -- the op --------------------------------------------------------------------------
+
+    def emit(
+        self,
+        handles: Any,
+        token_ids: Any,
+        num_tokens: Any,
+        *,
+        flags: Any = None,
+        lp_ids: Any = None,
+        lp_values: Any = None,
+        lp_ranks: Any = None,
+        lp_offsets: Any = None,
+        k: int | None = None,
+        draft_ids: Any = None,
+        num_draft: Any = None,
+        step: int = 0,
+        kind: int = Kind.TARGET,
+        stream: Any = None,
+    ) -> None:
+        """Write one decoding step as one frame (docs/emit-op.md has every argument).
+
+        Raises ``EmitError`` for invalid inputs (nothing is written), ``shm.RingFull`` when
+        the readers leave no room within ``timeout``. On the CUDA path the frame is written
+        asynchronously on ``stream``; errors found on the GPU surface from ``check()`` or a
+        later ``emit()``.
+        """
+        kw: dict[str, Any] = dict(
+            flags=flags, lp_ids=lp_ids, lp_values=lp_values, lp_ranks=lp_ranks, lp_offsets=lp_offsets,
+            k=k, draft_ids=draft_ids, num_draft=num_draft, step=step, kind=kind, producer=self._producer,
+            max_rows=self._max_rows,
+        )  # fmt: skip
+        with self._lock:
+            if self._closed:
+                raise RingError(f"emit: the producer of ring {self._name} is closed")
+            x = collect(handles, token_ids, num_tokens, **kw)
+            backend = self._backend
+            if backend is None:
+                if x.device == "cuda" and not force_cpu():
+                    backend = self._open("cuda", x.device_id)
+                else:
+                    backend = self._open_for_host()
+                self._backend = backend
+            if x.device == "cuda" and backend.name != "cuda":
+                if self._device is not None or not force_cpu():
+                    raise self._wrong_device(x, backend)
+                x = collect(handles, token_ids, num_tokens, host=True, **kw)
+            elif x.device == "cpu" and backend.name == "cuda":
+                raise self._wrong_device(x, backend)
+            backend.emit(x, timeout=self._timeout, stream=stream)
+
+    def _wrong_device(self, x: Inputs, backend: Backend) -> EmitError:
+        want = "cuda" if backend.name == "cuda" else "cpu"
+        return EmitError(
+            f"handles: on {x.handles.where}, expected {want} memory "
+            f"(this producer writes with the {backend.name} backend)"
+        )
+
+    def check(self) -> None:
+        """Raise an error the GPU found since the last call (no-op on the CPU paths)."""
+        if self._backend is not None:
+            self._backend.check()
+
+    def notify(self) -> int:
+        """Ring the bells of sleeping readers; returns how many were rung. The CPU paths
+        ring after every commit already; the CUDA path needs this (or its host callback)."""
+        if self._closed:
+            raise RingError(f"notify: the producer of ring {self._name} is closed")
+        if self._backend is None:
+            return 0
+        return self._backend.notify()
+
+    def close(self) -> None:
+        """Stop producing. The ring itself stays with its owner."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            backend, self._backend = self._backend, None
+        if backend is not None:
+            backend.close()
+
+    def __enter__(self) -> Producer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if getattr(self, "_closed", True) or getattr(self, "_backend", None) is None:
+            return
+        warnings.warn(f"unclosed {self!r}", ResourceWarning, stacklevel=2, source=self)
+        with contextlib.suppress(Exception):
+            self.close()
+
+
+def emit(producer: Producer, handles: Any, token_ids: Any, num_tokens: Any, **kwargs: Any) -> None:
+    """``producer.emit(handles, token_ids, num_tokens, **kwargs)``: one step, one frame."""
+    producer.emit(handles, token_ids, num_tokens, **kwargs)
