@@ -36,6 +36,7 @@ __all__ = (
     "build_library",
     "build_cpu_library",
     "build_cuda_library",
+    "build_cuda",
     "find_nvcc",
     "cuda_archs",
     "force_cpu",
@@ -201,3 +202,6 @@ def build_cuda_library(
         *gencode, *extra_flags,
     ]  # fmt: skip
     return build_library(name, sources, compiler=nvcc, flags=flags, link_flags=link_flags)
+
+
+build_cuda = build_cuda_library

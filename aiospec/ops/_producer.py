@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import importlib
 import threading
 import warnings
@@ -10,7 +11,7 @@ from typing import Any
 
 from aiospec._codec import Kind
 from aiospec.ops._backend import Backend
-from aiospec.ops._build import BuildError, force_cpu
+from aiospec.ops._build import BuildError, find_nvcc, force_cpu
 from aiospec.ops._errors import EmitError
 from aiospec.ops._inputs import Inputs, collect
 from shm import Ring, RingError
@@ -25,16 +26,42 @@ def _cuda_module() -> Any:
 
 
 def _cuda_available() -> bool:
-    if force_cpu():
+    if force_cpu() or find_nvcc() is None:
         return False
     try:
         mod = _cuda_module()
-    except ImportError:
+        if hasattr(mod, "available"):
+            return bool(mod.available())
+        lib = mod.load_library()
+        err = ctypes.create_string_buffer(256)
+        return bool(lib.aiospec_cuda_device_ok(0, err, len(err)) == 1)
+    except Exception:  # no driver, no GPU, a failed build: the backend is simply not there
         return False
-    try:
-        return bool(mod.available())
-    except Exception:
-        return False
+
+
+# a "forever" the CUDA path can represent: its kernels count the wait in device clock ticks
+_CUDA_FOREVER = 1e6
+
+
+class _CudaBackend:
+    """Adapts ``_cuda.CudaProducer`` to the ``Backend`` protocol."""
+
+    name = "cuda"
+
+    def __init__(self, producer: Any) -> None:
+        self._p = producer
+
+    def emit(self, inputs: Inputs, *, timeout: float | None, stream: Any = None) -> None:
+        self._p.emit(inputs, stream=stream)
+
+    def check(self) -> None:
+        self._p.check()
+
+    def notify(self) -> int:
+        return int(self._p.notify())
+
+    def close(self) -> None:
+        self._p.close()
 
 
 def _cpu_available() -> bool:
@@ -154,15 +181,27 @@ class Producer:
             return CpuBackend(self._name, reader_timeout=self._reader_timeout, check_pids=self._check_pids)
         if force_cpu():
             raise ValueError("device = 'cuda': the CUDA path is disabled by AIOSPEC_FORCE_CPU=1")
-        backend: Backend = _cuda_module().open_backend(
-            self._name,
-            device_id=max(device_id, 0),
-            timeout=self._timeout,
-            max_rows=self._max_rows,
-            reader_timeout=self._reader_timeout,
-            check_pids=self._check_pids,
+        mod = _cuda_module()
+        if hasattr(mod, "open_backend"):
+            backend: Backend = mod.open_backend(
+                self._name,
+                device_id=max(device_id, 0),
+                timeout=self._timeout,
+                max_rows=self._max_rows,
+                reader_timeout=self._reader_timeout,
+                check_pids=self._check_pids,
+            )
+            return backend
+        return _CudaBackend(
+            mod.CudaProducer(
+                self._name,
+                device=max(device_id, 0),
+                max_rows=self._max_rows,
+                timeout=_CUDA_FOREVER if self._timeout is None else self._timeout,
+                reader_timeout=self._reader_timeout,
+                check_pids=self._check_pids,
+            )
         )
-        return backend
 
     def _open_for_host(self) -> Backend:
         try:
