@@ -1,0 +1,100 @@
+"""``aiospec loadtest URL``: the command line of the load generator."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+import uvloop
+
+from aiospec.loadtest._client import LoadConfig, LoadResult, RequestResult, run_load
+from aiospec.loadtest._report import plot, render_table, summarize
+
+__all__ = ("add_load_args", "config_from_args", "loadtest_command", "run_with_progress")
+
+
+def add_load_args(p: argparse.ArgumentParser, *, concurrency: int, requests: int, max_tokens: int) -> None:
+    p.add_argument("-c", "--concurrency", type=int, default=concurrency, help="requests in flight (%(default)s)")
+    p.add_argument("-n", "--requests", type=int, default=requests, help="requests in all (%(default)s)")
+    p.add_argument("--endpoint", choices=("chat", "completions"), default="chat")
+    p.add_argument("--prompt-words", type=int, default=32, help="words per prompt (%(default)s)")
+    p.add_argument("--max-tokens", type=int, default=max_tokens, help="output tokens per request (%(default)s)")
+    p.add_argument("--top-logprobs", type=int, default=5, help="alternatives per token, 0..20 (%(default)s)")
+    p.add_argument("--no-logprobs", action="store_true", help="ask for no logprobs")
+    p.add_argument(
+        "--no-ignore-eos", action="store_true", help="let requests end at the end token (default: fixed length)"
+    )
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--duration", type=float, default=None, help="start no request after this many seconds")
+    p.add_argument("--json", metavar="PATH", help="write the summary as JSON")
+    p.add_argument("--plot", metavar="PATH", help="write a latency plot (PNG)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar or table")
+
+
+def config_from_args(url: str, a: argparse.Namespace, model: str | None = None) -> LoadConfig:
+    cfg = LoadConfig(
+        url=url,
+        endpoint=a.endpoint,
+        model=model,
+        concurrency=a.concurrency,
+        requests=a.requests,
+        prompt_words=a.prompt_words,
+        max_tokens=a.max_tokens,
+        logprobs=not a.no_logprobs,
+        top_logprobs=a.top_logprobs,
+        ignore_eos=not a.no_ignore_eos,
+        temperature=a.temperature,
+        duration=a.duration,
+    )
+    cfg.validate()
+    return cfg
+
+
+def run_with_progress(cfg: LoadConfig, *, quiet: bool = False, title: str = "requests") -> LoadResult:
+    """Run the load on uvloop with a rich progress bar (requests done, tokens received)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[tokens]:,} tokens"),
+        TimeElapsedColumn(),
+        disable=quiet,
+        transient=False,
+    ) as prog:
+        task = prog.add_task(title, total=cfg.requests, tokens=0)
+
+        def on_result(r: RequestResult, tokens: int) -> None:
+            prog.update(task, advance=1, tokens=tokens)
+
+        return uvloop.run(run_load(cfg, on_result=on_result))
+
+
+def report(res: LoadResult, a: argparse.Namespace) -> dict[str, Any]:
+    summary = summarize(res)
+    if not a.quiet:
+        from rich.console import Console
+
+        Console().print(render_table(summary))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(summary, f, indent=2)
+    if a.plot:
+        plot(res, a.plot)
+        if not a.quiet:
+            print(f"latency plot: {a.plot}")
+    return summary
+
+
+def loadtest_command(a: argparse.Namespace) -> int:
+    try:
+        cfg = config_from_args(a.url, a, a.model)
+    except ValueError as exc:
+        print(f"aiospec loadtest: {exc}", file=sys.stderr)
+        return 2
+    res = run_with_progress(cfg, quiet=a.quiet)
+    summary = report(res, a)
+    return 0 if summary["ok"] else 1

@@ -1,0 +1,123 @@
+"""``aiospec serve``, ``aiospec demo`` and ``aiospec loadtest``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+from typing import Any
+
+__all__ = ("register",)
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default="aiospec-toy", help="model name to serve (%(default)s)")
+    g.add_argument("--max-batch", type=int, default=1024, help="batch slots (%(default)s)")
+    g.add_argument("--step-ms", type=float, default=20.0, help="decoding step time in ms (%(default)s)")
+    g.add_argument("--num-draft", type=int, default=2, help="MTP draft tokens per step, 0 = off (%(default)s)")
+    g.add_argument("--acceptance", type=float, default=0.7, help="draft acceptance rate (%(default)s)")
+    g.add_argument("--seed", type=int, default=0, help="model seed (%(default)s)")
+    g.add_argument("--pd", action="store_true", help="prefill/decode disaggregation: two engines, two rings")
+    g.add_argument(
+        "--token-path",
+        choices=("ring", "vllm", "fastdeploy"),
+        default="ring",
+        help="how tokens reach the server: the aiospec ring, or a baseline path (%(default)s)",
+    )
+    g.add_argument("--device", choices=("auto", "cpu", "python", "cuda"), default="auto", help="emit op backend")
+    g.add_argument("--max-model-len", type=int, default=8192)
+    g.add_argument("--default-max-tokens", type=int, default=256)
+
+
+def _settings(a: argparse.Namespace) -> Any:
+    from aiospec.engine import EngineConfig
+    from aiospec.server._backend import ServerSettings
+
+    eng = EngineConfig(
+        max_batch=a.max_batch,
+        step_time=a.step_ms / 1e3,
+        num_draft=a.num_draft,
+        acceptance=a.acceptance,
+        seed=a.seed,
+        transport=a.token_path,
+        device=a.device,
+    )
+    eng.validate()
+    return ServerSettings(
+        model=a.model, engine=eng, pd=a.pd, max_model_len=a.max_model_len, default_max_tokens=a.default_max_tokens
+    )
+
+
+def _engine_argv(a: argparse.Namespace) -> list[str]:
+    """The engine flags of ``a`` again, to start ``aiospec serve`` with them."""
+    argv = ["--model", a.model, "--max-batch", str(a.max_batch), "--step-ms", str(a.step_ms),
+            "--num-draft", str(a.num_draft), "--acceptance", str(a.acceptance), "--seed", str(a.seed),
+            "--token-path", a.token_path, "--device", a.device, "--max-model-len", str(a.max_model_len),
+            "--default-max-tokens", str(a.default_max_tokens)]  # fmt: skip
+    return argv + (["--pd"] if a.pd else [])
+
+
+def _serve(a: argparse.Namespace) -> int:
+    from aiospec.server._serve import serve
+
+    try:
+        settings = _settings(a)
+    except ValueError as exc:
+        print(f"aiospec serve: {exc}", file=sys.stderr)
+        return 2
+    sock = socket.socket(fileno=a.fd) if a.fd >= 0 else None
+    ready_fd = a.ready_fd
+
+    def on_ready() -> None:
+        nonlocal ready_fd
+        if ready_fd >= 0:
+            os.write(ready_fd, b"R")
+            os.close(ready_fd)
+            ready_fd = -1
+        elif sock is None:
+            print(f"aiospec: serving {settings.model} on http://{a.host}:{a.port}/v1", file=sys.stderr)
+
+    return serve(
+        settings, host=a.host, port=a.port, sock=sock, on_ready=on_ready, watch_fd=a.watch_fd, log_level=a.log_level
+    )
+
+
+def _demo(a: argparse.Namespace) -> int:
+    from aiospec.server._demo import run_demo
+
+    return run_demo(a, _engine_argv(a))
+
+
+def _loadtest(a: argparse.Namespace) -> int:
+    from aiospec.loadtest._main import loadtest_command
+
+    return loadtest_command(a)
+
+
+def register(sub: Any) -> None:
+    from aiospec.loadtest._main import add_load_args
+
+    p = sub.add_parser("serve", help="OpenAI-compatible server with the built-in engine")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (%(default)s)")
+    p.add_argument("--port", type=int, default=8000, help="port (%(default)s)")
+    p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
+    p.add_argument("--fd", type=int, default=-1, help=argparse.SUPPRESS)  # inherited listening socket
+    p.add_argument("--ready-fd", type=int, default=-1, help=argparse.SUPPRESS)
+    p.add_argument("--watch-fd", type=int, default=-1, help=argparse.SUPPRESS)
+    _add_engine_args(p)
+    p.set_defaults(func=_serve)
+
+    d = sub.add_parser("demo", help="start the engine and server, run a load through it, show the numbers")
+    d.add_argument("--once", action="store_true", help="exit after the load instead of serving on")
+    d.add_argument("--port", type=int, default=0, help="port on 127.0.0.1 (default: a free one)")
+    add_load_args(d, concurrency=64, requests=128, max_tokens=128)
+    _add_engine_args(d)
+    d.set_defaults(func=_demo, plot="aiospec-demo-latency.png")
+
+    t = sub.add_parser("loadtest", help="concurrent streaming clients against an OpenAI-compatible server")
+    t.add_argument("url", help="server base URL, e.g. http://127.0.0.1:8000 (with or without /v1)")
+    t.add_argument("--model", default=None, help="model name (default: the first of GET /v1/models)")
+    add_load_args(t, concurrency=16, requests=64, max_tokens=128)
+    t.set_defaults(func=_loadtest)

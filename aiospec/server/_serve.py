@@ -1,0 +1,70 @@
+"""Running the app on uvicorn (uvloop, httptools), on a port or on an inherited socket."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+from collections.abc import Callable
+
+import uvicorn
+
+from aiospec.server._app import create_app
+from aiospec.server._backend import ServerSettings
+
+__all__ = ("serve",)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server plus a watch on a pipe: its end of file (the parent that started
+    this server died) means shut down, so no server outlives the demo or benchmark."""
+
+    watch_fd: int = -1
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.watch_fd >= 0:
+            loop = asyncio.get_running_loop()
+
+            def on_eof() -> None:
+                with contextlib.suppress(OSError):
+                    if os.read(self.watch_fd, 4096):
+                        return
+                loop.remove_reader(self.watch_fd)
+                self.should_exit = True
+
+            loop.add_reader(self.watch_fd, on_eof)
+
+
+def serve(
+    settings: ServerSettings,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    sock: socket.socket | None = None,
+    on_ready: Callable[[], None] | None = None,
+    watch_fd: int = -1,
+    log_level: str = "warning",
+    graceful_timeout: int = 5,
+) -> int:
+    """Serve until SIGINT/SIGTERM (or ``watch_fd`` reaches end of file); returns an exit status."""
+    logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    app = create_app(settings, on_ready=on_ready)
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        loop="uvloop",
+        http="auto",  # httptools when installed (a dependency), h11 otherwise
+        lifespan="on",
+        log_level=log_level,
+        access_log=False,
+        timeout_graceful_shutdown=graceful_timeout,
+        backlog=4096,
+    )
+    server = _Server(config)
+    server.watch_fd = watch_fd
+    server.run(sockets=[sock] if sock is not None else None)
+    return 0 if server.started else 1
