@@ -1,0 +1,421 @@
+// Host side of the CUDA emit path: the producer object behind emit_cuda.h's C ABI.
+//
+// The ring is mapped and validated by aiospec::RingProducer (ring.h), which also owns the
+// producer's liveness words, reader eviction and the bells. This file registers the mapping
+// with CUDA once, keeps the device state, launches the kernels of aiospec/emit_cuda_kernels.h and reads
+// the mapped error word. A small thread does the liveness work (heartbeat, evicting dead or
+// silent readers that block the ring) so that a kernel waiting for space is released even
+// while the host thread waits on that kernel.
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "aiospec/emit.h"
+#include "aiospec/emit_cuda.h"
+#include "aiospec/layout.h"
+#include "aiospec/emit_cuda_kernels.h"
+#include "aiospec/ring.h"
+
+namespace {
+
+using aiospec::cuda::Mapped;
+using aiospec::cuda::RingRef;
+using aiospec::cuda::State;
+
+constexpr int kDefaultRowsPerBlock = 32;
+constexpr int kMaxRowsPerBlock = 1024;
+
+void put_error(char* buf, size_t size, const std::string& msg) {
+  if (buf == nullptr || size == 0) return;
+  std::snprintf(buf, size, "%s", msg.c_str());
+}
+
+std::string cuda_msg(const char* what, cudaError_t e) {
+  return std::string(what) + ": " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")";
+}
+
+// Makes `device` current for the scope and restores the caller's device after.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    if (cudaGetDevice(&prev_) != cudaSuccess) prev_ = -1;
+    if (prev_ != device) {
+      status_ = cudaSetDevice(device);
+    } else {
+      prev_ = -1;
+    }
+  }
+  ~DeviceGuard() {
+    if (prev_ >= 0) cudaSetDevice(prev_);
+  }
+  cudaError_t status() const { return status_; }
+
+ private:
+  int prev_ = -1;
+  cudaError_t status_ = cudaSuccess;
+};
+
+}  // namespace
+
+struct aiospec_cuda_producer {
+  aiospec_cuda_options opts{};
+  std::unique_ptr<aiospec::RingProducer> ring;
+  std::mutex mu;  // the ring's bells and reader slots: caller, host callbacks, liveness thread
+  uint8_t* host_base = nullptr;
+  bool registered = false;
+  RingRef ref{};
+  State* st = nullptr;
+  long long* scratch = nullptr;
+  long long stride = 0;
+  Mapped* mh = nullptr;  // host view of the error word
+  Mapped* md = nullptr;  // device view
+  aiospec_error last{};
+  uint64_t reported = 0;
+  uint64_t emits = 0;
+  std::thread live;
+  std::mutex live_mu;
+  std::condition_variable live_cv;
+  bool stop = false;
+
+  void liveness() {
+    std::lock_guard<std::mutex> lock(mu);
+    if (ring == nullptr || ring->closed()) return;
+    ring->heartbeat();
+    // A reader blocks the next frame once its tail is below head + (PAD + frame + next
+    // header) - capacity; only such readers may be evicted (wire-format section 6).
+    const uint64_t head = aiospec::load_acquire(ring->map().ctl64(AIOSPEC_OFF_HEAD));
+    const uint64_t reach = head + 2 * uint64_t(ring->max_record()) + AIOSPEC_FRAME_HEADER;
+    if (reach > ring->capacity()) ring->evict_blocking(reach - ring->capacity());
+  }
+
+  int notify() {
+    std::lock_guard<std::mutex> lock(mu);
+    if (ring == nullptr || ring->closed()) return 0;
+    ring->heartbeat();
+    return ring->notify();
+  }
+
+  void release() {
+    if (live.joinable()) {
+      {
+        std::lock_guard<std::mutex> lock(live_mu);
+        stop = true;
+      }
+      live_cv.notify_all();
+      live.join();
+    }
+    {
+      DeviceGuard guard(opts.device);
+      cudaDeviceSynchronize();  // no kernel of ours may still write into the segment
+      if (registered) cudaHostUnregister(host_base);
+      registered = false;
+      if (st != nullptr) cudaFree(st);
+      if (scratch != nullptr) cudaFree(scratch);
+      if (mh != nullptr) cudaFreeHost(mh);
+      st = nullptr;
+      scratch = nullptr;
+      mh = md = nullptr;
+    }
+    std::lock_guard<std::mutex> lock(mu);
+    if (ring != nullptr) ring->close(true);
+    ring.reset();
+  }
+};
+
+namespace {
+
+void CUDART_CB notify_callback(void* arg) { static_cast<aiospec_cuda_producer*>(arg)->notify(); }
+
+std::string describe_laggards(aiospec_cuda_producer* p, uint64_t needed_tail, uint64_t head) {
+  std::string out;
+  const aiospec::RingMap& m = p->ring->map();
+  for (uint32_t s = 0; s < m.max_readers; ++s) {
+    if (aiospec::load_acquire(m.rd32(s, AIOSPEC_RD_STATE)) != AIOSPEC_READER_ACTIVE) continue;
+    const uint64_t tail = aiospec::load_acquire(m.rd64(s, AIOSPEC_RD_TAIL));
+    if (tail >= needed_tail) continue;
+    if (!out.empty()) out += ", ";
+    out += "slot " + std::to_string(s) + " (pid " + std::to_string(aiospec::load_relaxed(m.rd32(s, AIOSPEC_RD_PID))) +
+           ", lag " + std::to_string(head > tail ? head - tail : 0) + " bytes)";
+  }
+  return out.empty() ? "none (they caught up)" : out;
+}
+
+}  // namespace
+
+extern "C" {
+
+void aiospec_cuda_default_options(aiospec_cuda_options* o) {
+  std::memset(o, 0, sizeof *o);
+  o->device = 0;
+  o->rows_per_block = kDefaultRowsPerBlock;
+  o->max_rows = 4096;
+  o->timeout_s = 5.0;
+  o->reader_timeout_s = 0.0;
+  o->liveness_s = 0.05;
+  o->host_notify = 0;
+  o->check_pids = 1;
+}
+
+int32_t aiospec_cuda_abi_version(void) { return AIOSPEC_CUDA_ABI_VERSION; }
+
+const char* aiospec_cuda_error_string(int32_t status) { return cudaGetErrorString(cudaError_t(status)); }
+
+int aiospec_cuda_device_ok(int32_t device, char* err, size_t errlen) {
+  int count = 0;
+  cudaError_t e = cudaGetDeviceCount(&count);
+  if (e != cudaSuccess) {
+    put_error(err, errlen, cuda_msg("cudaGetDeviceCount", e));
+    return 0;
+  }
+  if (device < 0 || device >= count) {
+    put_error(err, errlen,
+              "device = " + std::to_string(device) + ": expected 0.." + std::to_string(count - 1) + " (CUDA devices)");
+    return 0;
+  }
+  int supported = 0;
+  e = cudaDeviceGetAttribute(&supported, cudaDevAttrHostRegisterSupported, device);
+  if (e != cudaSuccess) {
+    put_error(err, errlen, cuda_msg("cudaDeviceGetAttribute(HostRegisterSupported)", e));
+    return 0;
+  }
+  if (!supported) {
+    put_error(err, errlen, "device " + std::to_string(device) + " cannot map host memory (cudaHostRegister unsupported)");
+    return 0;
+  }
+  return 1;
+}
+
+int32_t aiospec_cuda_pointer_device(const void* ptr) {
+  cudaPointerAttributes attr;
+  if (cudaPointerGetAttributes(&attr, ptr) != cudaSuccess) {
+    cudaGetLastError();  // clear the sticky-free error of an unknown pointer
+    return -1;
+  }
+  return attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged ? attr.device : -1;
+}
+
+int aiospec_cuda_producer_create(const char* ring_name, const aiospec_cuda_options* opts,
+                                 aiospec_cuda_producer** out, char* err, size_t errlen) {
+  if (out == nullptr || ring_name == nullptr) {
+    put_error(err, errlen, "ring_name and out: required");
+    return -1;
+  }
+  *out = nullptr;
+  aiospec_cuda_options o;
+  if (opts != nullptr) {
+    o = *opts;
+  } else {
+    aiospec_cuda_default_options(&o);
+  }
+  if (o.rows_per_block == 0) o.rows_per_block = kDefaultRowsPerBlock;
+  if (o.max_rows < 0 || o.max_rows > INT32_MAX - 1) {
+    put_error(err, errlen, "max_rows = " + std::to_string(o.max_rows) + ": expected 0.." + std::to_string(INT32_MAX - 1));
+    return -1;
+  }
+  if (o.rows_per_block < 1 || o.rows_per_block > kMaxRowsPerBlock) {
+    put_error(err, errlen, "rows_per_block = " + std::to_string(o.rows_per_block) + ": expected 1.." +
+                               std::to_string(kMaxRowsPerBlock));
+    return -1;
+  }
+  if (!(o.timeout_s >= 0) || o.timeout_s > 1e6) {
+    put_error(err, errlen, "timeout = " + aiospec::py_float(o.timeout_s) + ": expected 0..1000000 seconds");
+    return -1;
+  }
+  if (!aiospec_cuda_device_ok(o.device, err, errlen)) return -1;
+
+  auto p = std::make_unique<aiospec_cuda_producer>();
+  p->opts = o;
+  try {
+    aiospec::ProducerOptions ro;
+    ro.reader_timeout = o.reader_timeout_s > 0 ? o.reader_timeout_s : -1.0;
+    ro.check_pids = o.check_pids != 0;
+    p->ring = std::make_unique<aiospec::RingProducer>(ring_name, ro);
+  } catch (const std::exception& ex) {
+    put_error(err, errlen, ex.what());
+    return -1;
+  }
+  const aiospec::RingMap& m = p->ring->map();
+  DeviceGuard guard(o.device);
+  if (guard.status() != cudaSuccess) {
+    put_error(err, errlen, cuda_msg("cudaSetDevice", guard.status()));
+    p->release();
+    return -1;
+  }
+  auto fail = [&](const char* what, cudaError_t e) {
+    put_error(err, errlen, cuda_msg(what, e));
+    cudaGetLastError();
+    p->release();
+    return -1;
+  };
+  // Once, on the whole page-aligned segment; the mapping stays cacheable (never WC) because
+  // readers on the CPU poll it.
+  p->host_base = m.base;
+  cudaError_t e = cudaHostRegister(m.base, m.size, cudaHostRegisterMapped | cudaHostRegisterPortable);
+  if (e != cudaSuccess) return fail("cudaHostRegister(ring segment)", e);
+  p->registered = true;
+  void* dev = nullptr;
+  e = cudaHostGetDevicePointer(&dev, m.base, 0);
+  if (e != cudaSuccess) return fail("cudaHostGetDevicePointer(ring segment)", e);
+  p->ref.ctl = static_cast<uint8_t*>(dev);
+  p->ref.data = p->ref.ctl + AIOSPEC_CONTROL_SIZE;
+  p->ref.capacity = m.capacity;
+  p->ref.mask = m.mask;
+  p->ref.max_record = m.max_record;
+  p->ref.max_readers = m.max_readers;
+  p->ref.timeout_ns = uint64_t(o.timeout_s * 1e9);
+
+  e = cudaMalloc(&p->st, sizeof(State));
+  if (e != cudaSuccess) return fail("cudaMalloc(producer state)", e);
+  p->stride = o.max_rows + 1;
+  e = cudaMalloc(&p->scratch, sizeof(long long) * 3 * size_t(p->stride));
+  if (e != cudaSuccess) return fail("cudaMalloc(scratch)", e);
+  e = cudaHostAlloc(&p->mh, sizeof(Mapped), cudaHostAllocMapped | cudaHostAllocPortable);
+  if (e != cudaSuccess) return fail("cudaHostAlloc(error word)", e);
+  std::memset(static_cast<void*>(p->mh), 0, sizeof(Mapped));
+  e = cudaHostGetDevicePointer(reinterpret_cast<void**>(&p->md), p->mh, 0);
+  if (e != cudaSuccess) return fail("cudaHostGetDevicePointer(error word)", e);
+
+  State init;
+  std::memset(static_cast<void*>(&init), 0, sizeof init);
+  init.head = aiospec::load_acquire(m.ctl64(AIOSPEC_OFF_HEAD));
+  init.tail_cache = 0;  // a valid lower bound; the first frame that needs it rescans
+  init.frames_written = aiospec::load_relaxed(m.ctl64(AIOSPEC_OFF_FRAMES_WRITTEN));
+  init.bytes_written = aiospec::load_relaxed(m.ctl64(AIOSPEC_OFF_BYTES_WRITTEN));
+  init.frames_lost = aiospec::load_relaxed(m.ctl64(AIOSPEC_OFF_FRAMES_LOST));
+  init.b_key = aiospec::cuda::kNoError;
+  e = cudaMemcpy(p->st, &init, sizeof init, cudaMemcpyHostToDevice);
+  if (e != cudaSuccess) return fail("cudaMemcpy(producer state)", e);
+
+  if (o.liveness_s > 0) {
+    aiospec_cuda_producer* raw = p.get();
+    const auto period = std::chrono::duration<double>(o.liveness_s);
+    p->live = std::thread([raw, period] {
+      std::unique_lock<std::mutex> lock(raw->live_mu);
+      while (!raw->live_cv.wait_for(lock, period, [raw] { return raw->stop; })) {
+        lock.unlock();
+        try {
+          raw->liveness();
+        } catch (...) {
+          // a failing flock or a vanished bell must not end the process; retry next period
+        }
+        lock.lock();
+      }
+    });
+  }
+  *out = p.release();
+  return 0;
+}
+
+void aiospec_cuda_producer_destroy(aiospec_cuda_producer* p) {
+  if (p == nullptr) return;
+  try {
+    p->release();
+  } catch (...) {
+  }
+  delete p;
+}
+
+cudaError_t aiospec_cuda_emit_ex(aiospec_cuda_producer* p, const aiospec_emit_args* args, const uint64_t* step_dev,
+                                 cudaStream_t stream) {
+  if (p == nullptr || args == nullptr || p->ring == nullptr) return cudaErrorInvalidValue;
+  aiospec_error e;
+  if (aiospec_check_args(args, &e) != AIOSPEC_E_OK) {
+    p->last = e;
+    return cudaErrorInvalidValue;
+  }
+  if (args->rows > p->opts.max_rows) {
+    aiospec_set_error(&p->last, AIOSPEC_E_MAX_ROWS, AIOSPEC_ARG_ROWS, -1, -1, args->rows, 0, p->opts.max_rows, -1);
+    return cudaErrorInvalidValue;
+  }
+  DeviceGuard guard(p->opts.device);
+  if (guard.status() != cudaSuccess) return guard.status();
+  const int rpb = p->opts.rows_per_block;
+  const long long blocks = args->rows > 0 ? (args->rows + rpb - 1) / rpb : 1;
+  const size_t shmem = sizeof(long long) * 4 * size_t(rpb + 1);
+  aiospec::cuda::emit_plan_kernel<<<1, aiospec::cuda::kPlanThreads, 0, stream>>>(*args, p->ref, p->st, p->scratch,
+                                                                                 p->stride, step_dev);
+  aiospec::cuda::emit_columns_kernel<<<unsigned(blocks), aiospec::cuda::kColumnThreads, shmem, stream>>>(
+      *args, p->ref, p->st, p->scratch, p->stride, p->md, rpb);
+  cudaError_t status = cudaGetLastError();
+  if (status == cudaSuccess && p->opts.host_notify) status = cudaLaunchHostFunc(stream, notify_callback, p);
+  if (status == cudaSuccess) ++p->emits;
+  return status;
+}
+
+cudaError_t aiospec_cuda_emit(aiospec_cuda_producer* p, const aiospec_emit_args* args, cudaStream_t stream) {
+  return aiospec_cuda_emit_ex(p, args, nullptr, stream);
+}
+
+void aiospec_cuda_last_error(const aiospec_cuda_producer* p, aiospec_error* out) {
+  if (p != nullptr && out != nullptr) *out = p->last;
+}
+
+int aiospec_cuda_check(aiospec_cuda_producer* p, aiospec_error* out, uint64_t* step) {
+  if (p == nullptr || p->mh == nullptr) return 0;
+  const uint64_t seq = __atomic_load_n(const_cast<unsigned long long*>(&p->mh->seq), __ATOMIC_ACQUIRE);
+  if (seq == p->reported) return 0;
+  if (out != nullptr) {
+    const aiospec_error& src = p->mh->err;
+    std::memcpy(out, &src, sizeof *out);
+  }
+  if (step != nullptr) *step = p->mh->step;
+  p->reported = seq;
+  __atomic_store_n(const_cast<unsigned long long*>(&p->mh->ack), (unsigned long long)seq, __ATOMIC_RELEASE);
+  return 1;
+}
+
+int aiospec_cuda_format_error(const aiospec_cuda_producer* p, const aiospec_error* e, char* buf, size_t size) {
+  if (e->code == AIOSPEC_E_RING_FULL && p != nullptr && p->ring != nullptr) {
+    // the CPU writer's RingFull message (ring.h), with the readers as they lag now
+    auto* mp = const_cast<aiospec_cuda_producer*>(p);
+    std::lock_guard<std::mutex> lock(mp->mu);
+    const std::string msg = "ring " + p->ring->name() + ": no room for a " + std::to_string(e->value) +
+                            "-byte frame after " + aiospec::py_float(p->opts.timeout_s) + " s; lagging reader(s): " +
+                            describe_laggards(mp, uint64_t(e->lo), uint64_t(e->hi));
+    return std::snprintf(buf, size, "%s", msg.c_str());
+  }
+  if (e->code == AIOSPEC_E_MAX_ROWS) {
+    return std::snprintf(buf, size, "rows = %lld: expected 0..%lld (the producer's max_rows)", (long long)e->value,
+                         (long long)e->hi);
+  }
+#ifndef __CUDA_ARCH__  // emit.h declares the formatter for host passes only
+  return aiospec_format_error(e, buf, size);
+#else
+  return 0;
+#endif
+}
+
+int aiospec_cuda_notify(aiospec_cuda_producer* p) {
+  if (p == nullptr) return 0;
+  try {
+    return p->notify();
+  } catch (...) {
+    return -1;
+  }
+}
+
+void aiospec_cuda_stats_get(const aiospec_cuda_producer* p, aiospec_cuda_stats* out) {
+  std::memset(out, 0, sizeof *out);
+  if (p == nullptr || p->ring == nullptr) return;
+  const aiospec::RingMap& m = p->ring->map();
+  out->head = aiospec::load_acquire(m.ctl64(AIOSPEC_OFF_HEAD));
+  out->frames_written = aiospec::load_relaxed(m.ctl64(AIOSPEC_OFF_FRAMES_WRITTEN));
+  out->bytes_written = aiospec::load_relaxed(m.ctl64(AIOSPEC_OFF_BYTES_WRITTEN));
+  out->frames_lost = aiospec::load_relaxed(m.ctl64(AIOSPEC_OFF_FRAMES_LOST));
+  out->errors = p->mh != nullptr ? p->mh->errors : 0;
+  out->errors_reported = p->reported;
+  out->emits = p->emits;
+  out->capacity = m.capacity;
+  out->max_record = m.max_record;
+  out->max_rows = p->opts.max_rows;
+}
+
+}  // extern "C"

@@ -1,0 +1,532 @@
+// Self-checking driver of the CUDA emit path, small enough to run under compute-sanitizer.
+//
+// It creates a ring segment itself (the same control page shm.Ring.create writes), plays a
+// reader in slot 0, and checks against the CPU writer (csrc/cpu/emit_cpu.cc, itself tested
+// byte for byte against the Python reference encoder):
+//   frames   random batches (0..989 rows, 1..6 tokens, k 0/5/20, int32/int64, drafts,
+//            flags, draft kind) across many wrap-arounds: payload bytes identical, padding
+//            zero, next header zeroed, counters right;
+//   errors   random corruptions of valid inputs: the device reports exactly the error the
+//            CPU writer reports first (code, argument, row, column, value, bounds), commits
+//            nothing, counts a lost frame;
+//   full     a reader that does not read: a bounded wait, then "ring full" and a lost frame;
+//            once the reader catches up, frames flow again;
+//   graph    one emit captured in a CUDA graph (the step read from device memory) replayed.
+// Build: nvcc -arch=sm_90 -std=c++17 -Icsrc/include csrc/cuda/tools/emit_check.cu
+//        csrc/cuda/emit_cuda.cu csrc/cpu/emit_cpu.cc -o emit_check
+// Exit status 0 when every check passed; prints one line per scenario.
+#include <cuda_runtime.h>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cinttypes>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "aiospec/emit.h"
+#include "aiospec/emit_cpu.h"
+#include "aiospec/emit_cuda.h"
+#include "aiospec/layout.h"
+
+namespace {
+
+int g_failures = 0;
+
+#define CHECK(cond, ...)                                   \
+  do {                                                     \
+    if (!(cond)) {                                         \
+      std::fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__); \
+      std::fprintf(stderr, __VA_ARGS__);                   \
+      std::fprintf(stderr, "\n");                          \
+      ++g_failures;                                        \
+    }                                                      \
+  } while (0)
+
+#define CUDA_OK(expr)                                                                       \
+  do {                                                                                      \
+    cudaError_t e_ = (expr);                                                                \
+    if (e_ != cudaSuccess) {                                                                \
+      std::fprintf(stderr, "CUDA error %s at %s:%d: %s\n", cudaGetErrorName(e_), __FILE__, __LINE__, #expr); \
+      std::exit(2);                                                                         \
+    }                                                                                       \
+  } while (0)
+
+// A ring segment with the control page shm.Ring.create writes, and reader slot 0 ours.
+struct Segment {
+  std::string name;
+  uint8_t* base = nullptr;
+  uint64_t size = 0, capacity = 0;
+  uint64_t tail = 0;
+
+  Segment(uint64_t cap, uint32_t max_record, const char* tag) {
+    name = std::string("aiospec-check-") + tag + "-" + std::to_string(getpid());
+    capacity = cap;
+    size = AIOSPEC_CONTROL_SIZE + cap;
+    const std::string path = "/dev/shm/" + name;
+    unlink(path.c_str());
+    int fd = open(path.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+    if (fd < 0 || ftruncate(fd, off_t(size)) != 0) {
+      std::perror("segment");
+      std::exit(2);
+    }
+    base = static_cast<uint8_t*>(mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0));
+    close(fd);
+    u32(AIOSPEC_OFF_VERSION) = AIOSPEC_VERSION;
+    u32(AIOSPEC_OFF_CONTROL_SIZE) = AIOSPEC_CONTROL_SIZE;
+    u64(AIOSPEC_OFF_CAPACITY) = cap;
+    u32(AIOSPEC_OFF_MAX_RECORD) = max_record;
+    u32(AIOSPEC_OFF_MAX_READERS) = 4;
+    u32(AIOSPEC_OFF_FRAME_ALIGN) = AIOSPEC_FRAME_ALIGN;
+    u32(AIOSPEC_OFF_CREATOR_PID) = uint32_t(getpid());
+    u64(AIOSPEC_OFF_MAGIC) = AIOSPEC_MAGIC;
+    // reader slot 0: this process, at position 0
+    slot32(AIOSPEC_RD_PID) = uint32_t(getpid());
+    slot64(AIOSPEC_RD_TAIL) = 0;
+    slot32(AIOSPEC_RD_GENERATION) = 1;
+    slot32(AIOSPEC_RD_STATE) = AIOSPEC_READER_ACTIVE;
+  }
+  ~Segment() {
+    munmap(base, size);
+    unlink(("/dev/shm/" + name).c_str());
+  }
+  uint64_t& u64(size_t off) { return *reinterpret_cast<uint64_t*>(base + off); }
+  uint32_t& u32(size_t off) { return *reinterpret_cast<uint32_t*>(base + off); }
+  uint64_t& slot64(size_t off) { return u64(AIOSPEC_READERS_BASE + off); }
+  uint32_t& slot32(size_t off) { return u32(AIOSPEC_READERS_BASE + off); }
+  uint8_t* at(uint64_t pos) { return base + AIOSPEC_CONTROL_SIZE + (pos & (capacity - 1)); }
+  uint64_t commit_at(uint64_t pos) { return __atomic_load_n(reinterpret_cast<uint64_t*>(at(pos) + 8), __ATOMIC_ACQUIRE); }
+
+  // Reads the next DATA frame at our tail (skipping PAD), advances the tail. Empty if none.
+  std::vector<uint8_t> read_frame() {
+    for (;;) {
+      const uint64_t c = commit_at(tail);
+      if (c == 0) return {};
+      const uint64_t len = c & 0xFFFFFFFFull, type = c >> 32;
+      const uint64_t sz = (len + 63) & ~uint64_t(63);
+      CHECK(*reinterpret_cast<uint64_t*>(at(tail)) == tail, "position word at %" PRIu64, tail);
+      if (type == AIOSPEC_FRAME_PAD) {
+        CHECK(((tail + sz) & (capacity - 1)) == 0, "PAD at %" PRIu64 " does not end the data area", tail);
+        tail += sz;
+        continue;
+      }
+      CHECK(type == AIOSPEC_FRAME_DATA, "frame type %" PRIu64, type);
+      std::vector<uint8_t> out(at(tail) + 16, at(tail) + len);
+      for (uint64_t b = len; b < sz; ++b) CHECK(at(tail)[b] == 0, "alignment byte %" PRIu64 " not zero", b);
+      tail += sz;
+      CHECK(commit_at(tail) == 0, "next header at %" PRIu64 " not zeroed", tail);
+      slot64(AIOSPEC_RD_TAIL) = tail;
+      return out;
+    }
+  }
+};
+
+// One step's inputs, host copies and device copies.
+struct Inputs {
+  int64_t rows = 0, W = 1, Wd = 0, N = 0, width = 1;
+  int k = -1;
+  bool i64 = true, lp = true, drafts = false, flags = true;
+  uint32_t kind = 0;
+  std::vector<int64_t> handles;
+  std::vector<int64_t> tok64, dr64, lpid64, rank64;
+  std::vector<int32_t> tok32, dr32, lpid32, rank32;
+  std::vector<int32_t> nt, nd, fl, lpo;
+  std::vector<float> lpv;
+  std::vector<void*> dev;
+
+  ~Inputs() { free_dev(); }
+  void free_dev() {
+    for (void* p : dev) cudaFree(p);
+    dev.clear();
+  }
+  template <class T>
+  const T* up(const std::vector<T>& v) {
+    if (v.empty()) return nullptr;
+    void* p = nullptr;
+    CUDA_OK(cudaMalloc(&p, v.size() * sizeof(T)));  // exact sizes: memcheck sees any overrun
+    CUDA_OK(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
+    dev.push_back(p);
+    return static_cast<const T*>(p);
+  }
+  aiospec_emit_args host_args(uint64_t step) const { return make(step, nullptr); }
+  aiospec_emit_args device_args(uint64_t step) {
+    free_dev();
+    return make(step, this);
+  }
+
+ private:
+  aiospec_emit_args make(uint64_t step, Inputs* d) const {
+    auto pick = [&](const auto& v) -> const void* {
+      if (v.empty()) return nullptr;
+      return d != nullptr ? static_cast<const void*>(d->up(v)) : static_cast<const void*>(v.data());
+    };
+    aiospec_emit_args a;
+    std::memset(&a, 0, sizeof a);
+    a.rows = rows;
+    a.handles = static_cast<const int64_t*>(pick(handles));
+    a.token_ids = i64 ? pick(tok64) : pick(tok32);
+    a.token_ids_i64 = i64;
+    a.max_tokens = W;
+    a.num_tokens = static_cast<const int32_t*>(pick(nt));
+    a.flags = flags ? static_cast<const int32_t*>(pick(fl)) : nullptr;
+    if (drafts) {
+      a.draft_ids = i64 ? pick(dr64) : pick(dr32);
+      a.draft_ids_i64 = i64;
+      a.max_draft = Wd;
+      a.num_draft = static_cast<const int32_t*>(pick(nd));
+    }
+    if (lp) {
+      a.lp_ids = i64 ? pick(lpid64) : pick(lpid32);
+      a.lp_ids_i64 = i64;
+      a.lp_values = static_cast<const float*>(pick(lpv));
+      a.lp_ranks = i64 ? pick(rank64) : pick(rank32);
+      a.lp_ranks_i64 = i64;
+      a.lp_offsets = static_cast<const int32_t*>(pick(lpo));
+      a.lp_rows = N;
+      a.lp_width = width;
+      a.k = k;
+    }
+    a.kind = kind;
+    a.producer = 7;
+    a.step = step;
+    return a;
+  }
+};
+
+// Some rows are never empty-valued: zero-sized inputs still get one element so that the
+// device pointers are not NULL (a NULL means "absent" to the op).
+Inputs random_inputs(std::mt19937_64& rng, int64_t rows, int64_t W, int k_max, bool i64) {
+  Inputs in;
+  std::uniform_int_distribution<int> coin(0, 1);
+  in.rows = rows;
+  in.W = W;
+  in.i64 = i64;
+  in.lp = k_max >= 0;
+  in.width = in.lp ? k_max + 1 : 1;
+  in.k = in.lp ? int(std::uniform_int_distribution<int>(0, k_max)(rng)) : -1;
+  if (in.lp && coin(rng)) in.k = -1;  // default: width - 1
+  in.drafts = coin(rng);
+  in.flags = coin(rng);
+  in.kind = coin(rng) && coin(rng) ? 1 : 0;
+  in.Wd = in.drafts ? 2 : 0;
+  std::uniform_int_distribution<int32_t> tok(0, 150000);
+  in.handles.resize(size_t(std::max<int64_t>(rows, 1)));
+  in.nt.resize(in.handles.size());
+  in.nd.resize(in.handles.size());
+  in.fl.resize(in.handles.size());
+  for (int64_t i = 0; i < rows; ++i) {
+    in.handles[i] = int64_t(rng() >> 2);
+    in.nt[i] = int32_t(std::uniform_int_distribution<int64_t>(0, W)(rng));
+    in.nd[i] = in.drafts ? int32_t(std::uniform_int_distribution<int64_t>(0, in.Wd)(rng)) : 0;
+    const int r = std::uniform_int_distribution<int>(0, 9)(rng);
+    in.fl[i] = r == 0 ? AIOSPEC_FLAG_FINISHED : r == 1 ? AIOSPEC_FLAG_PREEMPTED : r == 2 ? AIOSPEC_FLAG_FIRST_TOKEN : 0;
+  }
+  const size_t ntok = size_t(std::max<int64_t>(rows * W, 1)), ndr = size_t(std::max<int64_t>(rows * in.Wd, 1));
+  in.tok64.resize(ntok);
+  in.dr64.resize(ndr);
+  for (auto& v : in.tok64) v = tok(rng);
+  for (auto& v : in.dr64) v = tok(rng);
+  // logprob rows: each row owns num_tokens[i] + a random slack of 0..2 rows
+  in.lpo.assign(size_t(rows + 1), 0);
+  for (int64_t i = 0; i < rows; ++i)
+    in.lpo[i + 1] = in.lpo[i] + in.nt[i] + int32_t(std::uniform_int_distribution<int>(0, 2)(rng));
+  in.N = in.lpo[rows];
+  const size_t nlp = size_t(std::max<int64_t>(in.N, 1));
+  in.lpid64.resize(nlp * size_t(in.width));
+  in.lpv.resize(nlp * size_t(in.width));
+  in.rank64.resize(nlp);
+  std::normal_distribution<float> val(-3.f, 2.f);
+  for (auto& v : in.lpid64) v = tok(rng);
+  for (auto& v : in.lpv) v = val(rng);
+  for (auto& v : in.rank64) v = int64_t(std::uniform_int_distribution<int>(1, 40)(rng));
+  if (!in.lp) in.N = 0;
+  if (!i64) {
+    in.tok32.assign(in.tok64.begin(), in.tok64.end());
+    in.dr32.assign(in.dr64.begin(), in.dr64.end());
+    in.lpid32.assign(in.lpid64.begin(), in.lpid64.end());
+    in.rank32.assign(in.rank64.begin(), in.rank64.end());
+  }
+  return in;
+}
+
+// Corrupts one thing of a valid batch (rows > 0) the op must reject.
+void corrupt(std::mt19937_64& rng, Inputs& in) {
+  const int64_t i = std::uniform_int_distribution<int64_t>(0, in.rows - 1)(rng);
+  switch (std::uniform_int_distribution<int>(0, 9)(rng)) {
+    case 0: in.nt[i] = int32_t(in.W + 1); break;
+    case 1: in.nt[i] = -1; break;
+    case 2: if (in.drafts) in.nd[i] = int32_t(in.Wd + 3); else in.nt[i] = int32_t(in.W + 7); break;
+    case 3: if (in.flags) in.fl[i] = 64 | AIOSPEC_FLAG_FINISHED; else in.nt[i] = -5; break;
+    case 4: in.handles[i] = -3; in.nt[i] = int32_t(in.W); break;
+    case 5: if (in.lp) in.lpo[i + 1] = int32_t(in.N + 2); else in.nt[i] = -2; break;
+    case 6: if (in.lp) { in.lpo[i] = in.lpo[i + 1] + 1; } else in.nt[i] = -2; break;
+    case 7: if (in.lp) { in.nt[i] = int32_t(in.W); in.lpo[i + 1] = in.lpo[i]; } else in.nt[i] = -9; break;
+    case 8:
+      if (in.i64 && in.nt[i] > 0 && in.nt[i] <= in.W) in.tok64[size_t(i * in.W + in.nt[i] - 1)] = int64_t(1) << 40;
+      else in.nt[i] = int32_t(in.W + 2);
+      break;
+    default:
+      if (in.i64 && in.lp && in.nt[i] > 0 && in.lpo[i] >= 0 && in.lpo[i] < in.N) {
+        const int64_t r = in.lpo[i];
+        if (std::uniform_int_distribution<int>(0, 1)(rng)) in.rank64[size_t(r)] = -(int64_t(1) << 35);
+        else in.lpid64[size_t(r * in.width + in.width - 1)] = int64_t(1) << 33;
+      } else {
+        in.nt[i] = int32_t(in.W + 4);
+      }
+  }
+}
+
+aiospec_cuda_producer* make_producer(const Segment& seg, double timeout) {
+  aiospec_cuda_options o;
+  aiospec_cuda_default_options(&o);
+  o.max_rows = 2048;
+  o.timeout_s = timeout;
+  o.liveness_s = 0;  // no thread: this driver is the only actor
+  aiospec_cuda_producer* p = nullptr;
+  char err[512];
+  if (aiospec_cuda_producer_create(seg.name.c_str(), &o, &p, err, sizeof err) != 0) {
+    std::fprintf(stderr, "producer_create: %s\n", err);
+    std::exit(2);
+  }
+  return p;
+}
+
+uint64_t lost(Segment& s) { return __atomic_load_n(&s.u64(AIOSPEC_OFF_FRAMES_LOST), __ATOMIC_ACQUIRE); }
+
+void scenario_frames(std::mt19937_64& rng, int iters) {
+  Segment seg(8u << 20, 2u << 20, "frames");
+  aiospec_cuda_producer* p = make_producer(seg, 5.0);
+  cudaStream_t s;
+  CUDA_OK(cudaStreamCreate(&s));
+  const int64_t sizes[] = {0, 1, 19, 99, 989};
+  const int ks[] = {-1, 0, 5, 20};
+  uint64_t frames = 0, pads = 0, bytes = 0;
+  for (int it = 0; it < iters; ++it) {
+    const int64_t rows = it < 20 ? sizes[it % 5] : std::uniform_int_distribution<int64_t>(0, 300)(rng);
+    const int64_t W = std::uniform_int_distribution<int64_t>(1, 6)(rng);
+    const int kmax = ks[std::uniform_int_distribution<int>(0, 3)(rng)];
+    Inputs in = random_inputs(rng, rows, W, kmax, std::uniform_int_distribution<int>(0, 1)(rng));
+    const uint64_t step = 1000 + uint64_t(it);
+    aiospec_emit_args ha = in.host_args(step);
+    aiospec_frame_layout lay;
+    aiospec_error err;
+    if (aiospec::emit_validate(ha, seg.u32(AIOSPEC_OFF_MAX_RECORD), &lay, &err) != AIOSPEC_E_OK) {
+      CHECK(false, "generated inputs invalid: %s", aiospec::format_error(err).c_str());
+      continue;
+    }
+    std::vector<uint8_t> want(lay.payload_len);
+    aiospec::emit_write_payload(ha, lay, want.data());
+    const uint64_t head0 = seg.u64(AIOSPEC_OFF_HEAD);
+    aiospec_emit_args da = in.device_args(step);
+    CUDA_OK(aiospec_cuda_emit(p, &da, s));
+    CUDA_OK(cudaStreamSynchronize(s));
+    aiospec_error e;
+    CHECK(aiospec_cuda_check(p, &e, nullptr) == 0, "unexpected device error %d", e.code);
+    const uint64_t before = seg.tail;
+    std::vector<uint8_t> got = seg.read_frame();
+    if (seg.tail - before > lay.frame_size) ++pads;
+    CHECK(got.size() == want.size(), "frame %d: %zu bytes, expected %zu", it, got.size(), want.size());
+    if (got.size() == want.size() && std::memcmp(got.data(), want.data(), got.size()) != 0) {
+      size_t b = 0;
+      while (got[b] == want[b]) ++b;
+      CHECK(false, "frame %d (rows %" PRId64 ", W %" PRId64 ", k %d): first differing byte %zu", it, rows, W, in.k, b);
+    }
+    CHECK(seg.u64(AIOSPEC_OFF_HEAD) == seg.tail, "head %" PRIu64 " != reader tail %" PRIu64,
+          seg.u64(AIOSPEC_OFF_HEAD), seg.tail);
+    CHECK(seg.u64(AIOSPEC_OFF_HEAD) > head0, "head did not move");
+    ++frames;
+    bytes += lay.payload_len;
+  }
+  CHECK(seg.u64(AIOSPEC_OFF_FRAMES_WRITTEN) == frames, "frames_written %" PRIu64 " != %" PRIu64,
+        seg.u64(AIOSPEC_OFF_FRAMES_WRITTEN), frames);
+  CHECK(seg.u64(AIOSPEC_OFF_BYTES_WRITTEN) == bytes, "bytes_written mismatch");
+  CHECK(lost(seg) == 0, "frames lost");
+  std::printf("frames: %" PRIu64 " frames byte-identical to the CPU writer, %" PRIu64 " wraps, %.1f laps\n", frames,
+              pads, double(seg.tail) / double(seg.capacity));
+  aiospec_cuda_producer_destroy(p);
+  CUDA_OK(cudaStreamDestroy(s));
+}
+
+void scenario_errors(std::mt19937_64& rng, int iters) {
+  Segment seg(8u << 20, 2u << 20, "errors");
+  aiospec_cuda_producer* p = make_producer(seg, 5.0);
+  cudaStream_t s;
+  CUDA_OK(cudaStreamCreate(&s));
+  int matched = 0;
+  for (int it = 0; it < iters; ++it) {
+    const int64_t rows = std::uniform_int_distribution<int64_t>(1, 200)(rng);
+    Inputs in = random_inputs(rng, rows, std::uniform_int_distribution<int64_t>(1, 6)(rng), it % 2 ? 5 : 20,
+                              std::uniform_int_distribution<int>(0, 3)(rng) != 0);
+    const int n = std::uniform_int_distribution<int>(1, 3)(rng);
+    for (int c = 0; c < n; ++c) corrupt(rng, in);
+    aiospec_emit_args ha = in.host_args(uint64_t(it));
+    aiospec_frame_layout lay;
+    aiospec_error want;
+    const int code = aiospec::emit_validate(ha, seg.u32(AIOSPEC_OFF_MAX_RECORD), &lay, &want);
+    const uint64_t head0 = seg.u64(AIOSPEC_OFF_HEAD), lost0 = lost(seg);
+    aiospec_emit_args da = in.device_args(uint64_t(it));
+    CUDA_OK(aiospec_cuda_emit(p, &da, s));
+    CUDA_OK(cudaStreamSynchronize(s));
+    aiospec_error got;
+    uint64_t step = 0;
+    const int reported = aiospec_cuda_check(p, &got, &step);
+    if (code == AIOSPEC_E_OK) {  // the corruption happened to be harmless (e.g. slack rows)
+      CHECK(reported == 0, "device error %d on valid input", got.code);
+      seg.read_frame();
+      continue;
+    }
+    CHECK(reported == 1, "iteration %d: no device error, expected %s", it, aiospec::format_error(want).c_str());
+    if (reported != 1) continue;
+    const bool same = got.code == want.code && got.arg == want.arg && got.row == want.row && got.col == want.col &&
+                      got.value == want.value && got.lo == want.lo && got.hi == want.hi;
+    CHECK(same, "iteration %d: device says '%s', CPU says '%s'", it, aiospec::format_error(got).c_str(),
+          aiospec::format_error(want).c_str());
+    CHECK(step == uint64_t(it), "error step %" PRIu64 ", expected %d", step, it);
+    CHECK(seg.u64(AIOSPEC_OFF_HEAD) == head0, "head moved on an invalid frame");
+    CHECK(seg.commit_at(head0) == 0, "a frame was committed for invalid input");
+    CHECK(lost(seg) == lost0 + 1, "frames_lost did not rise");
+    matched += same;
+  }
+  // frame too large for the ring
+  {
+    Segment small(1u << 16, 8192, "small");
+    aiospec_cuda_producer* q = make_producer(small, 5.0);
+    Inputs in = random_inputs(rng, 300, 6, 20, true);
+    for (auto& v : in.nt) v = 6;
+    in.lpo.assign(size_t(in.rows + 1), 0);
+    for (int64_t i = 0; i < in.rows; ++i) in.lpo[i + 1] = in.lpo[i] + 6;
+    in.N = in.lpo[in.rows];
+    in.lpid64.resize(size_t(in.N * in.width));
+    in.lpv.resize(size_t(in.N * in.width));
+    in.rank64.resize(size_t(in.N), 1);
+    aiospec_emit_args ha = in.host_args(5);
+    aiospec_frame_layout lay;
+    aiospec_error want, got;
+    CHECK(aiospec::emit_validate(ha, 8192, &lay, &want) == AIOSPEC_E_FRAME_SIZE, "expected a frame-size error");
+    aiospec_emit_args da = in.device_args(5);
+    CUDA_OK(aiospec_cuda_emit(q, &da, s));
+    CUDA_OK(cudaStreamSynchronize(s));
+    CHECK(aiospec_cuda_check(q, &got, nullptr) == 1 && got.code == AIOSPEC_E_FRAME_SIZE && got.value == want.value &&
+              got.hi == want.hi,
+          "frame-size error: got code %d value %" PRId64, got.code, got.value);
+    aiospec_cuda_producer_destroy(q);
+  }
+  // host-side errors: scalar arguments and rows beyond max_rows launch nothing
+  {
+    Inputs in = random_inputs(rng, 4, 2, 5, true);
+    aiospec_emit_args da = in.device_args(1);
+    da.k = 9;
+    CHECK(aiospec_cuda_emit(p, &da, s) == cudaErrorInvalidValue, "k = 9 accepted");
+    aiospec_error e;
+    aiospec_cuda_last_error(p, &e);
+    CHECK(e.code == AIOSPEC_E_K, "host error code %d, expected E_K", e.code);
+    da.k = 2;
+    da.rows = 5000;
+    CHECK(aiospec_cuda_emit(p, &da, s) == cudaErrorInvalidValue, "rows beyond max_rows accepted");
+    aiospec_cuda_last_error(p, &e);
+    CHECK(e.code == AIOSPEC_E_MAX_ROWS, "host error code %d, expected E_MAX_ROWS", e.code);
+  }
+  std::printf("errors: %d corrupted batches reported exactly as the CPU writer reports them\n", matched);
+  aiospec_cuda_producer_destroy(p);
+  CUDA_OK(cudaStreamDestroy(s));
+}
+
+void scenario_full(std::mt19937_64& rng) {
+  Segment seg(1u << 16, 8192, "full");
+  aiospec_cuda_producer* p = make_producer(seg, 0.02);
+  cudaStream_t s;
+  CUDA_OK(cudaStreamCreate(&s));
+  Inputs in = random_inputs(rng, 40, 2, 5, false);
+  for (auto& v : in.nt) v = 2;
+  for (int64_t i = 0; i <= in.rows; ++i) in.lpo[size_t(i)] = int32_t(2 * i);
+  in.N = 2 * in.rows;
+  aiospec_emit_args da = in.device_args(0);
+  int ok = 0;
+  aiospec_error e;
+  int reported = 0;
+  for (int i = 0; i < 64 && !reported; ++i) {  // the reader never reads: the ring fills up
+    da.step = uint64_t(i);
+    CUDA_OK(aiospec_cuda_emit(p, &da, s));
+    CUDA_OK(cudaStreamSynchronize(s));
+    reported = aiospec_cuda_check(p, &e, nullptr);
+    ok += !reported;
+  }
+  CHECK(reported && e.code == AIOSPEC_E_RING_FULL, "no ring-full error after %d frames", ok);
+  CHECK(lost(seg) == 1, "frames_lost %" PRIu64 ", expected 1", lost(seg));
+  char msg[512];
+  aiospec_cuda_format_error(p, &e, msg, sizeof msg);
+  CHECK(std::strstr(msg, "slot 0 (pid ") != nullptr, "ring-full message does not name the reader: %s", msg);
+  int read = 0;
+  while (!seg.read_frame().empty()) ++read;
+  CHECK(read == ok, "reader saw %d frames, %d were written", read, ok);
+  CUDA_OK(aiospec_cuda_emit(p, &da, s));
+  CUDA_OK(cudaStreamSynchronize(s));
+  CHECK(aiospec_cuda_check(p, &e, nullptr) == 0, "error after the reader caught up");
+  CHECK(!seg.read_frame().empty(), "no frame after the reader caught up");
+  std::printf("full: %d frames, then \"%s\"; frames flow again once the reader reads\n", ok, msg);
+  aiospec_cuda_producer_destroy(p);
+  CUDA_OK(cudaStreamDestroy(s));
+}
+
+__global__ void bump(uint64_t* step) { *step += 1; }
+
+void scenario_graph(std::mt19937_64& rng) {
+  Segment seg(4u << 20, 1u << 20, "graph");
+  aiospec_cuda_producer* p = make_producer(seg, 5.0);
+  cudaStream_t s;
+  CUDA_OK(cudaStreamCreate(&s));
+  Inputs in = random_inputs(rng, 64, 4, 20, true);
+  aiospec_emit_args da = in.device_args(0);
+  uint64_t* step = nullptr;
+  CUDA_OK(cudaMalloc(&step, 8));
+  CUDA_OK(cudaMemset(step, 0, 8));
+  cudaGraph_t g;
+  cudaGraphExec_t ge;
+  CUDA_OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+  bump<<<1, 1, 0, s>>>(step);
+  CUDA_OK(aiospec_cuda_emit_ex(p, &da, step, s));
+  CUDA_OK(cudaStreamEndCapture(s, &g));
+  CUDA_OK(cudaGraphInstantiate(&ge, g, 0));
+  const int replays = 50;
+  for (int i = 0; i < replays; ++i) CUDA_OK(cudaGraphLaunch(ge, s));
+  CUDA_OK(cudaStreamSynchronize(s));
+  int seen = 0;
+  for (;;) {
+    std::vector<uint8_t> f = seg.read_frame();
+    if (f.empty()) break;
+    ++seen;
+    // element 2 of the msgpack array (after dc 00 14, ce+u32, ce+u32) is cf + be64 step
+    uint64_t st = 0;
+    for (int b = 0; b < 8; ++b) st = st << 8 | f[14 + b];
+    CHECK(f[13] == 0xcf && st == uint64_t(seen), "replay %d carries step %" PRIu64, seen, st);
+  }
+  CHECK(seen == replays, "read %d frames after %d replays", seen, replays);
+  std::printf("graph: %d replays of a captured emit, %d frames with steps 1..%d\n", replays, seen, replays);
+  CUDA_OK(cudaGraphExecDestroy(ge));
+  CUDA_OK(cudaGraphDestroy(g));
+  CUDA_OK(cudaFree(step));
+  aiospec_cuda_producer_destroy(p);
+  CUDA_OK(cudaStreamDestroy(s));
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int iters = argc > 1 ? std::atoi(argv[1]) : 120;
+  std::mt19937_64 rng(argc > 2 ? std::strtoull(argv[2], nullptr, 10) : 20261129ull);
+  char err[256];
+  if (!aiospec_cuda_device_ok(0, err, sizeof err)) {
+    std::fprintf(stderr, "no usable device: %s\n", err);
+    return 2;
+  }
+  scenario_frames(rng, iters);
+  scenario_errors(rng, iters);
+  scenario_full(rng);
+  scenario_graph(rng);
+  std::printf("%s: %d failure(s)\n", g_failures ? "FAILED" : "OK", g_failures);
+  return g_failures ? 1 : 0;
+}
