@@ -9,6 +9,7 @@ steps over ZeroMQ or a SysV queue, for the end-to-end benchmark.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import time
 from typing import Any, Protocol
 
@@ -70,10 +71,23 @@ def reference_payload(out: StepOutput, producer: int = 0) -> bytes:
     return encode_frame(out.handles[rows], offs, out.token_ids[rows][tmask], **kw)
 
 
+def _pick_device(requested: str) -> str:
+    """``auto``: the CUDA kernel when a GPU and PyTorch are here, else the C++ writer, else the
+    Python reference (no compiler)."""
+    ops = importlib.import_module("aiospec.ops")
+    if requested != "auto":
+        return requested
+    backends = ops.available_backends()
+    if "cuda" in backends and importlib.util.find_spec("torch") is not None:
+        return "cuda"
+    return "cpu" if "cpu" in backends else "python"
+
+
 class RingSink:
     """Steps into a ring this engine creates, through the emit op (``aiospec.ops``)."""
 
     def __init__(self, config: EngineConfig) -> None:
+        ops = importlib.import_module("aiospec.ops")
         # the largest step: every slot with num_draft + 1 tokens and max_top_logprobs columns
         per_token = 4 * 3 + 8 * config.max_top_logprobs
         worst = 4096 + config.max_batch * (8 + 4 * 4 + (config.num_draft + 1) * per_token)
@@ -82,24 +96,36 @@ class RingSink:
             capacity *= 2
         self.ring = shm.Ring.create(capacity=capacity, max_readers=8, max_record=capacity // 4)
         self.transport = self.ring.name
-        self._producer_id = config.producer
-        self._producer: Any = None
+        self.device = _pick_device(config.device)
         try:
-            ops = importlib.import_module("aiospec.ops")
-        except ImportError:
-            ops = None
-        if ops is not None:
-            device = None if config.device == "auto" else config.device
-            self._producer = ops.Producer(self.ring, device=device, producer=config.producer)
+            # the backend opens (and the C++ writer builds, once) here, before the engine
+            # reports ready, not at the first step
+            self.producer = ops.Producer(
+                self.ring, device=self.device, producer=config.producer, timeout=0.5, max_rows=config.max_batch
+            )
+        except BaseException:
+            self.ring.close()
+            raise
+        self._torch: Any = importlib.import_module("torch") if self.device == "cuda" else None
         self._last_beat = time.monotonic()
 
     def emit(self, out: StepOutput) -> None:
         """Write one step; ``shm.RingFull`` after a bounded wait leaves nothing written, so
         the caller may retry the same step."""
-        if self._producer is not None:
-            self._producer.emit(out.handles, out.token_ids, out.num_tokens, **_op_kwargs(out))
-        else:
-            self.ring.write(reference_payload(out, self._producer_id), timeout=0.5)
+        kw = _op_kwargs(out)
+        if self._torch is None:
+            self.producer.emit(out.handles, out.token_ids, out.num_tokens, **kw)
+            return
+        # a GPU worker's tensors: the kernel writes the frame into the ring from the device
+        t = self._torch
+
+        def dev(a: Any) -> Any:
+            return a if not isinstance(a, np.ndarray) else t.from_numpy(np.ascontiguousarray(a)).cuda()
+
+        kw = {key: dev(v) for key, v in kw.items()}
+        self.producer.emit(dev(out.handles), dev(out.token_ids), dev(out.num_tokens), **kw)
+        t.cuda.current_stream().synchronize()  # the step's own sync point; then wake readers
+        self.producer.notify()
 
     def idle(self) -> None:
         now = time.monotonic()
@@ -108,8 +134,7 @@ class RingSink:
             self._last_beat = now
 
     def close(self) -> None:
-        if self._producer is not None:
-            self._producer.close()
+        self.producer.close()
         self.ring.close()
 
 
