@@ -152,7 +152,7 @@ def as_tensor(obj: Any, name: str) -> TensorRef:
         return _from_numpy(name, obj, obj)
     dev = getattr(obj, "__dlpack_device__", None)
     if dev is not None:
-        dev_type, dev_id = (int(x) for x in dev())
+        dev_type, dev_id = (int(x) if x is not None else 0 for x in dev())  # Paddle's CPU id is None
         if dev_type == _DLPACK_CPU:
             try:
                 arr = np.from_dlpack(obj)

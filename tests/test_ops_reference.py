@@ -1,0 +1,303 @@
+"""The emit op's semantics, on the Python reference (``aiospec.ops.build_frame``).
+
+Each decoding mode is spelled out once by hand (what a reader must see), then random steps of
+every mode are compared with a row-by-row restatement of the semantics (``naive_records``).
+Every validation error is pinned with its full message; the C++ path must raise the same ones
+(tests/test_ops_cpu.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from _opshelpers import MODES, frame_records, make_step, naive_records
+
+from aiospec._codec import Flag, Kind, decode_frame
+from aiospec.ops import EmitError, build_frame
+from aiospec.ops._errors import Arg, ErrorCode, format_error
+from shm import _layout as L
+
+I64 = np.int64
+I32 = np.int32
+F32 = np.float32
+
+
+def arr(values: list[object], dtype: object) -> np.ndarray:
+    return np.array(values, dtype=dtype)
+
+
+# -- each mode by hand -------------------------------------------------------------------------
+
+
+def test_normal_decoding_one_token_per_row_with_topk() -> None:
+    # three slots: two running, one empty (handle -1, FastDeploy's inactive slot)
+    payload = build_frame(
+        arr([7, -1, 9], I64),
+        arr([[11], [-1], [13]], I64),
+        arr([1, 0, 1], I32),
+        lp_ids=arr([[11, 1, 2, 3], [13, 4, 5, 6]], I64),
+        lp_values=arr([[-0.5, -0.1, -0.2, -0.3], [-1.5, -1.1, -1.2, -1.3]], F32),
+        lp_ranks=arr([2, 1], I64),
+        lp_offsets=arr([0, 1, 1, 2], I32),
+        k=2,
+        step=41,
+        producer=3,
+    )
+    f = decode_frame(payload)
+    assert (f.step, f.producer, f.kind, f.k, f.has_logprobs) == (41, 3, Kind.TARGET, 2, True)
+    assert f.handles.tolist() == [7, 9]
+    assert f.flags.tolist() == [0, 0]
+    assert f.token_offsets.tolist() == [0, 1, 2]
+    assert f.token_ids.tolist() == [11, 13]
+    assert f.logprobs is not None and f.logprobs.tolist() == [-0.5, -1.5]
+    assert f.ranks is not None and f.ranks.tolist() == [2, 1]
+    assert f.topk_ids is not None and f.topk_ids.tolist() == [[1, 2], [4, 5]]
+    assert f.topk_logprobs is not None
+    assert f.topk_logprobs.tolist() == arr([[-0.1, -0.2], [-1.1, -1.2]], F32).tolist()
+    assert f.draft_ids is None
+
+
+def test_speculative_rows_take_the_first_num_tokens_logprob_rows() -> None:
+    # row 0 accepted 3 of 4 proposals, row 1 accepted none (no record), row 2 accepted 1 and
+    # its span holds 2 logprob rows: the second belongs to a token cut by a stop
+    payload = build_frame(
+        arr([100, 101, 102], I64),
+        arr([[1, 2, 3, 4], [5, 6, 7, 8], [9, -1, -1, -1]], I32),
+        arr([3, 0, 1], I32),
+        lp_ids=arr([[1, 50], [2, 51], [3, 52], [9, 53], [99, 54]], I32),
+        lp_values=arr([[-1, -11], [-2, -12], [-3, -13], [-4, -14], [-5, -15]], F32),
+        lp_ranks=arr([1, 2, 3, 4, 5], I32),
+        lp_offsets=arr([0, 3, 3, 5], I32),
+    )
+    f = decode_frame(payload)
+    assert f.handles.tolist() == [100, 102]
+    assert f.token_offsets.tolist() == [0, 3, 4]
+    assert f.token_ids.tolist() == [1, 2, 3, 9]
+    assert f.k == 1
+    assert f.logprobs is not None and f.logprobs.tolist() == [-1, -2, -3, -4]
+    assert f.ranks is not None and f.ranks.tolist() == [1, 2, 3, 4]
+    assert f.topk_ids is not None and f.topk_ids.tolist() == [[50], [51], [52], [53]]
+
+
+def test_pd_first_token_carries_the_mtp_draft_as_a_draft_id_not_a_token() -> None:
+    payload = build_frame(
+        arr([5, 6], I64),
+        arr([[1000], [2000]], I64),
+        arr([1, 1], I32),
+        flags=arr([Flag.FIRST_TOKEN | Flag.FINISHED] * 2, I32),
+        draft_ids=arr([[1001], [2001]], I64),
+        num_draft=arr([1, 1], I32),
+        lp_ids=arr([[1000, 7, 8], [2000, 9, 10]], I64),
+        lp_values=arr([[-0.25, -1, -2], [-0.5, -3, -4]], F32),
+        lp_ranks=arr([1, 1], I64),
+        lp_offsets=arr([0, 1, 2], I32),
+        k=1,
+    )
+    f = decode_frame(payload)
+    assert f.token_ids.tolist() == [1000, 2000]  # only the target's first token is output
+    assert f.draft_offsets is not None and f.draft_offsets.tolist() == [0, 1, 2]
+    assert f.draft_ids is not None and f.draft_ids.tolist() == [1001, 2001]
+    assert f.flags.tolist() == [Flag.FIRST_TOKEN | Flag.FINISHED] * 2
+    assert f.logprobs is not None and f.logprobs.tolist() == [-0.25, -0.5]  # target logprobs only
+    assert f.topk_ids is not None and f.topk_ids.tolist() == [[7], [9]]
+
+
+def test_draft_kind_flags_every_record_draft() -> None:
+    payload = build_frame(
+        arr([1, 2, 3], I64),
+        arr([[10, 11], [12, 13], [0, 0]], I64),
+        arr([2, 1, 0], I32),
+        flags=arr([0, 0, Flag.ABORTED], I32),
+        kind=Kind.DRAFT,
+    )
+    f = decode_frame(payload)
+    assert f.kind == Kind.DRAFT
+    assert f.flags.tolist() == [Flag.DRAFT, Flag.DRAFT, Flag.DRAFT | Flag.ABORTED]
+    assert f.token_ids.tolist() == [10, 11, 12]
+
+
+@pytest.mark.parametrize("flag", [Flag.PREEMPTED, Flag.RECOVERY_STOP, Flag.ABORTED, Flag.FINISHED])
+def test_flags_without_tokens_still_make_a_record(flag: Flag) -> None:
+    payload = build_frame(arr([4, 5], I64), arr([[1], [2]], I64), arr([0, 0], I32), flags=arr([flag, 0], I32))
+    f = decode_frame(payload)
+    assert f.handles.tolist() == [4]
+    assert f.flags.tolist() == [flag]
+    assert f.token_offsets.tolist() == [0, 0]
+
+
+def test_a_step_with_nothing_to_say_is_still_a_frame() -> None:
+    f = decode_frame(build_frame(arr([-1, -1], I64), arr([[0], [0]], I64), arr([0, 0], I32), step=9))
+    assert (f.num_records, f.num_tokens, f.step) == (0, 0, 9)
+    f = decode_frame(build_frame(np.zeros(0, I64), np.zeros((0, 1), I64), np.zeros(0, I32)))
+    assert f.num_records == 0
+
+
+def test_k_zero_keeps_the_sampled_logprob_and_rank() -> None:
+    f = decode_frame(
+        build_frame(
+            arr([1], I64),
+            arr([[5]], I64),
+            arr([1], I32),
+            lp_ids=arr([[5, 6, 7]], I64),
+            lp_values=arr([[-0.5, -1, -2]], F32),
+            lp_ranks=arr([3], I64),
+            lp_offsets=arr([0, 1], I32),
+            k=0,
+        )
+    )
+    assert (f.has_logprobs, f.k) == (True, 0)
+    assert f.logprobs is not None and f.logprobs.tolist() == [-0.5]
+    assert f.ranks is not None and f.ranks.tolist() == [3]
+    assert f.topk_ids is None and f.topk_logprobs is None
+
+
+def test_int32_and_int64_inputs_give_identical_frames() -> None:
+    rng = np.random.default_rng(5)
+    a = make_step(rng, 19, mode="speculative", k_max=4, i64=True)
+    b = {
+        key: (v.astype(I32) if isinstance(v, np.ndarray) and v.dtype == I64 and key != "handles" else v)
+        for key, v in a.items()
+    }
+    assert b["token_ids"].dtype == I32 and b["lp_ids"].dtype == I32 and b["lp_ranks"].dtype == I32
+    assert build_frame(**a) == build_frame(**b)
+
+
+# -- random steps of every mode against the row-by-row restatement -------------------------------
+
+
+@pytest.mark.parametrize("rows", [1, 19, 99, 989])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("k_max,k", [(None, None), (0, None), (5, None), (20, None), (20, 5), (20, 0)])
+def test_random_steps_match_the_semantics(rows: int, mode: str, k_max: int | None, k: int | None) -> None:
+    rng = np.random.default_rng([rows, MODES.index(mode), k_max or 0, 99 if k is None else k])
+    inp = make_step(rng, rows, mode=mode, k_max=k_max, k=k, extra_lp_rows=int(rng.integers(0, 2)), step=rows)
+    payload = build_frame(**inp)
+    assert frame_records(payload) == naive_records(inp)
+    f = decode_frame(payload)
+    assert f.step == rows
+    assert f.k == (0 if k_max is None else (k_max if k is None else k))
+
+
+# -- validation: every check, with its message -------------------------------------------------
+
+
+def base() -> dict[str, object]:
+    """A valid call: 3 rows, 2 columns, logprobs with k_max 2, drafts."""
+    return {
+        "handles": arr([10, 11, 12], I64),
+        "token_ids": arr([[1, 2], [3, 4], [5, 6]], I64),
+        "num_tokens": arr([2, 1, 0], I32),
+        "flags": arr([0, Flag.FINISHED, 0], I32),
+        "draft_ids": arr([[7], [8], [9]], I64),
+        "num_draft": arr([0, 1, 0], I32),
+        "lp_ids": np.arange(12, dtype=I64).reshape(4, 3),
+        "lp_values": -np.ones((4, 3), F32),
+        "lp_ranks": arr([1, 1, 1, 1], I64),
+        "lp_offsets": arr([0, 2, 3, 4], I32),
+    }
+
+
+def with_(**changes: object) -> dict[str, object]:
+    b = base()
+    b.update(changes)
+    return {key: v for key, v in b.items() if v is not None}
+
+
+# (inputs, anchored message); shared with test_ops_cpu.py, which expects the same from C++
+INVALID: list[tuple[str, dict[str, object], str]] = [
+    ("lp_missing", with_(lp_values=None), r"^lp_values: required when lp_ids is given$"),
+    ("lp_missing_named_after_first", with_(lp_ids=None, lp_values=None), r"^lp_ids: required when lp_ranks is given$"),
+    ("draft_missing", with_(num_draft=None), r"^num_draft: required when draft_ids is given$"),
+    ("draft_ids_missing", with_(draft_ids=None), r"^draft_ids: required when num_draft is given$"),
+    ("handles_2d", with_(handles=arr([[1, 2, 3]], I64)), r"^handles: expected a 1-D tensor, got shape \[1, 3\]$"),
+    ("handles_dtype", with_(handles=arr([1, 2, 3], I32)), r"^handles: expected dtype int64, got int32$"),
+    ("token_ids_1d", with_(token_ids=arr([1, 2, 3], I64)), r"^token_ids: expected a 2-D tensor, got shape \[3\]$"),
+    ("token_ids_float", with_(token_ids=np.zeros((3, 2), F32)), r"^token_ids: expected dtype int32 or int64, got float32$"),
+    ("token_ids_rows", with_(token_ids=np.zeros((4, 2), I64)), r"^token_ids: expected shape \[3, \*\], got \[4, 2\]$"),
+    ("token_ids_strided", with_(token_ids=np.zeros((3, 4), I64)[:, ::2]), r"^token_ids: expected a C-contiguous tensor$"),
+    ("num_tokens_dtype", with_(num_tokens=arr([1, 1, 1], I64)), r"^num_tokens: expected dtype int32, got int64$"),
+    ("num_tokens_len", with_(num_tokens=arr([1, 1], I32)), r"^num_tokens: expected shape \[3\], got \[2\]$"),
+    ("flags_dtype", with_(flags=arr([0, 0, 0], np.uint32)), r"^flags: expected dtype int32, got uint32$"),
+    ("num_draft_len", with_(num_draft=arr([0, 0, 0, 0], I32)), r"^num_draft: expected shape \[3\], got \[4\]$"),
+    ("lp_ids_no_columns", with_(lp_ids=np.zeros((4, 0), I64)), r"^lp_ids: expected at least 1 column \(the sampled token\), got shape \[4, 0\]$"),
+    ("lp_values_shape", with_(lp_values=np.zeros((4, 2), F32)), r"^lp_values: expected shape \[4, 3\], got \[4, 2\]$"),
+    ("lp_values_dtype", with_(lp_values=np.zeros((4, 3), np.float64)), r"^lp_values: expected dtype float32, got float64$"),
+    ("lp_ranks_len", with_(lp_ranks=arr([1, 1, 1], I64)), r"^lp_ranks: expected shape \[4\], got \[3\]$"),
+    ("lp_offsets_len", with_(lp_offsets=arr([0, 2, 3], I32)), r"^lp_offsets: expected shape \[4\], got \[3\]$"),
+    ("kind", with_(kind=2), r"^kind = 2: expected 0 \(target\) or 1 \(draft\)$"),
+    ("k_too_big", with_(k=3), r"^k = 3: expected 0\.\.2 \(lp_ids width - 1\)$"),
+    ("k_negative", with_(k=-2), r"^k = -2: expected 0\.\.2 \(lp_ids width - 1\)$"),
+    ("step", with_(step=-1), r"^step = -1: expected an integer in 0\.\.18446744073709551615$"),
+    ("producer", with_(producer=1 << 32), r"^producer = 4294967296: expected an integer in 0\.\.4294967295$"),
+    ("num_tokens_over", with_(num_tokens=arr([2, 3, 0], I32)), r"^num_tokens\[1\] = 3: expected 0\.\.2 \(max_tokens\)$"),
+    ("num_tokens_negative", with_(num_tokens=arr([2, 1, -1], I32)), r"^num_tokens\[2\] = -1: expected 0\.\.2 \(max_tokens\)$"),
+    ("num_draft_over", with_(num_draft=arr([0, 2, 0], I32)), r"^num_draft\[1\] = 2: expected 0\.\.1 \(max_draft\)$"),
+    ("flags_unknown", with_(flags=arr([0, 64, 0], I32)), r"^flags\[1\] = 64: expected bits within 0x3f \(FLAG_MASK\)$"),
+    ("flags_negative", with_(flags=arr([-1, 0, 0], I32)), r"^flags\[0\] = -1: expected bits within 0x3f \(FLAG_MASK\)$"),
+    ("handle_negative", with_(handles=arr([10, -1, 12], I64)), r"^handles\[1\] = -1: expected >= 0 \(the row makes a record\)$"),
+    ("lp_offsets_first", with_(lp_offsets=arr([-1, 2, 3, 4], I32)), r"^lp_offsets\[0\] = -1: expected 0\.\.4 \(non-decreasing, at most lp_rows\)$"),
+    ("lp_offsets_decreasing", with_(lp_offsets=arr([0, 2, 1, 4], I32)), r"^lp_offsets\[2\] = 1: expected 2\.\.4 \(non-decreasing, at most lp_rows\)$"),
+    ("lp_offsets_past_end", with_(lp_offsets=arr([0, 2, 3, 5], I32)), r"^lp_offsets\[3\] = 5: expected 3\.\.4 \(non-decreasing, at most lp_rows\)$"),
+    ("lp_span_short", with_(lp_offsets=arr([0, 1, 3, 4], I32)), r"^lp_offsets\[1\] - lp_offsets\[0\] = 1: expected >= 2 \(num_tokens\[0\]\)$"),
+    ("token_id_wide", with_(token_ids=arr([[1, 1 << 31], [3, 4], [5, 6]], I64)), r"^token_ids\[0, 1\] = 2147483648: expected -2147483648\.\.2147483647 \(int32\)$"),
+    ("draft_id_wide", with_(draft_ids=arr([[7], [-(1 << 40)], [9]], I64)), r"^draft_ids\[1, 0\] = -1099511627776: expected -2147483648\.\.2147483647 \(int32\)$"),
+    ("lp_rank_wide", with_(lp_ranks=arr([1, 1 << 33, 1, 1], I64)), r"^lp_ranks\[1\] = 8589934592: expected -2147483648\.\.2147483647 \(int32\)$"),
+    ("lp_id_wide", with_(lp_ids=np.where(np.arange(12).reshape(4, 3) == 8, 1 << 35, 1).astype(I64)), r"^lp_ids\[2, 2\] = 34359738368: expected -2147483648\.\.2147483647 \(int32\)$"),
+    # the first error wins: row 0's span before row 1's count
+    ("first_error_wins", with_(num_tokens=arr([2, 5, 0], I32), lp_offsets=arr([0, 1, 3, 4], I32)), r"^lp_offsets\[1\] - lp_offsets\[0\] = 1: expected >= 2 \(num_tokens\[0\]\)$"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", INVALID, ids=[c[0] for c in INVALID])
+def test_invalid_inputs_raise_emit_error(case: tuple[str, dict[str, object], str]) -> None:
+    _, kwargs, message = case
+    with pytest.raises(EmitError, match=message):
+        build_frame(**kwargs)  # type: ignore[arg-type]
+
+
+def test_values_outside_the_emitted_part_are_not_checked() -> None:
+    # padding beyond num_tokens, logprob rows past a row's tokens and ids of a row that makes
+    # no record may hold anything (FastDeploy leaves stale data there)
+    kwargs = with_(
+        token_ids=arr([[1, 2], [3, 1 << 40], [1 << 40, 6]], I64),
+        lp_ranks=arr([1, 1, 1, 1 << 40], I64),
+        lp_offsets=arr([0, 2, 4, 4], I32),
+        handles=arr([10, 11, -5], I64),
+    )
+    assert decode_frame(build_frame(**kwargs)).handles.tolist() == [10, 11]  # type: ignore[arg-type]
+
+
+def test_lp_columns_past_k_are_not_checked() -> None:
+    ids = np.ones((4, 3), I64)
+    ids[:, 2] = 1 << 40
+    payload = build_frame(**with_(lp_ids=ids, k=1))  # type: ignore[arg-type]
+    assert decode_frame(payload).k == 1
+    with pytest.raises(
+        EmitError, match=r"^lp_ids\[0, 2\] = 1099511627776: expected -2147483648\.\.2147483647 \(int32\)$"
+    ):
+        build_frame(**with_(lp_ids=ids))  # type: ignore[arg-type]
+
+
+def test_frame_larger_than_max_record() -> None:
+    kwargs = base()
+    size = len(build_frame(**kwargs))  # type: ignore[arg-type]
+    frame = L.align(L.FRAME_HEADER + size, L.FRAME_ALIGN)
+    assert len(build_frame(**kwargs, max_record=frame)) == size  # type: ignore[arg-type]
+    with pytest.raises(
+        EmitError, match=rf"^frame = {frame} bytes: expected at most {frame - 64} \(the ring's max_record\)$"
+    ):
+        build_frame(**kwargs, max_record=frame - 64)  # type: ignore[arg-type]
+
+
+def test_error_fields_describe_the_failed_check() -> None:
+    with pytest.raises(EmitError) as info:
+        build_frame(**with_(num_tokens=arr([2, 3, 0], I32)))  # type: ignore[arg-type]
+    e = info.value
+    assert (e.code, e.arg, e.row, e.col, e.value, e.lo, e.hi) == (ErrorCode.COUNT, Arg.NUM_TOKENS, 1, -1, 3, 0, 2)
+    assert str(e) == format_error(e.code, e.arg, e.row, e.col, e.value, e.lo, e.hi)
+
+
+def test_emit_error_is_an_aiospec_error_and_a_value_error() -> None:
+    from shm import AiospecError
+
+    assert issubclass(EmitError, AiospecError) and issubclass(EmitError, ValueError)
