@@ -139,8 +139,9 @@ class ToyModel:
         enders = np.array([i for i, t in enumerate(vocab.tokens) if t in (".", "!", "?", "\n", "\n\n")], dtype=np.intp)
         table[np.ix_(enders, starts)] += 5.0  # capitals begin sentences
         table[np.ix_(words, starts)] -= 3.0
+        table[:, enders] += 2.0  # sentences of a few dozen tokens
         table[:, vocab.eos_id] = -8.0
-        table[enders, vocab.eos_id] = -2.0  # ends come after a full stop
+        table[enders, vocab.eos_id] = 4.0  # texts end after a full stop, now and then
         self.vocab = vocab
         self.vocab_size = v
         self.noise_rows = noise_rows
