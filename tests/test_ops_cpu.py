@@ -23,8 +23,7 @@ from test_ops_reference import INVALID, arr, base
 
 import shm
 from aiospec._codec import Kind, decode_frame
-from aiospec.ops import EmitError, Producer, available_backends, build_frame, emit
-from aiospec.ops import _build, _cpu
+from aiospec.ops import EmitError, Producer, _build, _cpu, available_backends, build_frame, emit
 from aiospec.ops._abi import EmitArgs, ErrorWord, FrameLayout
 from aiospec.ops._errors import Arg, ErrorCode, format_error
 from aiospec.ops._inputs import collect
