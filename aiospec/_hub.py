@@ -1,0 +1,268 @@
+"""The Hub: one asyncio reader task per attached ring, one ``RequestStream`` per request.
+
+``open(handle)`` must come before the request is admitted to the engine, so that no record can
+arrive before its stream exists; records for handles with no open stream are counted and
+dropped, never delivered elsewhere. A ring whose producer is gone ends (with ``ProducerLost``)
+every stream that depends on it; lost frames end them with ``StreamFramesLost``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterable
+
+import msgspec
+
+from aiospec._codec import Frame
+from aiospec._reader import read_ring
+from aiospec._routing import RingFeed, Router
+from aiospec._stream import HubClosed, ProducerLost, RequestStream, StreamError, StreamFramesLost
+from shm._errors import AiospecError, ProducerGone, ReaderEvicted
+
+__all__ = ("Hub", "HubStats", "RingInfo")
+
+
+class RingInfo(msgspec.Struct, frozen=True, gc=False):
+    """One ring as the Hub sees it."""
+
+    name: str
+    state: str  # "live" | "failed" | "closed"
+    frames_read: int
+    tokens_read: int  # tokens in the frames read (routed or not)
+    frames_lost: int  # the ring's frames_lost rise seen by this reader
+    frames_undecodable: int
+    evictions: int  # times this reader was evicted and took a new slot
+    lag_bytes: int | None  # head - this reader's tail (None when not live)
+    error: str | None  # why it failed
+
+
+class HubStats(msgspec.Struct, frozen=True, gc=False):
+    streams_open: int  # handles routed now
+    records_routed: int
+    tokens_routed: int
+    records_dropped: int  # records for handles with no open stream
+    tokens_dropped: int
+    records_draft: int  # records of draft frames (engine input, not routed)
+    frames_read: int
+    frames_lost: int  # ring losses + undecodable frames + evictions
+    uptime_s: float
+    frames_per_s: float  # averages over the uptime
+    tokens_per_s: float
+    rings: tuple[RingInfo, ...]
+
+
+class Hub:
+    """Attach rings, route their records to per-request streams.
+
+    ``async with Hub(["ring-a", "ring-b"]) as hub: stream = hub.open(handle)``.
+    ``yield_every``: records routed between two yields to the event loop; ``max_frames``:
+    frames drained per poll; ``spin``: seconds a reader polls before sleeping on the bell;
+    ``recheck``: the longest sleep before the ring is looked at again (bounds a lost wake-up);
+    ``producer_timeout``: declare a producer gone when its heartbeat is older than this
+    (a dead pid or a closed ring is detected without it).
+    """
+
+    def __init__(
+        self,
+        rings: Iterable[str] | str = (),
+        *,
+        yield_every: int = 128,
+        max_frames: int = 64,
+        spin: float = 20e-6,
+        recheck: float = 0.05,
+        producer_timeout: float | None = None,
+        validate_offsets: bool = True,
+    ) -> None:
+        names = [rings] if isinstance(rings, str) else list(rings)
+        if not isinstance(yield_every, int) or yield_every < 1:
+            raise ValueError(f"yield_every = {yield_every!r}: expected an int >= 1")
+        if not isinstance(max_frames, int) or max_frames < 1:
+            raise ValueError(f"max_frames = {max_frames!r}: expected an int >= 1")
+        if spin < 0:
+            raise ValueError(f"spin = {spin!r}: expected seconds >= 0")
+        if recheck <= 0:
+            raise ValueError(f"recheck = {recheck!r}: expected seconds > 0")
+        if producer_timeout is not None and producer_timeout <= 0:
+            raise ValueError(f"producer_timeout = {producer_timeout!r}: expected seconds > 0 or None")
+        self._initial = names
+        self._yield_every = yield_every
+        self._max_frames = max_frames
+        self._spin = spin
+        self._recheck = recheck
+        self._producer_timeout = producer_timeout
+        self._validate = validate_offsets
+        self._router = Router()
+        self._feeds: dict[str, RingFeed] = {}
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._rings: dict[str, RingInfo] = {}  # rings no longer read, as they ended
+        self._started = 0.0
+        self._state = "new"  # new -> running -> closed
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    async def __aenter__(self) -> Hub:
+        if self._state != "new":
+            raise AiospecError(f"Hub: cannot enter a hub that is {self._state}")
+        self._state = "running"
+        self._started = time.monotonic()
+        try:
+            for name in self._initial:
+                self.attach(name)
+        except BaseException:
+            await self.aclose()
+            raise
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Stop every reader, release the rings, end open streams with ``HubClosed``."""
+        if self._state == "closed":
+            return
+        self._state = "closed"
+        tasks = list(self._tasks.values())
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        for name in list(self._feeds):
+            self._retire(name, "closed", None)
+        self._router.fail(None, lambda h: HubClosed(f"request {h:#x}: the hub was closed", h))
+
+    def attach(self, ring: str) -> None:
+        """Start reading another ring (e.g. a new engine's). Frames committed before this call
+        are not read: open the streams of its requests after attaching."""
+        if self._state != "running":
+            raise AiospecError(f"Hub.attach: the hub is {self._state} (use 'async with Hub(...)')")
+        if ring in self._feeds:
+            raise ValueError(f"ring = {ring!r}: already attached to this hub")
+        loop = asyncio.get_running_loop()
+        feed = RingFeed(
+            ring,
+            spin=self._spin,
+            recheck=self._recheck,
+            producer_timeout=self._producer_timeout,
+            validate_offsets=self._validate,
+        )
+        self._feeds[ring] = feed
+        self._rings.pop(ring, None)
+        self._tasks[ring] = loop.create_task(
+            read_ring(feed, self, yield_every=self._yield_every, max_frames=self._max_frames, spin=self._spin),
+            name=f"aiospec-hub-{ring}",
+        )
+
+    @property
+    def rings(self) -> tuple[str, ...]:
+        """Names of the rings read now."""
+        return tuple(self._feeds)
+
+    # -- streams -------------------------------------------------------------------------------
+
+    def open(self, handle: int, *, rings: Iterable[str] | None = None) -> RequestStream:
+        """Open the stream of request ``handle``; call it before the engine admits the request.
+
+        ``rings``: the rings this request's records come from; their failure ends the stream
+        (default: any ring of the hub). Opening a handle that is open already is an error.
+        """
+        if self._state == "closed":
+            raise AiospecError("Hub.open: the hub is closed")
+        deps: frozenset[str] | None = None
+        if rings is not None:
+            deps = frozenset([rings] if isinstance(rings, str) else rings)
+            unknown = sorted(deps - self._feeds.keys())
+            if unknown or not deps:
+                raise ValueError(
+                    f"rings = {sorted(deps)!r}: expected names of attached rings, attached: {sorted(self._feeds)!r}"
+                )
+        return RequestStream(self._router.open(handle, deps))
+
+    def stats(self) -> HubStats:
+        rt = self._router
+        infos = [
+            RingInfo(
+                name=name,
+                state="live",
+                frames_read=f.frames_read,
+                tokens_read=f.tokens_read,
+                frames_lost=f.frames_lost,
+                frames_undecodable=f.frames_undecodable,
+                evictions=f.evictions,
+                lag_bytes=f.lag(),
+                error=None,
+            )
+            for name, f in self._feeds.items()
+        ]
+        infos += [i for n, i in self._rings.items() if n not in self._feeds]
+        frames = sum(i.frames_read for i in infos)
+        up = time.monotonic() - self._started if self._started else 0.0
+        return HubStats(
+            streams_open=len(rt.table),
+            records_routed=rt.records_routed,
+            tokens_routed=rt.tokens_routed,
+            records_dropped=rt.records_dropped,
+            tokens_dropped=rt.tokens_dropped,
+            records_draft=rt.records_draft,
+            frames_read=frames,
+            frames_lost=sum(i.frames_lost + i.frames_undecodable + i.evictions for i in infos),
+            uptime_s=up,
+            frames_per_s=frames / up if up > 0 else 0.0,
+            tokens_per_s=rt.tokens_routed / up if up > 0 else 0.0,
+            rings=tuple(infos),
+        )
+
+    # -- RingSink (called by the reader tasks) ---------------------------------------------------
+
+    def route(self, frame: Frame, start: int, stop: int) -> None:
+        self._router.route(frame, start, stop)
+
+    def flush(self) -> None:
+        self._router.flush()
+
+    def frames_lost(self, feed: RingFeed, lost: int, cause: BaseException | None) -> None:
+        name = feed.name
+        if isinstance(cause, ReaderEvicted):
+            what = f"this hub's reader of ring {name} was evicted and missed frames"
+        elif cause is not None:
+            what = f"a frame of ring {name} could not be decoded ({cause})"
+        else:
+            what = f"{lost} frame(s) of ring {name} were lost by the producer"
+
+        def make(h: int) -> StreamError:
+            err = StreamFramesLost(f"request {h:#x}: {what}; its records may be missing", h, lost)
+            err.__cause__ = cause
+            return err
+
+        self._router.fail(name, make)
+
+    def ring_failed(self, feed: RingFeed, exc: BaseException) -> None:
+        name = feed.name
+
+        def make(h: int) -> StreamError:
+            err: StreamError
+            if isinstance(exc, ProducerGone):
+                err = ProducerLost(f"request {h:#x}: the producer of ring {name} is gone ({exc})", h)
+            else:
+                err = StreamError(f"request {h:#x}: ring {name} cannot be read any more ({exc!r})", h)
+            err.__cause__ = exc
+            return err
+
+        self._router.fail(name, make)
+        self._tasks.pop(name, None)
+        self._retire(name, "failed", f"{type(exc).__name__}: {exc}")
+
+    def _retire(self, name: str, state: str, error: str | None) -> None:
+        feed = self._feeds.pop(name)
+        self._rings[name] = RingInfo(
+            name=name,
+            state=state,
+            frames_read=feed.frames_read,
+            tokens_read=feed.tokens_read,
+            frames_lost=feed.frames_lost,
+            frames_undecodable=feed.frames_undecodable,
+            evictions=feed.evictions,
+            lag_bytes=None,
+            error=error,
+        )
+        feed.close()

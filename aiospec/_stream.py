@@ -1,0 +1,517 @@
+"""Per-request streams: the collector the router fills and the async iterator a request reads.
+
+The split follows trio's memory channels and vLLM's ``RequestOutputCollector``: all logic lives
+in synchronous ``*_nowait``/``_put`` methods, the async methods only wait. A collector holds at
+most one pending delta: records are merged on put, so a slow consumer gets one multi-token
+delta instead of a queue of single steps, and what a stream holds is bounded by the tokens it
+has not read yet (never by the number of steps).
+
+Merging copies nothing while few records are pending: a record is kept as (frame, row, token
+range), a view into the frame copy the reader made. Once more than ``_MAX_SEGMENTS`` records
+wait, they are copied into a growable columnar buffer (amortized O(1) per token), so a stalled
+stream pins at most that many frames.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import warnings
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import numpy as np
+
+from shm import _layout as L
+from shm._errors import AiospecError
+
+if TYPE_CHECKING:
+    from aiospec._codec import Frame
+
+__all__ = (
+    "Delta",
+    "EndOfStream",
+    "HubClosed",
+    "ProducerLost",
+    "RequestAborted",
+    "RequestPreempted",
+    "RequestRecoveryStopped",
+    "RequestStream",
+    "StreamBusy",
+    "StreamClosed",
+    "StreamError",
+    "StreamFramesLost",
+    "StreamStatistics",
+)
+
+_MAX_SEGMENTS = 16  # records kept as frame views before they are copied into the stream's buffer
+
+_ERROR_FLAGS = L.FLAG_PREEMPTED | L.FLAG_RECOVERY_STOP | L.FLAG_ABORTED
+
+
+# -- errors ------------------------------------------------------------------------------------
+
+
+class EndOfStream(AiospecError):
+    """The request finished and every delta was read (not an error: ``async for`` just ends)."""
+
+
+class StreamError(AiospecError):
+    """A request stream ended abnormally; ``handle`` names the request."""
+
+    def __init__(self, message: str, handle: int) -> None:
+        super().__init__(message)
+        self.handle = handle
+
+
+class RequestPreempted(StreamError):
+    """The engine preempted the request (its record carried ``Flag.PREEMPTED``)."""
+
+
+class RequestRecoveryStopped(StreamError):
+    """The engine stopped the request during recovery (``Flag.RECOVERY_STOP``); output is incomplete."""
+
+
+class RequestAborted(StreamError):
+    """The engine aborted the request (``Flag.ABORTED``)."""
+
+
+class ProducerLost(StreamError, ConnectionError):
+    """The producer of a ring this stream reads went away; ``__cause__`` says how (like
+    anyio's ``BrokenResourceError``)."""
+
+
+class StreamFramesLost(StreamError):
+    """Frames of a ring this stream reads were lost (``lost`` of them, when known): records of
+    this request may be missing, so the stream cannot continue."""
+
+    def __init__(self, message: str, handle: int, lost: int) -> None:
+        super().__init__(message, handle)
+        self.lost = lost
+
+
+class HubClosed(StreamError, ConnectionError):
+    """The Hub this stream belongs to was closed while the request was still running."""
+
+
+class StreamClosed(StreamError):
+    """This stream was closed by its consumer (like anyio's ``ClosedResourceError``)."""
+
+
+class StreamBusy(StreamError, RuntimeError):
+    """Another task is already waiting on this stream; a stream has one consumer."""
+
+
+def request_error(flags: int, handle: int) -> StreamError:
+    """The error a record's terminal flags stand for (preempted, recovery stop, aborted)."""
+    if flags & L.FLAG_PREEMPTED:
+        return RequestPreempted(f"request {handle:#x} was preempted by the engine", handle)
+    if flags & L.FLAG_RECOVERY_STOP:
+        return RequestRecoveryStopped(
+            f"request {handle:#x} was stopped by the engine during recovery; its output is incomplete", handle
+        )
+    return RequestAborted(f"request {handle:#x} was aborted by the engine", handle)
+
+
+# -- deltas -------------------------------------------------------------------------------------
+
+
+class Delta(msgspec.Struct, kw_only=True, gc=False):
+    """New output of one request: the tokens of one or more merged records.
+
+    ``token_ids`` i32[n]; with logprobs, ``logprobs`` f32[n] (of each sampled token) and
+    ``ranks`` i32[n] (1-based), and with k > 0 ``topk_ids`` i32[n, k] / ``topk_logprobs``
+    f32[n, k] (the true top-k of each position, best first); otherwise ``None``. ``draft_ids``
+    are the MTP draft ids of a FIRST_TOKEN record (for the engine; never output tokens).
+    ``num_steps`` counts the merged records, ``step`` is the step of the newest one. Arrays may
+    be read-only views of the frame; copy them to modify.
+    """
+
+    token_ids: np.ndarray
+    logprobs: np.ndarray | None = None
+    ranks: np.ndarray | None = None
+    topk_ids: np.ndarray | None = None
+    topk_logprobs: np.ndarray | None = None
+    draft_ids: np.ndarray | None = None
+    first_token: bool = False
+    finished: bool = False
+    num_steps: int = 1
+    step: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @property
+    def k(self) -> int:
+        """Top-k columns per token (0 without top-k)."""
+        return 0 if self.topk_ids is None else int(self.topk_ids.shape[1])
+
+    def token_list(self) -> list[int]:
+        return self.token_ids.tolist()  # type: ignore[no-any-return]
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field as plain Python values (lists, ints, floats, bools, None)."""
+        out: dict[str, Any] = {}
+        for name in self.__struct_fields__:
+            v = getattr(self, name)
+            out[name] = v.tolist() if isinstance(v, np.ndarray) else v
+        return out
+
+
+class StreamStatistics(msgspec.Struct, frozen=True, gc=False):
+    """What a stream holds now (trio's ``statistics()``)."""
+
+    handle: int
+    buffered_tokens: int  # tokens received and not yet read
+    buffered_steps: int  # records merged into the pending delta
+    pinned_frames: int  # frame copies referenced by the pending delta (at most 16)
+    waiting: bool  # a task is waiting in get()
+    routed: bool  # the Hub still routes records to it
+    ended: bool  # finished, failed or closed (more deltas may still be buffered)
+    closed: bool  # closed by the consumer
+
+
+# -- the collector ------------------------------------------------------------------------------
+
+
+class _Buf:
+    """Growable columnar token buffer of one stream (capacity doubles)."""
+
+    __slots__ = ("n", "tok", "lp", "rank", "tki", "tkl")
+
+    def __init__(self, cap: int, has_lp: bool, k: int) -> None:
+        self.n = 0
+        self.tok = np.empty(cap, np.int32)
+        self.lp = np.empty(cap, np.float32) if has_lp else None
+        self.rank = np.empty(cap, np.int32) if has_lp else None
+        self.tki = np.empty((cap, k), np.int32) if k else None
+        self.tkl = np.empty((cap, k), np.float32) if k else None
+
+    def reshape(self, has_lp: bool, k: int, need: int) -> None:
+        """Narrow the columns to (has_lp, k) and make room for ``need`` tokens in all."""
+        n = self.n
+        cap = self.tok.shape[0]
+        if need > cap:
+            cap = max(need, 2 * cap)
+            tok = np.empty(cap, np.int32)
+            tok[:n] = self.tok[:n]
+            self.tok = tok
+        if not has_lp:
+            self.lp = self.rank = None
+        elif self.lp is None or self.lp.shape[0] < cap:
+            assert self.lp is not None and self.rank is not None
+            lp, rank = np.empty(cap, np.float32), np.empty(cap, np.int32)
+            lp[:n], rank[:n] = self.lp[:n], self.rank[:n]
+            self.lp, self.rank = lp, rank
+        if not k:
+            self.tki = self.tkl = None
+        elif self.tki is None or self.tki.shape[0] < cap or self.tki.shape[1] != k:
+            assert self.tki is not None and self.tkl is not None
+            tki, tkl = np.empty((cap, k), np.int32), np.empty((cap, k), np.float32)
+            tki[:n], tkl[:n] = self.tki[:n, :k], self.tkl[:n, :k]
+            self.tki, self.tkl = tki, tkl
+
+
+class Collector:
+    """The routing end of one request: merges records into one pending delta (internal).
+
+    The router calls ``put``/``fail`` synchronously; they return True when the consumer is
+    waiting and must be woken (the router wakes every such stream once per batch).
+    """
+
+    __slots__ = (
+        "handle", "rings", "_segs", "_buf", "_ntok", "_nsteps", "_first", "_finished", "_step",
+        "_has_lp", "_k", "_drafts", "_error", "_ended", "_closed", "_end_read", "_routed", "_waiter",
+        "_wake_queued", "_forget",
+    )  # fmt: skip
+
+    def __init__(self, handle: int, rings: frozenset[str] | None, forget: Callable[[Collector], None]) -> None:
+        self.handle = handle
+        self.rings = rings  # rings whose failure ends this stream (None: every ring)
+        self._segs: list[tuple[Frame, int, int, int]] = []  # (frame, row, first token, end token)
+        self._buf: _Buf | None = None
+        self._ntok = 0
+        self._nsteps = 0
+        self._first = False
+        self._finished = False
+        self._step = 0
+        self._has_lp = True  # narrowed to the columns every merged record has
+        self._k = L.MAX_TOPK
+        self._drafts: list[np.ndarray] | None = None
+        self._error: StreamError | None = None
+        self._ended = False  # no more records will come (finished, failed, closed)
+        self._closed = False  # the consumer closed the stream
+        self._end_read = False  # the consumer read the end (the finished delta, or the error)
+        self._routed = True  # the router's table holds this collector
+        self._waiter: asyncio.Future[None] | None = None
+        self._wake_queued = False
+        self._forget = forget
+
+    # -- router side (synchronous) ----------------------------------------------------------
+
+    def put(self, frame: Frame, row: int, a: int, b: int, flags: int) -> bool:
+        """Merge record ``row`` of ``frame`` (tokens ``a:b``) into the pending delta."""
+        if b > a or not flags & _ERROR_FLAGS:  # an error with no token adds no delta
+            segs = self._segs
+            segs.append((frame, row, a, b))
+            self._ntok += b - a
+            self._nsteps += 1
+            self._step = frame.step
+            if not frame.has_logprobs:
+                self._has_lp = False
+            if frame.k < self._k:
+                self._k = frame.k
+            if len(segs) > _MAX_SEGMENTS:
+                self._compact()
+        if flags:
+            self._flags(flags)
+        if self._waiter is not None and not self._wake_queued:
+            self._wake_queued = True
+            return True
+        return False
+
+    def _flags(self, flags: int) -> None:
+        if flags & L.FLAG_FIRST_TOKEN:
+            self._first = True
+        if flags & _ERROR_FLAGS:
+            self._end(request_error(flags, self.handle))
+        elif flags & L.FLAG_FINISHED:
+            self._finished = True
+            self._end(None)
+
+    def fail(self, error: StreamError) -> bool:
+        """End the stream with ``error`` after whatever is buffered."""
+        if self._ended:
+            return False
+        self._end(error)
+        if self._waiter is not None and not self._wake_queued:
+            self._wake_queued = True
+            return True
+        return False
+
+    def _end(self, error: StreamError | None) -> None:
+        self._ended = True
+        self._error = error
+        if self._routed:
+            self._routed = False
+            self._forget(self)
+
+    def wake(self) -> None:
+        """Resolve the consumer's waiter (the router calls this once per batch)."""
+        self._wake_queued = False
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    # -- consumer side (synchronous core) -----------------------------------------------------
+
+    def get_nowait(self) -> Delta | None:
+        """The pending delta, or None when nothing arrived yet; raises at the end."""
+        if self._nsteps:
+            return self._take()
+        if self._closed:
+            raise StreamClosed(f"stream of request {self.handle:#x} is closed", self.handle)
+        if self._ended:
+            self._end_read = True
+            if self._error is not None:
+                raise self._error
+            raise EndOfStream(f"request {self.handle:#x} finished")
+        return None
+
+    def _take(self) -> Delta:
+        segs = self._segs
+        has_lp, k = self._has_lp, self._k
+        lp = rank = tki = tkl = None
+        drafts = self._drafts
+        if self._buf is None and len(segs) == 1:
+            f, row, a, b = segs[0]
+            tok = f.token_ids[a:b]
+            if has_lp:
+                lp, rank = f.logprobs[a:b], f.ranks[a:b]  # type: ignore[index]
+                if k:
+                    tki, tkl = f.topk_ids[a:b], f.topk_logprobs[a:b]  # type: ignore[index]
+            if f.draft_offsets is not None:
+                d = f.draft_ids[f.draft_offsets[row] : f.draft_offsets[row + 1]]  # type: ignore[index]
+                if d.shape[0]:
+                    drafts = [d] if drafts is None else [*drafts, d]
+        else:
+            self._compact()
+            buf = self._buf
+            assert buf is not None
+            n = buf.n
+            tok = buf.tok[:n]
+            if has_lp:
+                lp, rank = buf.lp[:n], buf.rank[:n]  # type: ignore[index]
+                if k:
+                    tki, tkl = buf.tki[:n], buf.tkl[:n]  # type: ignore[index]
+            drafts = self._drafts
+        draft = None
+        if drafts is not None:
+            draft = drafts[0] if len(drafts) == 1 else np.concatenate(drafts)
+        delta = Delta(
+            token_ids=tok,
+            logprobs=lp,
+            ranks=rank,
+            topk_ids=tki,
+            topk_logprobs=tkl,
+            draft_ids=draft,
+            first_token=self._first,
+            finished=self._finished,
+            num_steps=self._nsteps,
+            step=self._step,
+        )
+        if self._finished:
+            self._end_read = True
+        self._segs = []
+        self._buf = None
+        self._drafts = None
+        self._ntok = self._nsteps = 0
+        self._first = False
+        self._has_lp, self._k = True, L.MAX_TOPK
+        return delta
+
+    def _compact(self) -> None:
+        """Copy the pending frame views into the growable buffer."""
+        segs = self._segs
+        if not segs:
+            return
+        has_lp, k = self._has_lp, self._k
+        buf = self._buf
+        need = self._ntok
+        if buf is None:
+            buf = self._buf = _Buf(max(need, 16), has_lp, k)
+        else:
+            buf.reshape(has_lp, k, need)
+        n = buf.n
+        drafts = self._drafts
+        for f, row, a, b in segs:
+            m = n + b - a
+            buf.tok[n:m] = f.token_ids[a:b]
+            if has_lp:
+                buf.lp[n:m] = f.logprobs[a:b]  # type: ignore[index]
+                buf.rank[n:m] = f.ranks[a:b]  # type: ignore[index]
+                if k:
+                    buf.tki[n:m] = f.topk_ids[a:b, :k]  # type: ignore[index]
+                    buf.tkl[n:m] = f.topk_logprobs[a:b, :k]  # type: ignore[index]
+            if f.draft_offsets is not None:
+                d = f.draft_ids[f.draft_offsets[row] : f.draft_offsets[row + 1]]  # type: ignore[index]
+                if d.shape[0]:
+                    if drafts is None:
+                        drafts = []
+                    drafts.append(d.copy())
+            n = m
+        buf.n = n
+        self._drafts = drafts
+        self._segs = []
+
+    def close(self) -> None:
+        """Consumer-side close: forget the handle, fail a waiter with StreamClosed."""
+        if self._closed:
+            return
+        self._closed = True
+        self._segs = []
+        self._buf = None
+        self._drafts = None
+        self._ntok = self._nsteps = 0
+        if not self._ended:
+            self._ended = True
+            if self._routed:
+                self._routed = False
+                self._forget(self)
+        self.wake()
+
+    def statistics(self) -> StreamStatistics:
+        return StreamStatistics(
+            handle=self.handle,
+            buffered_tokens=self._ntok,
+            buffered_steps=self._nsteps,
+            pinned_frames=len({id(s[0]) for s in self._segs}),
+            waiting=self._waiter is not None,
+            routed=self._routed,
+            ended=self._ended,
+            closed=self._closed,
+        )
+
+
+class RequestStream:
+    """Async iterator of the ``Delta``s of one request; made by ``Hub.open(handle)``.
+
+    ``async for delta in stream`` ends after the delta with ``finished=True``; a request that
+    ends otherwise raises a ``StreamError`` subclass after its last delta. ``aclose()`` (or
+    ``async with``) stops routing; a stream dropped while still open warns ``ResourceWarning``.
+    One task consumes a stream; a cancelled ``get()`` loses and duplicates nothing.
+    """
+
+    __slots__ = ("_c", "__weakref__")
+
+    def __init__(self, collector: Collector) -> None:
+        self._c = collector
+
+    @property
+    def handle(self) -> int:
+        return self._c.handle
+
+    def get_nowait(self) -> Delta | None:
+        """The merged delta of every record received since the last read, or None if there is
+        none yet. Raises ``EndOfStream`` after the end, ``StreamError`` subclasses on failure,
+        ``StreamClosed`` after ``aclose()``."""
+        return self._c.get_nowait()
+
+    async def get(self) -> Delta:
+        """Wait for the next delta (``get_nowait() or await`` the router's wake-up)."""
+        c = self._c
+        while True:
+            d = c.get_nowait()
+            if d is not None:
+                return d
+            if c._waiter is not None:
+                raise StreamBusy(f"stream of request {c.handle:#x}: another task is already waiting on it", c.handle)
+            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            c._waiter = fut
+            try:
+                await fut
+            finally:
+                c._waiter = None
+                c._wake_queued = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> Delta:
+        try:
+            return await self.get()
+        except EndOfStream:
+            raise StopAsyncIteration from None
+
+    def statistics(self) -> StreamStatistics:
+        return self._c.statistics()
+
+    def close(self) -> None:
+        """Close now (synchronous twin of ``aclose``); idempotent."""
+        self._c.close()
+
+    async def aclose(self) -> None:
+        self._c.close()
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._c.close()
+
+    def __repr__(self) -> str:
+        c = self._c
+        state = "closed" if c._closed else "ended" if c._ended else "open"
+        return f"<RequestStream handle={c.handle:#x} {state} buffered_tokens={c._ntok}>"
+
+    def __del__(self) -> None:
+        c = self._c
+        if not (c._closed or c._end_read):
+            c.close()
+            warnings.warn(
+                f"unclosed RequestStream for request {c.handle:#x}; use 'async with' or aclose()",
+                ResourceWarning,
+                stacklevel=1,
+                source=self,
+            )

@@ -1,0 +1,180 @@
+"""Stream semantics on the synchronous routing core, without a ring: the exact interleavings
+(a cancellation between wake-up and resumption) that a live ring cannot pin down."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+from test_hub import check_logprobs, enc
+
+from aiospec._codec import Flag, decode_frame
+from aiospec._routing import Router
+from aiospec._stream import EndOfStream, ProducerLost, RequestStream, StreamError, StreamFramesLost
+
+
+def route(router: Router, payload: bytes) -> None:
+    f = decode_frame(payload)
+    router.route(f, 0, f.num_records)
+    router.flush()
+
+
+def opened(router: Router, handle: int, rings: frozenset[str] | None = None) -> RequestStream:
+    return RequestStream(router.open(handle, rings))
+
+
+@pytest.mark.asyncio
+async def test_cancel_during_receive() -> None:
+    """anyio's test: the receiver was woken with data, then cancelled before it ran again;
+    the data stays in the stream (the receive raised, nothing was taken)."""
+    router = Router()
+    s = opened(router, 1)
+    received: list[int] = []
+
+    async def receiver() -> None:
+        received.extend((await s.get()).token_list())
+
+    task = asyncio.ensure_future(receiver())
+    await asyncio.sleep(0)
+    assert s.statistics().waiting
+    route(router, enc([(1, [42, 43], 0)]))  # resolves the receiver's waiter...
+    task.cancel()  # ...and the cancellation lands before the receiver resumes
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert received == []
+    assert not s.statistics().waiting
+    d = s.get_nowait()
+    assert d is not None and d.token_list() == [42, 43]
+    assert s.get_nowait() is None
+    s.close()
+
+
+@pytest.mark.asyncio
+async def test_cancel_during_receive_buffered() -> None:
+    """anyio's test: data that arrives after the waiting receiver was cancelled is kept."""
+    router = Router()
+    s = opened(router, 1)
+    task = asyncio.ensure_future(s.get())
+    await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    route(router, enc([(1, [7], 0)]))  # wakes nobody, loses nothing
+    assert (await asyncio.wait_for(s.get(), 5)).token_list() == [7]
+    s.close()
+
+
+@pytest.mark.asyncio
+async def test_receive_completes_when_the_data_was_already_there() -> None:
+    router = Router()
+    s = opened(router, 1)
+    route(router, enc([(1, [1], 0)]))
+    route(router, enc([(1, [2], Flag.FINISHED)]))
+    d = await s.get()  # no wait at all: get_nowait() or await
+    assert d.token_list() == [1, 2] and d.finished and d.num_steps == 2
+    with pytest.raises(EndOfStream, match=r"^request 0x1 finished$"):
+        await s.get()
+    with pytest.raises(EndOfStream):
+        s.get_nowait()
+
+
+def test_buffer_grows_past_many_records_and_keeps_everything() -> None:
+    router = Router()
+    s = opened(router, 1)
+    want: list[int] = []
+    drafts: list[int] = []
+    steps = 0
+    for step in range(300):
+        toks = [step * 8 + j for j in range(1 + step % 6)]
+        want += toks
+        d = {1: [10_000 + step]} if step % 50 == 0 else None
+        if d:
+            drafts += d[1]
+        route(router, enc([(1, toks, 0), (2, [0], 0)], step=step, k=4, drafts=d))
+        steps += 1
+        st = s.statistics()
+        assert st.pinned_frames <= 16 and st.buffered_tokens == len(want) and st.buffered_steps == steps
+        if step in (20, 150):  # reading in between starts a fresh buffer
+            got = s.get_nowait()
+            assert got is not None and got.token_list() == want
+            check_logprobs(got, 4)
+            assert got.draft_ids is not None and got.draft_ids.tolist() == drafts
+            want, drafts, steps = [], [], 0
+    got = s.get_nowait()
+    assert got is not None and got.token_list() == want and got.num_steps == 149 and got.step == 299
+    check_logprobs(got, 4)
+    assert got.draft_ids is not None and got.draft_ids.tolist() == drafts
+    assert router.records_dropped == 300
+    s.close()
+
+
+def test_narrower_k_and_missing_logprobs_across_compaction() -> None:
+    router = Router()
+    s = opened(router, 1)
+    for step in range(20):
+        route(router, enc([(1, [step], 0)], k=5))
+    route(router, enc([(1, [20], 0)], k=2))  # k narrows after the buffer was filled at k = 5
+    d = s.get_nowait()
+    assert d is not None and d.token_list() == list(range(21)) and d.k == 2
+    check_logprobs(d, 2)
+    for step in range(20):
+        route(router, enc([(1, [step], 0)], k=1))
+    route(router, enc([(1, [20], 0)]))
+    d = s.get_nowait()
+    assert d is not None and d.token_list() == list(range(21))
+    assert d.logprobs is None and d.ranks is None and d.topk_ids is None
+    s.close()
+
+
+def test_error_after_buffered_tokens_and_ring_specific_failures() -> None:
+    router = Router()
+    a = opened(router, 1, frozenset({"decode"}))
+    b = opened(router, 2, frozenset({"prefill"}))
+    c = opened(router, 3)
+    route(router, enc([(1, [1], 0), (2, [2], 0), (3, [3], 0)]))
+    n = router.fail("prefill", lambda h: ProducerLost(f"request {h:#x}: gone", h))
+    assert n == 2  # b and c (c depends on every ring)
+    assert set(router.table) == {1}
+    d = b.get_nowait()
+    assert d is not None and d.token_list() == [2]
+    with pytest.raises(ProducerLost, match=r"^request 0x2: gone$"):
+        b.get_nowait()
+    d = c.get_nowait()
+    assert d is not None and d.token_list() == [3]
+    with pytest.raises(ProducerLost, match=r"^request 0x3: gone$"):
+        c.get_nowait()
+    router.fail(None, lambda h: StreamFramesLost(f"request {h:#x}: lost", h, 1))
+    assert a.get_nowait().token_list() == [1]  # type: ignore[union-attr]
+    with pytest.raises(StreamError, match=r"^request 0x1: lost$"):
+        a.get_nowait()
+    assert router.table == {}
+
+
+def test_records_after_the_end_are_dropped() -> None:
+    router = Router()
+    s = opened(router, 1)
+    route(router, enc([(1, [1], Flag.FINISHED), (1, [2], 0)]))  # the second record comes too late
+    assert (router.records_routed, router.records_dropped, router.tokens_dropped) == (1, 1, 1)
+    d = s.get_nowait()
+    assert d is not None and d.token_list() == [1] and d.finished
+    with pytest.raises(EndOfStream):
+        s.get_nowait()
+
+
+def test_delta_views_alias_the_frame_copy_until_merged() -> None:
+    router = Router()
+    s = opened(router, 1)
+    route(router, enc([(1, [5, 6], 0)], k=1))
+    d = s.get_nowait()
+    assert d is not None
+    assert not d.token_ids.flags.writeable  # a view of the frame copy: the one copy made
+    assert d.token_ids.base is not None
+    route(router, enc([(1, [7], 0)]))
+    route(router, enc([(1, [8], 0)]))
+    for _ in range(20):  # past the segment limit: merged into the stream's own buffer
+        route(router, enc([(1, [9], 0)]))
+    d = s.get_nowait()
+    assert d is not None and d.token_ids.flags.writeable
+    assert np.array_equal(d.token_ids, [7, 8] + [9] * 20)
+    s.close()
