@@ -480,7 +480,7 @@ def create_app(settings: ServerSettings | None = None, *, on_ready: Callable[[],
         m = st.metrics
         engines: list[Any] = []
         with contextlib.suppress(Exception):
-            engines = [msgspec.to_builtins(e) for e in await st.backend.engine_stats(timeout=2.0)]
+            engines = [msgspec.structs.asdict(e) for e in await st.backend.engine_stats(timeout=2.0)]
         hs = st.backend.source_stats()
         return _json(
             {
