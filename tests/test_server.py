@@ -209,7 +209,10 @@ ERRORS = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize(("body", "status", "param", "message"), ERRORS, ids=[f"{e[2]}-{i}" for i, e in enumerate(ERRORS)])
+_IDS = [f"{e[2]}-{i}" for i, e in enumerate(ERRORS)]
+
+
+@pytest.mark.parametrize(("body", "status", "param", "message"), ERRORS, ids=_IDS)
 def test_bad_chat_requests(server: ServerProcess, body: dict[str, Any], status: int, param: str, message: str) -> None:
     got_status, got = _post(server.url + "/v1/chat/completions", body)
     assert got_status == status
