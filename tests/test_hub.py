@@ -88,8 +88,9 @@ def enc(
     return encode_frame(handles, offs, toks, **kw)
 
 
-def check_logprobs(d: Delta, k: int) -> None:
-    toks = d.token_list()
+def check_logprobs(d: Any, k: int) -> None:
+    """``d``: a Delta or a sync reader's Record."""
+    toks = d.token_ids.tolist()
     assert d.logprobs is not None and d.ranks is not None
     assert d.logprobs.tolist() == [lp_of(t) for t in toks]
     assert d.ranks.tolist() == [rank_of(t) for t in toks]

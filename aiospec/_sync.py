@@ -1,0 +1,284 @@
+"""A blocking reader of one or more rings for threads without asyncio (an engine's scheduler).
+
+It reads with the same core as the Hub (``RingFeed``: copy each frame out once, release,
+decode) and yields one ``Record`` per request per step, in ring order. With
+``only_tracked=True`` it routes like the Hub: records of handles not ``track()``ed are counted
+and dropped, and a record that ends its request (finished, preempted, recovery stop, aborted)
+untracks the handle.
+"""
+
+from __future__ import annotations
+
+import select
+import time
+from collections.abc import Iterable, Iterator
+
+import msgspec
+import numpy as np
+
+from aiospec._codec import Frame
+from aiospec._routing import RingFeed, check_handle
+from shm import _layout as L
+from shm._errors import AiospecError, FramesLost, ReaderEvicted, RingError
+
+__all__ = ("Record", "SyncReader", "SyncReaderStats")
+
+_TERMINAL = L.FLAG_FINISHED | L.FLAG_PREEMPTED | L.FLAG_RECOVERY_STOP | L.FLAG_ABORTED
+
+
+class Record(msgspec.Struct, kw_only=True, gc=False):
+    """One request in one step, as the engine emitted it (arrays are read-only views)."""
+
+    ring: str
+    producer: int
+    step: int
+    kind: int  # Kind.TARGET or Kind.DRAFT
+    handle: int
+    flags: int
+    token_ids: np.ndarray
+    draft_ids: np.ndarray | None = None
+    logprobs: np.ndarray | None = None
+    ranks: np.ndarray | None = None
+    topk_ids: np.ndarray | None = None
+    topk_logprobs: np.ndarray | None = None
+
+    @property
+    def first_token(self) -> bool:
+        return bool(self.flags & L.FLAG_FIRST_TOKEN)
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.flags & L.FLAG_FINISHED)
+
+    @property
+    def ends_request(self) -> bool:
+        """Finished, preempted, stopped for recovery or aborted."""
+        return bool(self.flags & _TERMINAL)
+
+
+class SyncReaderStats(msgspec.Struct, frozen=True, gc=False):
+    rings: tuple[str, ...]
+    tracked: int
+    frames_read: int
+    records_read: int
+    records_dropped: int
+    frames_lost: int
+
+
+def records_of(frame: Frame, ring: str) -> Iterator[Record]:
+    """Every record of a decoded frame, in order."""
+    offs = frame.token_offsets.tolist()
+    doffs = None if frame.draft_offsets is None else frame.draft_offsets.tolist()
+    has_lp, k = frame.has_logprobs, frame.k
+    for i, (h, fl) in enumerate(zip(frame.handles.tolist(), frame.flags.tolist(), strict=True)):
+        a, b = offs[i], offs[i + 1]
+        rec = Record(
+            ring=ring,
+            producer=frame.producer,
+            step=frame.step,
+            kind=int(frame.kind),
+            handle=h,
+            flags=fl,
+            token_ids=frame.token_ids[a:b],
+        )
+        if doffs is not None and doffs[i + 1] > doffs[i]:
+            rec.draft_ids = frame.draft_ids[doffs[i] : doffs[i + 1]]  # type: ignore[index]
+        if has_lp:
+            rec.logprobs = frame.logprobs[a:b]  # type: ignore[index]
+            rec.ranks = frame.ranks[a:b]  # type: ignore[index]
+            if k:
+                rec.topk_ids = frame.topk_ids[a:b]  # type: ignore[index]
+                rec.topk_logprobs = frame.topk_logprobs[a:b]  # type: ignore[index]
+        yield rec
+
+
+class SyncReader:
+    """Blocking reader of several rings: ``for rec in SyncReader(["ring-a"]): ...``.
+
+    ``read(timeout)`` returns the records committed so far (waiting up to ``timeout`` seconds
+    for the first); iterating blocks until records come. Ring problems are raised after the
+    records read before them: ``FramesLost`` (frames lost, this reader evicted, a payload that
+    does not decode; reading goes on), ``ProducerGone`` and ``CorruptFrame`` (that ring is
+    dropped from this reader).
+    """
+
+    def __init__(
+        self,
+        rings: Iterable[str] | str,
+        *,
+        only_tracked: bool = False,
+        max_frames: int = 64,
+        spin: float = 50e-6,
+        recheck: float = 0.05,
+        producer_timeout: float | None = None,
+    ) -> None:
+        names = [rings] if isinstance(rings, str) else list(rings)
+        if not names:
+            raise ValueError("rings: expected at least one ring name")
+        if len(set(names)) != len(names):
+            raise ValueError(f"rings = {names!r}: a ring is named twice")
+        if not isinstance(max_frames, int) or max_frames < 1:
+            raise ValueError(f"max_frames = {max_frames!r}: expected an int >= 1")
+        self._only_tracked = only_tracked
+        self._max_frames = max_frames
+        self._spin = spin
+        self._recheck = recheck
+        self._closed = False
+        self._feeds: dict[str, RingFeed] = {}
+        try:
+            for n in names:
+                self._feeds[n] = RingFeed(n, spin=spin, recheck=recheck, producer_timeout=producer_timeout)
+        except BaseException:
+            self.close()
+            raise
+        self._poller = select.poll()
+        for f in self._feeds.values():
+            self._poller.register(f.reader.fileno(), select.POLLIN)
+        self._tracked: set[int] = set()
+        self._errors: list[AiospecError] = []
+        self._records_read = 0
+        self._records_dropped = 0
+        self._frames_read = 0
+        self._frames_lost = 0
+
+    # -- routing ----------------------------------------------------------------------------------
+
+    def track(self, handle: int) -> None:
+        """Deliver the records of ``handle`` (with ``only_tracked``); call before admission."""
+        handle = check_handle(handle)
+        if handle in self._tracked:
+            raise ValueError(f"handle = {handle:#x}: already tracked")
+        self._tracked.add(handle)
+
+    def untrack(self, handle: int) -> None:
+        self._tracked.discard(handle)
+
+    @property
+    def rings(self) -> tuple[str, ...]:
+        return tuple(self._feeds)
+
+    # -- reading ----------------------------------------------------------------------------------
+
+    def read(self, timeout: float | None = None) -> list[Record]:
+        """Records committed so far, waiting up to ``timeout`` s (None: forever) for the first."""
+        if self._closed:
+            raise AiospecError("SyncReader.read: the reader is closed")
+        self._raise_pending()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            out = self._drain()
+            if out or self._errors:
+                if not out:
+                    self._raise_pending()
+                return out
+            if not self._feeds:
+                raise RingError("SyncReader.read: no ring is left to read (every producer is gone)")
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return []
+            self._wait(left)
+
+    def __iter__(self) -> Iterator[Record]:
+        while True:
+            yield from self.read()
+
+    def _drain(self) -> list[Record]:
+        out: list[Record] = []
+        for name, feed in list(self._feeds.items()):
+            try:
+                frames, bad = feed.read(self._max_frames)
+            except ReaderEvicted as exc:
+                feed.retake_slot()
+                self._poller = self._make_poller()
+                self._lost(name, 0, f"this reader was evicted and missed frames ({exc})", exc)
+                continue
+            except RingError as exc:  # CorruptFrame: the ring cannot be read past it
+                self._drop(name, exc)
+                continue
+            self._frames_read += len(frames)
+            for f in frames:
+                for rec in records_of(f, name):
+                    if self._only_tracked:
+                        if rec.handle not in self._tracked:
+                            self._records_dropped += 1
+                            continue
+                        if rec.flags & _TERMINAL and rec.kind == L.KIND_TARGET:
+                            self._tracked.discard(rec.handle)
+                    out.append(rec)
+            for e in bad:
+                self._lost(name, 1, f"a frame could not be decoded ({e})", e)
+            lost = feed.new_losses()
+            if lost:
+                self._lost(name, lost, "the producer lost frames", None)
+        self._records_read += len(out)
+        return out
+
+    def _wait(self, timeout: float | None) -> None:
+        feeds = list(self._feeds.values())
+        if self._spin > 0:
+            end = time.perf_counter() + self._spin
+            while time.perf_counter() < end:
+                if any(f.reader.pending() for f in feeds):
+                    return
+        asleep: list[RingFeed] = []
+        try:
+            for f in feeds:
+                if not f.reader.sleep_begin():
+                    return
+                asleep.append(f)
+            t = self._recheck if timeout is None else min(self._recheck, timeout)
+            self._poller.poll(max(0.0, t) * 1000.0)
+        finally:
+            for f in asleep:
+                f.reader.sleep_end()
+        for name, f in list(self._feeds.items()):
+            if not f.reader.pending():
+                try:
+                    f.reader.check_producer()
+                except RingError as exc:
+                    self._drop(name, exc)
+
+    def _lost(self, name: str, lost: int, what: str, cause: BaseException | None) -> None:
+        self._frames_lost += max(lost, 1)
+        err = FramesLost(f"ring {name}: {what}; records may be missing", lost)
+        err.__cause__ = cause
+        self._errors.append(err)
+
+    def _drop(self, name: str, exc: AiospecError) -> None:
+        feed = self._feeds.pop(name)
+        feed.close()
+        self._poller = self._make_poller()
+        self._errors.append(exc)
+
+    def _make_poller(self) -> select.poll:
+        p = select.poll()
+        for f in self._feeds.values():
+            p.register(f.reader.fileno(), select.POLLIN)
+        return p
+
+    def _raise_pending(self) -> None:
+        if self._errors:
+            err = self._errors.pop(0)
+            raise err
+
+    def stats(self) -> SyncReaderStats:
+        return SyncReaderStats(
+            rings=self.rings,
+            tracked=len(self._tracked),
+            frames_read=self._frames_read,
+            records_read=self._records_read,
+            records_dropped=self._records_dropped,
+            frames_lost=self._frames_lost,
+        )
+
+    def close(self) -> None:
+        self._closed = True
+        for f in self._feeds.values():
+            f.close()
+        self._feeds.clear()
+
+    def __enter__(self) -> SyncReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,441 @@
+"""OpenAI-compatible logprobs and SSE chunks, built from ``Delta``s.
+
+Rules (the bugs other servers had, research-notes B.4.11): one logprobs entry per token
+position of a multi-token delta, each with that position's own alternatives; ``top_logprobs``
+holds the true top-N of the position (``N <= k``; the sampled token is reported separately,
+in the entry itself); ``-inf`` and NaN become ``-9999.0``; ``bytes`` are the token's raw bytes,
+so that clients can join the pieces of a character split over tokens. A token whose bytes are
+not valid UTF-8 on their own is shown as ``"bytes:\\xNN..."``.
+
+Everything is a ``msgspec.Struct`` encoded by one reused JSON encoder; ``sse(chunk)`` gives the
+``data: ...`` event bytes.
+
+    fmt = ChatLogprobsFormatter(tokenizer, top_logprobs=5)
+    async for delta in stream:
+        chunk = chat_chunk(rid, model, created, content=text, logprobs=fmt.format(delta))
+        await send(sse(chunk))
+    await send(SSE_DONE)
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+import weakref
+from collections.abc import Mapping, Sequence
+from typing import Protocol, runtime_checkable
+
+import msgspec
+import numpy as np
+
+from aiospec._stream import Delta
+
+__all__ = (
+    "SSE_DONE",
+    "ByteLevelTokenizer",
+    "ChatChunkChoice",
+    "ChatCompletionChunk",
+    "ChatDelta",
+    "ChatLogprobs",
+    "ChatLogprobsFormatter",
+    "ChatTokenLogprob",
+    "CompletionChoice",
+    "CompletionChunk",
+    "CompletionLogprobs",
+    "CompletionLogprobsFormatter",
+    "IncrementalText",
+    "SimpleTokenizer",
+    "Tokenizer",
+    "TopLogprob",
+    "Usage",
+    "chat_chunk",
+    "completion_chunk",
+    "sse",
+    "usage_chunk",
+)
+
+LOGPROB_FLOOR = -9999.0  # what -inf and NaN become (JSON has neither)
+
+
+# -- tokenizers ----------------------------------------------------------------------------------
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """The one thing formatting needs from a tokenizer: the raw bytes of a token id."""
+
+    def token_bytes(self, token_id: int) -> bytes: ...
+
+
+class SimpleTokenizer:
+    """A vocabulary given as id -> token text (encoded UTF-8) or raw bytes."""
+
+    def __init__(self, vocab: Mapping[int, str | bytes] | Sequence[str | bytes]) -> None:
+        items = vocab.items() if isinstance(vocab, Mapping) else enumerate(vocab)
+        self._vocab: dict[int, bytes] = {}
+        for i, t in items:
+            self._vocab[int(i)] = t.encode("utf-8") if isinstance(t, str) else bytes(t)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        try:
+            return self._vocab[token_id]
+        except KeyError:
+            raise ValueError(f"token_id = {token_id}: not in the vocabulary ({len(self._vocab)} tokens)") from None
+
+
+def _byte_alphabet() -> dict[str, int]:
+    """GPT-2's bytes_to_unicode, inverted: printable stand-in character -> byte."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    chars = keep[:]
+    n = 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(keep, chars, strict=True)}
+
+
+_BYTE_OF = _byte_alphabet()
+
+
+class ByteLevelTokenizer:
+    """A byte-level BPE vocabulary (GPT-2, Llama 3, Qwen...): token strings spell bytes with
+    GPT-2's printable alphabet (``"Ġ"`` is a space), as in ``vocab.json`` / ``tokenizer.json``."""
+
+    def __init__(self, vocab: Mapping[str, int]) -> None:
+        self._vocab: dict[int, bytes] = {}
+        for tok, i in vocab.items():
+            try:
+                self._vocab[int(i)] = bytes(_BYTE_OF[c] for c in tok)
+            except KeyError as exc:
+                raise ValueError(
+                    f"vocab[{tok!r}]: character {exc.args[0]!r} is not in the byte-level alphabet"
+                ) from None
+
+    @classmethod
+    def from_file(cls, path: str) -> ByteLevelTokenizer:
+        """Load ``vocab.json`` (token -> id) or a Hugging Face ``tokenizer.json``."""
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        if isinstance(data, dict) and isinstance(data.get("model"), dict):
+            vocab = dict(data["model"]["vocab"])
+            for t in data.get("added_tokens", []):
+                vocab[t["content"]] = t["id"]
+            return _ByteLevelWithSpecials(vocab)
+        return cls(data)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        try:
+            return self._vocab[token_id]
+        except KeyError:
+            raise ValueError(f"token_id = {token_id}: not in the vocabulary ({len(self._vocab)} tokens)") from None
+
+
+class _ByteLevelWithSpecials(ByteLevelTokenizer):
+    """tokenizer.json: added tokens ("<|im_end|>") are literal text, not byte-level spellings."""
+
+    def __init__(self, vocab: Mapping[str, int]) -> None:
+        plain = {t: i for t, i in vocab.items() if all(c in _BYTE_OF for c in t)}
+        super().__init__(plain)
+        for t, i in vocab.items():
+            if t not in plain:
+                self._vocab[int(i)] = t.encode("utf-8")
+
+
+class _TokenCache:
+    """Per token id: the display string and the byte list, computed once."""
+
+    __slots__ = ("_tok", "_cache")
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tok = tokenizer
+        self._cache: dict[int, tuple[str, list[int]]] = {}
+
+    def get(self, token_id: int) -> tuple[str, list[int]]:
+        e = self._cache.get(token_id)
+        if e is None:
+            raw = self._tok.token_bytes(token_id)
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+            e = self._cache[token_id] = (text, list(raw))
+        return e
+
+
+_caches: weakref.WeakKeyDictionary[Tokenizer, _TokenCache] = weakref.WeakKeyDictionary()
+
+
+def _cache_for(tokenizer: Tokenizer) -> _TokenCache:
+    """One cache per tokenizer, shared by the formatters of every request."""
+    try:
+        cache = _caches.get(tokenizer)
+        if cache is None:
+            cache = _caches[tokenizer] = _TokenCache(tokenizer)
+        return cache
+    except TypeError:  # not hashable or not weak-referenceable: a cache for this formatter only
+        return _TokenCache(tokenizer)
+
+
+def _floats(a: np.ndarray) -> list[float]:
+    f = a.astype(np.float64)
+    bad = ~np.isfinite(f)
+    if bad.any():
+        f[bad] = LOGPROB_FLOOR
+    return f.tolist()  # type: ignore[no-any-return]
+
+
+def _check_top(n: int, delta: Delta) -> None:
+    if n > delta.k:
+        raise ValueError(f"top_logprobs = {n}: the delta carries only k = {delta.k} alternatives per token")
+
+
+# -- chat completions ----------------------------------------------------------------------------
+
+
+class TopLogprob(msgspec.Struct, gc=False):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(msgspec.Struct, gc=False):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(msgspec.Struct, gc=False):
+    content: list[ChatTokenLogprob] | None
+
+
+class ChatLogprobsFormatter:
+    """``choices[i].logprobs`` of chat completion chunks, for one request.
+
+    ``top_logprobs``: the request's N (``0..k``). ``format(delta)`` returns None when the delta
+    has no tokens or carries no logprobs.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, *, top_logprobs: int = 0) -> None:
+        if not isinstance(top_logprobs, int) or top_logprobs < 0:
+            raise ValueError(f"top_logprobs = {top_logprobs!r}: expected an int >= 0")
+        self._cache = _cache_for(tokenizer)
+        self._n = top_logprobs
+
+    def format(self, delta: Delta) -> ChatLogprobs | None:
+        if delta.logprobs is None or delta.num_tokens == 0:
+            return None
+        n = self._n
+        get = self._cache.get
+        ids = delta.token_ids.tolist()
+        lps = _floats(delta.logprobs)
+        tops: list[list[TopLogprob]]
+        if n:
+            _check_top(n, delta)
+            assert delta.topk_ids is not None and delta.topk_logprobs is not None
+            tids = delta.topk_ids[:, :n].tolist()
+            tlps = _floats(delta.topk_logprobs[:, :n].reshape(-1))
+            tops = []
+            j = 0
+            for row in tids:
+                top = []
+                for t in row:
+                    s, b = get(t)
+                    top.append(TopLogprob(s, tlps[j], b))
+                    j += 1
+                tops.append(top)
+        else:
+            tops = [[] for _ in ids]
+        content = []
+        for t, lp, top in zip(ids, lps, tops, strict=True):
+            s, b = get(t)
+            content.append(ChatTokenLogprob(s, lp, b, top))
+        return ChatLogprobs(content)
+
+
+# -- (legacy) completions ------------------------------------------------------------------------
+
+
+class CompletionLogprobs(msgspec.Struct, gc=False):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int]
+
+
+class CompletionLogprobsFormatter:
+    """``choices[i].logprobs`` of completions, for one request (it keeps the text offset).
+
+    ``logprobs``: the request's N (``0..k``). Each ``top_logprobs`` dict holds the top-N and,
+    as OpenAI documents, the sampled token when it is not among them (up to N + 1 entries; of
+    two ids with the same string the better one is kept). ``text_offset`` counts characters of
+    the completion text from ``text_offset`` (e.g. the prompt's length with ``echo``); a
+    character split over tokens counts at the token that completes it.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, *, logprobs: int = 0, text_offset: int = 0) -> None:
+        if not isinstance(logprobs, int) or logprobs < 0:
+            raise ValueError(f"logprobs = {logprobs!r}: expected an int >= 0")
+        self._cache = _cache_for(tokenizer)
+        self._n = logprobs
+        self._text = IncrementalText(tokenizer)
+        self._offset = text_offset
+
+    def format(self, delta: Delta) -> CompletionLogprobs | None:
+        ids = delta.token_ids.tolist()
+        if delta.logprobs is None or not ids:
+            # the offset must still advance past these tokens
+            for t in ids:
+                self._offset += len(self._text.push(t))
+            return None
+        n = self._n
+        get = self._cache.get
+        lps = _floats(delta.logprobs)
+        if n:
+            _check_top(n, delta)
+            assert delta.topk_ids is not None and delta.topk_logprobs is not None
+            tids = delta.topk_ids[:, :n].tolist()
+            tlps = _floats(delta.topk_logprobs[:, :n].reshape(-1))
+        tokens: list[str] = []
+        offsets: list[int] = []
+        tops: list[dict[str, float]] = []
+        for i, (t, lp) in enumerate(zip(ids, lps, strict=True)):
+            s = get(t)[0]
+            tokens.append(s)
+            offsets.append(self._offset)
+            self._offset += len(self._text.push(t))
+            top: dict[str, float] = {}
+            if n:
+                for j, a in enumerate(tids[i]):
+                    top.setdefault(get(a)[0], tlps[i * n + j])
+            top.setdefault(s, lp)
+            tops.append(top)
+        return CompletionLogprobs(tokens, lps, tops, offsets)
+
+
+# -- text ----------------------------------------------------------------------------------------
+
+
+class IncrementalText:
+    """Byte-level incremental detokenization: token ids in, complete UTF-8 characters out.
+
+    A character split over several tokens comes out with the token that completes it; invalid
+    bytes become U+FFFD.
+    """
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tok = tokenizer
+        self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, token_id: int) -> str:
+        return self._dec.decode(self._tok.token_bytes(token_id))
+
+    def decode(self, token_ids: np.ndarray | Sequence[int]) -> str:
+        ids = token_ids.tolist() if isinstance(token_ids, np.ndarray) else token_ids
+        return self._dec.decode(b"".join(self._tok.token_bytes(t) for t in ids))
+
+    def flush(self) -> str:
+        """The end of the text: an unfinished character becomes U+FFFD."""
+        return self._dec.decode(b"", final=True)
+
+
+# -- SSE chunks ----------------------------------------------------------------------------------
+
+
+class Usage(msgspec.Struct, gc=False):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ChatDelta(msgspec.Struct, omit_defaults=True, gc=False):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(msgspec.Struct, gc=False):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(
+    msgspec.Struct, tag_field="object", tag="chat.completion.chunk", omit_defaults=True, gc=False
+):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class CompletionChoice(msgspec.Struct, gc=False):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionChunk(msgspec.Struct, tag_field="object", tag="text_completion", omit_defaults=True, gc=False):
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+def chat_chunk(
+    id: str,
+    model: str,
+    created: int,
+    *,
+    content: str | None = None,
+    role: str | None = None,
+    logprobs: ChatLogprobs | None = None,
+    finish_reason: str | None = None,
+    index: int = 0,
+) -> ChatCompletionChunk:
+    """A one-choice ``chat.completion.chunk``."""
+    choice = ChatChunkChoice(index, ChatDelta(role, content), logprobs, finish_reason)
+    return ChatCompletionChunk(id, created, model, [choice])
+
+
+def completion_chunk(
+    id: str,
+    model: str,
+    created: int,
+    *,
+    text: str = "",
+    logprobs: CompletionLogprobs | None = None,
+    finish_reason: str | None = None,
+    index: int = 0,
+) -> CompletionChunk:
+    """A one-choice ``text_completion`` chunk."""
+    return CompletionChunk(id, created, model, [CompletionChoice(index, text, logprobs, finish_reason)])
+
+
+def usage_chunk(
+    id: str, model: str, created: int, *, prompt_tokens: int, completion_tokens: int, chat: bool = True
+) -> ChatCompletionChunk | CompletionChunk:
+    """The final chunk of ``stream_options.include_usage``: no choices, the token counts."""
+    usage = Usage(prompt_tokens, completion_tokens, prompt_tokens + completion_tokens)
+    if chat:
+        return ChatCompletionChunk(id, created, model, [], usage)
+    return CompletionChunk(id, created, model, [], usage)
+
+
+_encoder = msgspec.json.Encoder()
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def sse(chunk: msgspec.Struct) -> bytes:
+    """One server-sent event: ``b"data: <json>\\n\\n"``."""
+    buf = bytearray(b"data: ")
+    _encoder.encode_into(chunk, buf, 6)
+    buf += b"\n\n"
+    return bytes(buf)

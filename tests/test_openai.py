@@ -1,0 +1,231 @@
+"""OpenAI logprobs and SSE chunks, checked against JSON written out by hand."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import pytest
+
+from aiospec._stream import Delta
+from aiospec.openai import (
+    SSE_DONE,
+    ByteLevelTokenizer,
+    ChatLogprobsFormatter,
+    CompletionLogprobsFormatter,
+    IncrementalText,
+    SimpleTokenizer,
+    Tokenizer,
+    chat_chunk,
+    completion_chunk,
+    sse,
+    usage_chunk,
+)
+
+# "€" is e2 82 ac: token 3 holds its first two bytes, token 4 the last one
+VOCAB: dict[int, str | bytes] = {0: "Hello", 1: " world", 2: "é", 3: b"\xe2\x82", 4: b"\xac", 5: "!"}
+HELLO = [72, 101, 108, 108, 111]
+WORLD = [32, 119, 111, 114, 108, 100]
+
+
+def tok() -> SimpleTokenizer:
+    return SimpleTokenizer(VOCAB)
+
+
+def delta(
+    ids: list[int],
+    lps: list[float] | None = None,
+    top_ids: list[list[int]] | None = None,
+    top_lps: list[list[float]] | None = None,
+) -> Delta:
+    return Delta(
+        token_ids=np.array(ids, np.int32),
+        logprobs=None if lps is None else np.array(lps, np.float32),
+        ranks=None if lps is None else np.ones(len(ids), np.int32),
+        topk_ids=None if top_ids is None else np.array(top_ids, np.int32).reshape(len(ids), -1),
+        topk_logprobs=None if top_lps is None else np.array(top_lps, np.float32).reshape(len(ids), -1),
+    )
+
+
+def as_json(obj: object) -> object:
+    return json.loads(msgspec.json.encode(obj))
+
+
+# a 3-token delta (one MTP step), k = 3: each position has its own alternatives
+MTP_DELTA = delta(
+    [0, 2, 3],
+    [-0.5, -1.25, -math.inf],
+    [[0, 1, 5], [5, 2, 0], [4, 1, 0]],
+    [[-0.5, -1.0, -2.0], [-0.75, -1.25, -3.0], [math.nan, -2.5, -3.5]],
+)
+
+
+def test_chat_one_entry_per_position_with_its_own_top_n() -> None:
+    fmt = ChatLogprobsFormatter(tok(), top_logprobs=2)
+    assert as_json(fmt.format(MTP_DELTA)) == {
+        "content": [
+            {
+                "token": "Hello",
+                "logprob": -0.5,
+                "bytes": HELLO,
+                "top_logprobs": [
+                    {"token": "Hello", "logprob": -0.5, "bytes": HELLO},
+                    {"token": " world", "logprob": -1.0, "bytes": WORLD},
+                ],
+            },
+            {
+                "token": "é",
+                "logprob": -1.25,
+                "bytes": [195, 169],
+                "top_logprobs": [
+                    {"token": "!", "logprob": -0.75, "bytes": [33]},
+                    {"token": "é", "logprob": -1.25, "bytes": [195, 169]},
+                ],
+            },
+            {  # a partial UTF-8 token: raw bytes, an escaped string; -inf and NaN clamped
+                "token": "bytes:\\xe2\\x82",
+                "logprob": -9999.0,
+                "bytes": [226, 130],
+                "top_logprobs": [
+                    {"token": "bytes:\\xac", "logprob": -9999.0, "bytes": [172]},
+                    {"token": " world", "logprob": -2.5, "bytes": WORLD},
+                ],
+            },
+        ]
+    }
+
+
+def test_chat_exact_bytes_of_a_non_ascii_entry() -> None:
+    fmt = ChatLogprobsFormatter(tok(), top_logprobs=1)
+    out = msgspec.json.encode(fmt.format(delta([2], [-0.25], [[2]], [[-0.25]])))
+    assert out == (
+        b'{"content":[{"token":"\xc3\xa9","logprob":-0.25,"bytes":[195,169],'
+        b'"top_logprobs":[{"token":"\xc3\xa9","logprob":-0.25,"bytes":[195,169]}]}]}'
+    )
+
+
+def test_chat_k0_missing_logprobs_and_too_many_alternatives() -> None:
+    no_top = delta([5, 0], [-0.5, -0.125])  # logprobs of the sampled tokens only (k = 0)
+    assert as_json(ChatLogprobsFormatter(tok()).format(no_top)) == {
+        "content": [
+            {"token": "!", "logprob": -0.5, "bytes": [33], "top_logprobs": []},
+            {"token": "Hello", "logprob": -0.125, "bytes": HELLO, "top_logprobs": []},
+        ]
+    }
+    assert ChatLogprobsFormatter(tok(), top_logprobs=2).format(delta([5])) is None  # no logprobs emitted
+    assert ChatLogprobsFormatter(tok()).format(delta([], [])) is None  # no tokens (e.g. a bare finish)
+    with pytest.raises(ValueError, match=r"^top_logprobs = 1: the delta carries only k = 0 alternatives per token$"):
+        ChatLogprobsFormatter(tok(), top_logprobs=1).format(no_top)
+    with pytest.raises(ValueError, match=r"^top_logprobs = 4: the delta carries only k = 3 alternatives per token$"):
+        ChatLogprobsFormatter(tok(), top_logprobs=4).format(MTP_DELTA)
+    with pytest.raises(ValueError, match=r"^top_logprobs = -1: expected an int >= 0$"):
+        ChatLogprobsFormatter(tok(), top_logprobs=-1)
+
+
+def test_completions_offsets_across_deltas_and_the_sampled_token() -> None:
+    fmt = CompletionLogprobsFormatter(tok(), logprobs=2)
+    first = fmt.format(delta([0, 3], [-0.5, -1.5], [[0, 1], [4, 1]], [[-0.5, -1.0], [-0.25, -1.0]]))
+    assert as_json(first) == {
+        "tokens": ["Hello", "bytes:\\xe2\\x82"],
+        "token_logprobs": [-0.5, -1.5],
+        "top_logprobs": [
+            {"Hello": -0.5, " world": -1.0},
+            # the sampled token is not in the top 2: added, as OpenAI documents (N + 1 entries)
+            {"bytes:\\xac": -0.25, " world": -1.0, "bytes:\\xe2\\x82": -1.5},
+        ],
+        "text_offset": [0, 5],
+    }
+    assert fmt.format(delta([4])) is None  # a delta without logprobs still moves the offset
+    second = fmt.format(delta([1, 5], [-0.125, -math.nan], [[4, 5], [5, 5]], [[-0.25, -2.0], [-0.5, -0.75]]))
+    assert as_json(second) == {
+        "tokens": [" world", "!"],
+        "token_logprobs": [-0.125, -9999.0],
+        # of two alternatives with the same string, the first (better) one is kept
+        "top_logprobs": [{"bytes:\\xac": -0.25, "!": -2.0, " world": -0.125}, {"!": -0.5}],
+        # "Hello" is 5 characters, the euro sign (completed by token 4) one: " world" starts at 6
+        "text_offset": [6, 12],
+    }
+
+
+def test_completions_without_top_n_and_with_a_start_offset() -> None:
+    fmt = CompletionLogprobsFormatter(tok(), text_offset=100)
+    assert as_json(fmt.format(delta([5, 2], [-1.0, -2.0]))) == {
+        "tokens": ["!", "é"],
+        "token_logprobs": [-1.0, -2.0],
+        "top_logprobs": [{"!": -1.0}, {"é": -2.0}],
+        "text_offset": [100, 101],
+    }
+
+
+def test_sse_chunks_exact_bytes() -> None:
+    c = chat_chunk("chatcmpl-1", "m", 123, role="assistant", content="Hi")
+    assert sse(c) == (
+        b'data: {"object":"chat.completion.chunk","id":"chatcmpl-1","created":123,"model":"m",'
+        b'"choices":[{"index":0,"delta":{"role":"assistant","content":"Hi"},"logprobs":null,"finish_reason":null}]}\n\n'
+    )
+    fmt = ChatLogprobsFormatter(tok())
+    c = chat_chunk("c", "m", 1, content="!", logprobs=fmt.format(delta([5], [-0.5])), finish_reason="stop")
+    assert sse(c) == (
+        b'data: {"object":"chat.completion.chunk","id":"c","created":1,"model":"m","choices":[{"index":0,'
+        b'"delta":{"content":"!"},"logprobs":{"content":[{"token":"!","logprob":-0.5,"bytes":[33],'
+        b'"top_logprobs":[]}]},"finish_reason":"stop"}]}\n\n'
+    )
+    assert sse(usage_chunk("c", "m", 1, prompt_tokens=3, completion_tokens=4)) == (
+        b'data: {"object":"chat.completion.chunk","id":"c","created":1,"model":"m","choices":[],'
+        b'"usage":{"prompt_tokens":3,"completion_tokens":4,"total_tokens":7}}\n\n'
+    )
+    cf = CompletionLogprobsFormatter(tok())
+    t = completion_chunk("cmpl-2", "m", 5, text="Hello", logprobs=cf.format(delta([0], [-0.5])))
+    assert sse(t) == (
+        b'data: {"object":"text_completion","id":"cmpl-2","created":5,"model":"m","choices":[{"index":0,'
+        b'"text":"Hello","logprobs":{"tokens":["Hello"],"token_logprobs":[-0.5],"top_logprobs":[{"Hello":-0.5}],'
+        b'"text_offset":[0]},"finish_reason":null}]}\n\n'
+    )
+    assert sse(usage_chunk("cmpl-2", "m", 5, prompt_tokens=1, completion_tokens=1, chat=False)) == (
+        b'data: {"object":"text_completion","id":"cmpl-2","created":5,"model":"m","choices":[],'
+        b'"usage":{"prompt_tokens":1,"completion_tokens":1,"total_tokens":2}}\n\n'
+    )
+    assert SSE_DONE == b"data: [DONE]\n\n"
+
+
+def test_incremental_text_joins_split_characters() -> None:
+    text = IncrementalText(tok())
+    assert text.decode(np.array([0, 3], np.int32)) == "Hello"  # the euro sign is not complete yet
+    assert text.push(4) == "€"
+    assert text.decode([5, 3]) == "!"
+    assert text.flush() == "\ufffd"  # a character left unfinished at the end
+
+
+def test_byte_level_tokenizer(tmp_path: Path) -> None:
+    vocab = {"Hello": 0, "Ġworld": 1, "Ã©": 2, "âĤ": 3, "¬": 4, "!": 5}
+    bl = ByteLevelTokenizer(vocab)
+    assert isinstance(bl, Tokenizer)
+    raw = [v.encode() if isinstance(v, str) else v for v in VOCAB.values()]
+    assert [bl.token_bytes(i) for i in range(6)] == raw
+    assert as_json(ChatLogprobsFormatter(bl).format(delta([1, 3], [-1.0, -2.0]))) == {
+        "content": [
+            {"token": " world", "logprob": -1.0, "bytes": WORLD, "top_logprobs": []},
+            {"token": "bytes:\\xe2\\x82", "logprob": -2.0, "bytes": [226, 130], "top_logprobs": []},
+        ]
+    }
+    with pytest.raises(ValueError, match=r"^token_id = 99: not in the vocabulary \(6 tokens\)$"):
+        bl.token_bytes(99)
+    with pytest.raises(ValueError, match=r"^vocab\['a b'\]: character ' ' is not in the byte-level alphabet$"):
+        ByteLevelTokenizer({"a b": 0})
+    # a Hugging Face tokenizer.json: added tokens are literal text
+    path = tmp_path / "tokenizer.json"
+    path.write_text(json.dumps({"model": {"vocab": vocab}, "added_tokens": [{"id": 6, "content": "<|im end|>"}]}))
+    hf = ByteLevelTokenizer.from_file(str(path))
+    assert hf.token_bytes(1) == b" world" and hf.token_bytes(6) == b"<|im end|>"
+    path2 = tmp_path / "vocab.json"
+    path2.write_text(json.dumps(vocab))
+    assert ByteLevelTokenizer.from_file(str(path2)).token_bytes(2) == "é".encode()
+
+
+def test_simple_tokenizer_errors() -> None:
+    with pytest.raises(ValueError, match=r"^token_id = 6: not in the vocabulary \(6 tokens\)$"):
+        ChatLogprobsFormatter(tok()).format(delta([6], [-1.0]))
+    assert SimpleTokenizer(["a", b"\xff"]).token_bytes(1) == b"\xff"
