@@ -42,6 +42,10 @@ CUDA_ABI_VERSION = 1  # AIOSPEC_CUDA_ABI_VERSION
 E_RING_FULL = 64  # AIOSPEC_E_RING_FULL
 E_MAX_ROWS = 65  # AIOSPEC_E_MAX_ROWS
 _CUDA_ERROR_INVALID_VALUE = 1
+_POINTER_FIELDS = (
+    "handles", "token_ids", "num_tokens", "flags", "draft_ids", "num_draft",
+    "lp_ids", "lp_values", "lp_ranks", "lp_offsets",
+)  # fmt: skip
 
 
 class CudaOptions(ctypes.Structure):
@@ -97,6 +101,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "aiospec_cuda_producer_destroy": (None, (p,)),
         "aiospec_cuda_emit_ex": (ctypes.c_int, (p, ctypes.POINTER(EmitArgs), vp, vp)),
         "aiospec_cuda_last_error": (None, (p, ctypes.POINTER(ErrorWord))),
+        "aiospec_cuda_placeholder": (vp, (p,)),
         "aiospec_cuda_check": (ctypes.c_int, (p, ctypes.POINTER(ErrorWord), u64p)),
         "aiospec_cuda_format_error": (ctypes.c_int, (p, ctypes.POINTER(ErrorWord), ctypes.c_char_p, ctypes.c_size_t)),
         "aiospec_cuda_notify": (ctypes.c_int, (p,)),
@@ -238,6 +243,7 @@ class CudaProducer:
         if lib.aiospec_cuda_producer_create(ring.encode(), ctypes.byref(opts), ctypes.byref(handle), err, len(err)):
             raise RingError(err.value.decode(errors="replace"))
         self._h = handle.value
+        self._placeholder = lib.aiospec_cuda_placeholder(self._h)
         self.ring_name = ring
         self.device = device
         self.max_rows = max_rows
@@ -266,6 +272,10 @@ class CudaProducer:
         if inputs.device_id >= 0 and inputs.device_id != self.device:
             raise EmitError(f"handles: on {inputs.handles.where}, expected cuda:{self.device} (the producer's device)")
         args = inputs.args()
+        for field in _POINTER_FIELDS:
+            ref = getattr(inputs, field)
+            if ref is not None and not getattr(args, field):
+                setattr(args, field, self._placeholder)  # present but empty: not "absent"
         step_ptr = _step_pointer(step_tensor) if step_tensor is not None else None
         s = resolve_stream(stream, inputs.handles.owner, self.device)
         status = self._lib.aiospec_cuda_emit_ex(h, ctypes.byref(args), step_ptr, s)

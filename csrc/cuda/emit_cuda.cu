@@ -326,6 +326,7 @@ void aiospec_cuda_producer_destroy(aiospec_cuda_producer* p) {
 cudaError_t aiospec_cuda_emit_ex(aiospec_cuda_producer* p, const aiospec_emit_args* args, const uint64_t* step_dev,
                                  cudaStream_t stream) {
   if (p == nullptr || args == nullptr || p->ring == nullptr) return cudaErrorInvalidValue;
+  aiospec_set_error(&p->last, AIOSPEC_E_OK, 0, -1, -1, 0, 0, 0, -1);
   aiospec_error e;
   if (aiospec_check_args(args, &e) != AIOSPEC_E_OK) {
     p->last = e;
@@ -353,6 +354,8 @@ cudaError_t aiospec_cuda_emit_ex(aiospec_cuda_producer* p, const aiospec_emit_ar
 cudaError_t aiospec_cuda_emit(aiospec_cuda_producer* p, const aiospec_emit_args* args, cudaStream_t stream) {
   return aiospec_cuda_emit_ex(p, args, nullptr, stream);
 }
+
+const void* aiospec_cuda_placeholder(const aiospec_cuda_producer* p) { return p != nullptr ? p->st : nullptr; }
 
 void aiospec_cuda_last_error(const aiospec_cuda_producer* p, aiospec_error* out) {
   if (p != nullptr && out != nullptr) *out = p->last;

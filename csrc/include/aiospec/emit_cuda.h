@@ -74,6 +74,10 @@ cudaError_t aiospec_cuda_emit(aiospec_cuda_producer* p, const aiospec_emit_args*
 cudaError_t aiospec_cuda_emit_ex(aiospec_cuda_producer* p, const aiospec_emit_args* args, const uint64_t* step_dev,
                                  cudaStream_t stream);
 
+/* A valid device address for inputs that are present but empty (a zero-size tensor's data
+ * pointer may be NULL, which the op reads as "absent"); never dereferenced. */
+const void* aiospec_cuda_placeholder(const aiospec_cuda_producer* p);
+
 /* The host-side error of the last emit call that returned cudaErrorInvalidValue. */
 void aiospec_cuda_last_error(const aiospec_cuda_producer* p, aiospec_error* out);
 

@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# The whole GPU verification of the CUDA emit path, in one go, on a machine with an NVIDIA GPU:
+#   1. build libaiospec_cuda.so for sm_90 (aiospec.ops._build, the cache the library uses) and
+#      the self-checking driver csrc/cuda/tools/emit_check.cu (against the CPU writer);
+#   2. run the driver: byte identity with the CPU writer across wrap-arounds, every error
+#      reported as the CPU writer reports it, ring full, CUDA graph replay;
+#   3. pytest -m gpu tests/test_ops_cuda.py;
+#   4. compute-sanitizer --tool memcheck on the driver (valid and invalid inputs alike must
+#      never touch memory out of bounds), and racecheck / synccheck on a shorter run;
+#   5. scripts/bench_emit.py, the JSON into $OUT/bench_emit.json.
+# Logs go to $OUT (or ./gpu_check_out). Every stage runs even when an earlier one failed; the
+# exit status is the number of failed stages. Stages can be picked: gpu_check.sh build driver
+# tests sanitize bench (default: all). BENCH_ARGS adds arguments to the benchmark.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$PWD/gpu_check_out}"
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+export AIOSPEC_CACHE_DIR="${AIOSPEC_CACHE_DIR:-/tmp/aiospec-cache}"
+export AIOSPEC_CUDA_ARCH="${AIOSPEC_CUDA_ARCH:-90}"
+STAGES="${*:-build driver tests sanitize bench}"
+DRIVER=/tmp/aiospec_emit_check
+failed=0
+summary=()
+
+has() { [[ " $STAGES " == *" $1 "* ]]; }
+
+stage() {  # stage NAME COMMAND...: run, log to $OUT/NAME.log, record the result
+  local name=$1
+  shift
+  local t0=$SECONDS
+  echo "=== $name: $*"
+  "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  tail -n 25 "$OUT/$name.log"
+  summary+=("$name: rc=$rc, $((SECONDS - t0)) s")
+  if [[ $rc -ne 0 ]]; then failed=$((failed + 1)); fi
+  return $rc
+}
+
+{
+  echo "date: $(date -u +%FT%TZ)"
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv 2>&1
+  nvcc --version 2>&1 | tail -n 1
+  python3 -c 'import sys, numpy, pytest; print(sys.version.split()[0], "numpy", numpy.__version__, "pytest", pytest.__version__)'
+  python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' 2>&1
+  python3 -c 'import msgspec; print("msgspec", msgspec.__version__)' 2>&1
+  df -h /dev/shm | tail -n 1
+  echo "msgmax $(cat /proc/sys/kernel/msgmax) msgmnb $(cat /proc/sys/kernel/msgmnb)"
+} > "$OUT/env.log" 2>&1
+cat "$OUT/env.log"
+
+build_library() {
+  python3 -c 'from aiospec.ops import _cuda; print(_cuda.load_library()._name)'
+}
+build_driver() {
+  nvcc -arch=sm_90 -O2 -lineinfo -std=c++17 -Icsrc/include csrc/cuda/tools/emit_check.cu csrc/cuda/emit_cuda.cu \
+    csrc/cpu/emit_cpu.cc -o "$DRIVER"
+}
+if has build; then
+  build_library > "$OUT/build_lib.log" 2>&1 &
+  lib_pid=$!
+  stage build_driver build_driver
+  wait $lib_pid
+  rc=$?
+  cat "$OUT/build_lib.log" | tail -n 20
+  summary+=("build_lib: rc=$rc")
+  if [[ $rc -ne 0 ]]; then failed=$((failed + 1)); fi
+fi
+
+if has driver; then
+  stage driver "$DRIVER" "${DRIVER_ITERS:-200}"
+fi
+
+if has tests; then
+  stage tests python3 -m pytest -p no:cacheprovider -v -rs -m gpu --junitxml="$OUT/tests.xml" tests/test_ops_cuda.py
+fi
+
+if has sanitize; then
+  if command -v compute-sanitizer > /dev/null; then
+    stage memcheck compute-sanitizer --tool memcheck --leak-check full --error-exitcode 9 "$DRIVER" 40
+    stage racecheck compute-sanitizer --tool racecheck --error-exitcode 9 "$DRIVER" 8
+    stage synccheck compute-sanitizer --tool synccheck --error-exitcode 9 "$DRIVER" 8
+  else
+    echo "compute-sanitizer not found" | tee "$OUT/memcheck.log"
+    summary+=("memcheck: compute-sanitizer not found")
+    failed=$((failed + 1))
+  fi
+fi
+
+if has bench; then
+  # shellcheck disable=SC2086
+  stage bench python3 scripts/bench_emit.py --device cuda --raise-msgmax --json "$OUT/bench_emit.json" ${BENCH_ARGS:-}
+fi
+
+echo "=== summary"
+printf '%s\n' "${summary[@]}" | tee "$OUT/summary.log"
+exit $failed

@@ -1,0 +1,398 @@
+"""The CUDA emit path: frames written by GPU kernels straight into the ring.
+
+The ``gpu`` tests need an NVIDIA GPU, its driver, PyTorch with CUDA and nvcc (or a prebuilt
+library in ``AIOSPEC_CUDA_LIB``); ``scripts/gpu_check.sh`` runs them on a GPU machine. Every
+frame is compared byte for byte with the Python reference (``aiospec.ops.build_frame``), and
+every error message with the one the reference raises for the same inputs. The other tests
+(the sources compile for sm_90, the C structs match their ctypes mirrors) need only nvcc.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import multiprocessing
+import re
+import select
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import shm
+from aiospec._codec import decode_frame
+from aiospec.ops import EmitError, Producer, _cuda, build_frame
+from aiospec.ops._inputs import collect
+from tests._opshelpers import make_step, read_frames
+
+ROOT = Path(__file__).resolve().parent.parent
+NVCC = shutil.which("nvcc")
+needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH")
+
+
+# -- without a GPU: the sources compile, the ABI mirrors agree ---------------------------------
+
+
+@needs_nvcc
+def test_cuda_sources_compile_for_sm90(tmp_path: Path) -> None:
+    lib = tmp_path / "libaiospec_cuda.so"
+    sources = sorted(str(p) for p in (ROOT / "csrc" / "cuda").glob("*.cu"))
+    assert sources, "no CUDA sources in csrc/cuda"
+    subprocess.run(
+        [NVCC, "-arch=sm_90", "-O2", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-Werror", "all-warnings",
+         f"-I{ROOT / 'csrc' / 'include'}", *sources, "-o", str(lib)],
+        check=True, capture_output=True, text=True,
+    )  # fmt: skip
+    # loading needs no GPU (the runtime binds the driver on the first CUDA call)
+    cdll = ctypes.CDLL(str(lib))
+    cdll.aiospec_cuda_abi_version.restype = ctypes.c_int32
+    assert cdll.aiospec_cuda_abi_version() == _cuda.CUDA_ABI_VERSION
+    opts = _cuda.CudaOptions()
+    cdll.aiospec_cuda_default_options(ctypes.byref(opts))
+    assert (opts.device, opts.rows_per_block, opts.max_rows, opts.timeout_s, opts.check_pids) == (0, 32, 4096, 5.0, 1)
+    if _cuda._driver_devices() == 0:
+        err = ctypes.create_string_buffer(256)
+        assert cdll.aiospec_cuda_device_ok(0, err, len(err)) == 0
+        assert err.value, "device_ok must say why there is no usable device"
+
+
+@needs_nvcc
+def test_cuda_driver_program_compiles(tmp_path: Path) -> None:
+    """The self-checking driver scripts/gpu_check.sh runs under compute-sanitizer."""
+    subprocess.run(
+        [NVCC, "-arch=sm_90", "-O2", "-std=c++17", f"-I{ROOT / 'csrc' / 'include'}",
+         str(ROOT / "csrc/cuda/tools/emit_check.cu"), str(ROOT / "csrc/cuda/emit_cuda.cu"),
+         str(ROOT / "csrc/cpu/emit_cpu.cc"), "-o", str(tmp_path / "emit_check")],
+        check=True, capture_output=True, text=True,
+    )  # fmt: skip
+
+
+_LAYOUT_PROBE = r"""
+#include <stddef.h>
+#include <stdio.h>
+#include "aiospec/emit_cuda.h"
+#define F(T, f) printf(#T "." #f " %zu %zu\n", offsetof(T, f), sizeof(((T*)0)->f));
+int main(void) {
+  printf("aiospec_cuda_options %zu\naiospec_cuda_stats %zu\n", sizeof(aiospec_cuda_options),
+         sizeof(aiospec_cuda_stats));
+  F(aiospec_cuda_options, device) F(aiospec_cuda_options, rows_per_block) F(aiospec_cuda_options, max_rows)
+  F(aiospec_cuda_options, timeout_s) F(aiospec_cuda_options, reader_timeout_s) F(aiospec_cuda_options, liveness_s)
+  F(aiospec_cuda_options, host_notify) F(aiospec_cuda_options, check_pids)
+  F(aiospec_cuda_stats, head) F(aiospec_cuda_stats, frames_written) F(aiospec_cuda_stats, bytes_written)
+  F(aiospec_cuda_stats, frames_lost) F(aiospec_cuda_stats, errors) F(aiospec_cuda_stats, errors_reported)
+  F(aiospec_cuda_stats, emits) F(aiospec_cuda_stats, capacity) F(aiospec_cuda_stats, max_record)
+  F(aiospec_cuda_stats, max_rows)
+  printf("E_RING_FULL %d\nE_MAX_ROWS %d\nABI %d\n", AIOSPEC_E_RING_FULL, AIOSPEC_E_MAX_ROWS, AIOSPEC_CUDA_ABI_VERSION);
+  return 0;
+}
+"""
+
+
+@needs_nvcc
+def test_ctypes_mirrors_match_emit_cuda_h(tmp_path: Path) -> None:
+    src = tmp_path / "probe.cu"
+    src.write_text(_LAYOUT_PROBE)
+    exe = tmp_path / "probe"
+    subprocess.run([NVCC, f"-I{ROOT / 'csrc' / 'include'}", str(src), "-o", str(exe)], check=True, capture_output=True)
+    out = dict(line.split(" ", 1) for line in subprocess.run([str(exe)], check=True, capture_output=True, text=True)
+               .stdout.splitlines())  # fmt: skip
+    for cname, cls in (("aiospec_cuda_options", _cuda.CudaOptions), ("aiospec_cuda_stats", _cuda.CudaStats)):
+        assert int(out[cname]) == ctypes.sizeof(cls), cname
+        for field, _ in cls._fields_:
+            desc = getattr(cls, field)
+            assert out[f"{cname}.{field}"] == f"{desc.offset} {desc.size}", f"{cname}.{field}"
+    assert int(out["E_RING_FULL"]) == _cuda.E_RING_FULL
+    assert int(out["E_MAX_ROWS"]) == _cuda.E_MAX_ROWS
+    assert int(out["ABI"]) == _cuda.CUDA_ABI_VERSION
+
+
+def test_cuda_backend_unavailable_when_forced_to_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AIOSPEC_FORCE_CPU", "1")
+    assert _cuda.available() is False
+
+
+# -- on a GPU ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def torch() -> Any:
+    torch = pytest.importorskip("torch", reason="PyTorch is not installed (the GPU tests feed it CUDA tensors)")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device visible to PyTorch")
+    if not _cuda.available():
+        pytest.skip("the CUDA emit library cannot be built here (no nvcc and no AIOSPEC_CUDA_LIB)")
+    _cuda.load_library()  # a build failure with nvcc present is a bug: let it fail the tests
+    return torch
+
+
+def _cuda_inputs(torch: Any, inp: dict[str, Any]) -> dict[str, Any]:
+    return {k: torch.from_numpy(v).cuda() if isinstance(v, np.ndarray) else v for k, v in inp.items()}
+
+
+def _frames(reader: shm.Reader, n: int, timeout: float = 20.0) -> list[bytes]:
+    out: list[bytes] = []
+    deadline = time.monotonic() + timeout
+    while len(out) < n:
+        if not reader.wait(timeout=max(0.0, deadline - time.monotonic())):
+            raise AssertionError(f"got {len(out)} of {n} frames within {timeout} s")
+        out.extend(reader.read())
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 19, 99, 989])
+@pytest.mark.parametrize("k", [0, 5, 20])
+def test_frames_byte_identical_to_reference(torch: Any, rows: int, k: int) -> None:
+    rng = np.random.default_rng(rows * 100 + k)
+    cases = [
+        make_step(rng, rows, mode="speculative", k_max=20, k=k, i64=True, extra_lp_rows=1, step=1),
+        make_step(rng, rows, mode="speculative", k_max=k, i64=False, step=2),
+        make_step(rng, rows, mode="pd_first_token", k_max=k, step=3),
+        make_step(rng, rows, mode="draft", k_max=k, step=4),
+        make_step(rng, rows, mode="normal", k_max=None, step=5),
+        make_step(rng, rows, mode="flags_only", k_max=k, step=6),
+        make_step(rng, rows, mode="idle", k_max=None, step=7),
+    ]
+    with shm.Ring.create(capacity=32 << 20, max_record=8 << 20) as ring, ring.reader() as reader:
+        prod = Producer(ring, device="cuda", producer=3)
+        try:
+            for inp in cases:
+                prod.emit(**_cuda_inputs(torch, {k_: v for k_, v in inp.items() if k_ != "producer"}))
+            got = _frames(reader, len(cases))
+            prod.check()
+        finally:
+            prod.close()
+        for inp, frame in zip(cases, got, strict=True):
+            want = build_frame(**{**inp, "producer": 3})
+            assert frame == want, f"step {inp['step']}: {len(frame)} bytes vs {len(want)} expected"
+        assert ring.stats().frames_lost == 0
+
+
+@pytest.mark.gpu
+def test_frames_from_cupy_arrays_on_a_cupy_stream(torch: Any) -> None:
+    cupy = pytest.importorskip("cupy", reason="CuPy is not installed")
+    rng = np.random.default_rng(7)
+    inp = make_step(rng, 19, mode="speculative", k_max=5, step=11)
+    with shm.Ring.create(capacity=1 << 20) as ring, ring.reader() as reader, cupy.cuda.Stream() as stream:
+        prod = Producer(ring, device="cuda")
+        try:
+            prod.emit(**{k: cupy.asarray(v) if isinstance(v, np.ndarray) else v for k, v in inp.items()})
+            stream.synchronize()
+            got = _frames(reader, 1)
+        finally:
+            prod.close()
+    assert got == [build_frame(**inp)]
+
+
+@pytest.mark.gpu
+def test_frames_wrap_the_ring_many_times(torch: Any) -> None:
+    rng = np.random.default_rng(3)
+    with shm.Ring.create(capacity=1 << 16) as ring, ring.reader() as reader:
+        prod = _cuda.CudaProducer(ring.name, max_rows=64)
+        try:
+            for step in range(400):
+                inp = make_step(
+                    rng, int(rng.integers(0, 24)), mode="speculative", k_max=int(rng.integers(0, 5)), step=step
+                )
+                prod.emit(collect(**_cuda_inputs(torch, inp)))
+                (frame,) = _frames(reader, 1)
+                assert frame == build_frame(**inp), f"step {step}"
+            prod.check()
+            stats = prod.stats()
+        finally:
+            prod.close()
+    assert stats["head"] > 8 * (1 << 16), "expected several laps"
+    assert stats["frames_written"] == 400 and stats["frames_lost"] == 0
+
+
+@pytest.mark.gpu
+def test_graph_capture_replays_100_steps(torch: Any) -> None:
+    rng = np.random.default_rng(5)
+    inp = make_step(rng, 256, mode="speculative", k_max=20, step=0)
+    dev = _cuda_inputs(torch, inp)
+    step = torch.zeros(1, dtype=torch.int64, device="cuda")
+    with shm.Ring.create(capacity=64 << 20, max_record=8 << 20) as ring, ring.reader() as reader:
+        prod = _cuda.CudaProducer(ring.name, max_rows=256)
+        try:
+            prod.emit(collect(**dev), step_tensor=step)  # warm-up outside the capture
+            assert _frames(reader, 1) == [build_frame(**inp)]
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                step.add_(1)
+                prod.emit(collect(**dev), step_tensor=step)
+            for _ in range(100):
+                graph.replay()
+            got = _frames(reader, 100)
+            prod.check()
+        finally:
+            prod.close()
+    assert [decode_frame(f).step for f in got] == list(range(1, 101))
+    for i, frame in enumerate(got, start=1):
+        assert frame == build_frame(**{**inp, "step": i})
+
+
+_RING_FULL = re.compile(
+    r"^ring aiospec-\w+: no room for a \d+-byte frame after 0\.05 s; "
+    r"lagging reader\(s\): slot \d+ \(pid \d+, lag \d+ bytes\)$"
+)
+
+
+def _full_rows(rng: np.random.Generator, rows: int, tokens: int, k: int) -> dict[str, Any]:
+    """Every row active with exactly ``tokens`` tokens and logprob rows."""
+    n = rows * tokens
+    return {
+        "handles": np.arange(rows, dtype=np.int64),
+        "token_ids": rng.integers(0, 1000, (rows, tokens)).astype(np.int64),
+        "num_tokens": np.full(rows, tokens, dtype=np.int32),
+        "lp_ids": rng.integers(0, 1000, (n, k + 1)).astype(np.int64),
+        "lp_values": rng.random((n, k + 1)).astype(np.float32),
+        "lp_ranks": rng.integers(1, 9, n).astype(np.int64),
+        "lp_offsets": np.arange(0, n + 1, tokens, dtype=np.int32),
+        "step": 0,
+    }
+
+
+@pytest.mark.gpu
+def test_back_pressure_bounded_wait_then_ring_full_and_frames_lost(torch: Any) -> None:
+    inp = _full_rows(np.random.default_rng(11), 40, 6, 5)
+    dev = _cuda_inputs(torch, inp)
+    with shm.Ring.create(capacity=1 << 16) as ring, ring.reader() as stuck:
+        prod = _cuda.CudaProducer(ring.name, timeout=0.05, max_rows=64)
+        try:
+            written = 0
+            with pytest.raises(shm.RingFull, match=_RING_FULL):
+                for _ in range(64):  # the reader does not read
+                    prod.emit(collect(**dev))
+                    torch.cuda.synchronize()
+                    prod.check()
+                    written += 1
+            assert 0 < written < 64
+            assert ring.stats().frames_lost == 1
+            assert stuck.new_losses() == 1
+            assert len(_frames(stuck, written)) == written  # the frames before the loss are intact
+            prod.emit(collect(**dev))  # room again: frames flow
+            assert _frames(stuck, 1) == [build_frame(**inp)]
+            torch.cuda.synchronize()
+            prod.check()
+        finally:
+            prod.close()
+
+
+def _bad(kind: str, rng: np.random.Generator) -> dict[str, Any]:
+    """A valid 12-row step with one defect of ``kind``."""
+    inp = _full_rows(rng, 12, 3, 5)
+    inp["num_tokens"][:] = rng.integers(1, 4, 12)
+    inp["flags"] = np.zeros(12, dtype=np.int32)
+    span = np.concatenate([[0], np.cumsum(inp["num_tokens"])]).astype(np.int32)
+    inp["lp_offsets"] = span
+    if kind == "num_tokens":
+        inp["num_tokens"][3] = 7
+    elif kind == "flags":
+        inp["flags"][5] = 64
+    elif kind == "handle":
+        inp["handles"][2] = -4
+    elif kind == "lp_offsets":
+        inp["lp_offsets"][4] = inp["lp_offsets"][3] - 1
+    elif kind == "span":
+        inp["lp_offsets"][8] = inp["lp_offsets"][7] + inp["num_tokens"][7] - 1
+    elif kind == "token_id":
+        inp["token_ids"][9, 0] = 1 << 40
+    elif kind == "topk_id":
+        inp["lp_ids"][int(span[6]), 5] = -(1 << 33)
+    elif kind == "rank":
+        inp["lp_ranks"][int(span[8])] = 1 << 31
+    return inp
+
+
+_BAD_KINDS = ("num_tokens", "flags", "handle", "lp_offsets", "span", "token_id", "topk_id", "rank")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", _BAD_KINDS)
+def test_invalid_input_reported_later_with_the_reference_message(torch: Any, kind: str) -> None:
+    rng = np.random.default_rng(_BAD_KINDS.index(kind))
+    bad = _bad(kind, rng)
+    with pytest.raises(EmitError) as ref:
+        build_frame(**bad)
+    message = "^" + re.escape(str(ref.value)) + "$"
+    good = _full_rows(rng, 5, 2, 3)
+    with shm.Ring.create(capacity=1 << 20) as ring, ring.reader() as reader:
+        prod = _cuda.CudaProducer(ring.name, max_rows=64)
+        try:
+            # the stream is busy for ~0.1 s: emit must return before the GPU checked anything
+            torch.cuda._sleep(200_000_000)
+            prod.emit(collect(**_cuda_inputs(torch, bad)))
+            torch.cuda.synchronize()
+            with pytest.raises(EmitError, match=message) as got:
+                prod.check()
+            assert (got.value.code, got.value.row, got.value.col, got.value.value) == (
+                ref.value.code, ref.value.row, ref.value.col, ref.value.value,
+            )  # fmt: skip
+            assert got.value.step == bad["step"]  # type: ignore[attr-defined]
+            assert reader.read() == [] and ring.stats().frames_lost == 1
+            prod.check()  # each error is reported once
+            # on the next emit instead of check(): that emit still writes its own frame
+            torch.cuda._sleep(200_000_000)
+            prod.emit(collect(**_cuda_inputs(torch, bad)))
+            torch.cuda.synchronize()
+            with pytest.raises(EmitError, match=message):
+                prod.emit(collect(**_cuda_inputs(torch, good)))
+            assert _frames(reader, 1) == [build_frame(**good)]
+            assert ring.stats().frames_lost == 2
+        finally:
+            prod.close()
+
+
+@pytest.mark.gpu
+def test_reader_in_another_process_sees_every_frame(torch: Any) -> None:
+    rng = np.random.default_rng(13)
+    steps = [
+        make_step(rng, int(rows), mode="speculative", k_max=int(k), step=i)
+        for i, (rows, k) in enumerate(zip(rng.integers(0, 300, 60), rng.choice([0, 5, 20], 60), strict=True))
+    ]
+    ctx = multiprocessing.get_context("spawn")
+    with shm.Ring.create(capacity=8 << 20, max_record=2 << 20) as ring:
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=read_frames, args=(ring.name, len(steps), child, 60.0))
+        proc.start()
+        try:
+            assert parent.poll(60) and parent.recv() == "ready"
+            prod = _cuda.CudaProducer(ring.name, max_rows=512)
+            try:
+                for inp in steps:
+                    prod.emit(collect(**_cuda_inputs(torch, inp)))
+                torch.cuda.synchronize()
+                prod.notify()
+                prod.check()
+            finally:
+                prod.close()
+            assert parent.poll(90), "the reader process sent nothing"
+            got = parent.recv()
+        finally:
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
+    assert isinstance(got, list), got
+    assert got == [build_frame(**inp) for inp in steps]
+
+
+@pytest.mark.gpu
+def test_host_notify_wakes_a_sleeping_reader(torch: Any) -> None:
+    rng = np.random.default_rng(17)
+    inp = make_step(rng, 8, mode="normal", k_max=None, step=1)
+    with shm.Ring.create(capacity=1 << 20) as ring, ring.reader(spin=0.0, recheck=30.0) as reader:
+        prod = _cuda.CudaProducer(ring.name, host_notify=True, max_rows=16)
+        try:
+            assert reader.sleep_begin()  # asleep before the frame exists
+            t0 = time.monotonic()
+            prod.emit(collect(**_cuda_inputs(torch, inp)))
+            ready, _, _ = select.select([reader.fileno()], [], [], 10.0)
+            reader.sleep_end()
+            assert ready, "the host callback did not ring the bell"
+            assert time.monotonic() - t0 < 10.0
+            assert reader.read() == [build_frame(**inp)]
+        finally:
+            prod.close()
