@@ -8,12 +8,14 @@
 #   4. compute-sanitizer --tool memcheck on the driver (valid and invalid inputs alike must
 #      never touch memory out of bounds), and racecheck / synccheck on a shorter run;
 #   5. scripts/bench_emit.py, the JSON into $OUT/bench_emit.json.
-# Logs go to $OUT (or ./gpu_check_out). Every stage runs even when an earlier one failed; the
-# exit status is the number of failed stages. Stages can be picked: gpu_check.sh build driver
+# $OUT (default ./gpu_check_out) gets summary.log, bench_emit.json and logs.tgz (every stage's
+# log). Every stage runs even when an earlier one failed; the exit status is the number of
+# failed stages. Stages can be picked: gpu_check.sh build driver
 # tests sanitize bench (default: all). BENCH_ARGS adds arguments to the benchmark.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu_check_out}"
+LOGS=$(mktemp -d /tmp/gpu_check.XXXXXX)
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 export AIOSPEC_CACHE_DIR="${AIOSPEC_CACHE_DIR:-/tmp/aiospec-cache}"
@@ -25,14 +27,14 @@ summary=()
 
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 
-stage() {  # stage NAME COMMAND...: run, log to $OUT/NAME.log, record the result
-  local name=$1
-  shift
+stage() {  # stage NAME SECONDS COMMAND...: run (killed after SECONDS), log to $LOGS/NAME.log
+  local name=$1 limit=$2
+  shift 2
   local t0=$SECONDS
   echo "=== $name: $*"
-  "$@" > "$OUT/$name.log" 2>&1
+  timeout -k 10 "$limit" "$@" > "$LOGS/$name.log" 2>&1
   local rc=$?
-  tail -n 25 "$OUT/$name.log"
+  tail -n 25 "$LOGS/$name.log"
   summary+=("$name: rc=$rc, $((SECONDS - t0)) s")
   if [[ $rc -ne 0 ]]; then failed=$((failed + 1)); fi
   return $rc
@@ -47,42 +49,39 @@ stage() {  # stage NAME COMMAND...: run, log to $OUT/NAME.log, record the result
   python3 -c 'import msgspec; print("msgspec", msgspec.__version__)' 2>&1
   df -h /dev/shm | tail -n 1
   echo "msgmax $(cat /proc/sys/kernel/msgmax) msgmnb $(cat /proc/sys/kernel/msgmnb)"
-} > "$OUT/env.log" 2>&1
-cat "$OUT/env.log"
+} > "$LOGS/env.log" 2>&1
+cat "$LOGS/env.log"
 
 build_library() {
   python3 -c 'from aiospec.ops import _cuda; print(_cuda.load_library()._name)'
 }
-build_driver() {
-  nvcc -arch=sm_90 -O2 -lineinfo -std=c++17 -Icsrc/include csrc/cuda/tools/emit_check.cu csrc/cuda/emit_cuda.cu \
-    csrc/cpu/emit_cpu.cc -o "$DRIVER"
-}
 if has build; then
-  build_library > "$OUT/build_lib.log" 2>&1 &
+  build_library > "$LOGS/build_lib.log" 2>&1 &
   lib_pid=$!
-  stage build_driver build_driver
+  stage build_driver 300 nvcc -arch=sm_90 -O2 -lineinfo -std=c++17 -Icsrc/include csrc/cuda/tools/emit_check.cu \
+    csrc/cuda/emit_cuda.cu csrc/cpu/emit_cpu.cc -o "$DRIVER"
   wait $lib_pid
   rc=$?
-  cat "$OUT/build_lib.log" | tail -n 20
+  tail -n 20 "$LOGS/build_lib.log"
   summary+=("build_lib: rc=$rc")
   if [[ $rc -ne 0 ]]; then failed=$((failed + 1)); fi
 fi
 
 if has driver; then
-  stage driver "$DRIVER" "${DRIVER_ITERS:-200}"
+  stage driver 120 "$DRIVER" "${DRIVER_ITERS:-200}"
 fi
 
 if has tests; then
-  stage tests python3 -m pytest -p no:cacheprovider -v -rs -m gpu --junitxml="$OUT/tests.xml" tests/test_ops_cuda.py
+  stage tests 420 python3 -m pytest -p no:cacheprovider -v -rs -m gpu --junitxml="$LOGS/tests.xml" tests/test_ops_cuda.py
 fi
 
 if has sanitize; then
   if command -v compute-sanitizer > /dev/null; then
-    stage memcheck compute-sanitizer --tool memcheck --leak-check full --error-exitcode 9 "$DRIVER" 40
-    stage racecheck compute-sanitizer --tool racecheck --error-exitcode 9 "$DRIVER" 8
-    stage synccheck compute-sanitizer --tool synccheck --error-exitcode 9 "$DRIVER" 8
+    stage memcheck 300 compute-sanitizer --tool memcheck --leak-check full --error-exitcode 9 "$DRIVER" 40
+    stage racecheck 200 compute-sanitizer --tool racecheck --error-exitcode 9 "$DRIVER" 8
+    stage synccheck 200 compute-sanitizer --tool synccheck --error-exitcode 9 "$DRIVER" 8
   else
-    echo "compute-sanitizer not found" | tee "$OUT/memcheck.log"
+    echo "compute-sanitizer not found" | tee "$LOGS/memcheck.log"
     summary+=("memcheck: compute-sanitizer not found")
     failed=$((failed + 1))
   fi
@@ -90,9 +89,10 @@ fi
 
 if has bench; then
   # shellcheck disable=SC2086
-  stage bench python3 scripts/bench_emit.py --device cuda --raise-msgmax --json "$OUT/bench_emit.json" ${BENCH_ARGS:-}
+  stage bench "${BENCH_TIMEOUT:-540}" python3 scripts/bench_emit.py --device cuda --raise-msgmax --json "$OUT/bench_emit.json" ${BENCH_ARGS:-}
 fi
 
 echo "=== summary"
 printf '%s\n' "${summary[@]}" | tee "$OUT/summary.log"
+tar -C "$LOGS" -czf "$OUT/logs.tgz" .
 exit $failed
