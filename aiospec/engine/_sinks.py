@@ -138,7 +138,31 @@ class RingSink:
         self.ring.close()
 
 
+class BaselineSink:
+    """Steps over a baseline path (``aiospec.baselines``): msgspec over ZeroMQ (``vllm``) or
+    the fixed struct over a SysV queue (``fastdeploy``), to the address the server bound."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        b = importlib.import_module("aiospec.baselines")
+        self.transport = config.transport_address
+        if config.transport == "vllm":
+            self._emitter = b.VllmStyleEmitter(config.transport_address, engine_index=config.producer)
+        else:
+            self._emitter = b.FastDeployStyleEmitter(int(config.transport_address))
+
+    def emit(self, out: StepOutput) -> None:
+        self._emitter.emit(out.handles, out.token_ids, out.num_tokens, **_op_kwargs(out))
+
+    def idle(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self._emitter.close()
+
+
 def make_sink(config: EngineConfig) -> Sink:
     if config.transport == "ring":
         return RingSink(config)
-    raise ValueError(f"transport = {config.transport!r}: expected ring")
+    if config.transport in ("vllm", "fastdeploy"):
+        return BaselineSink(config)
+    raise ValueError(f"transport = {config.transport!r}: expected ring, vllm or fastdeploy")

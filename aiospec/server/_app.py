@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
@@ -487,6 +488,8 @@ def create_app(settings: ServerSettings | None = None, *, on_ready: Callable[[],
                 "model": st.settings.model,
                 "token_path": st.backend.token_path,
                 "pd": st.settings.pd,
+                "pid": os.getpid(),
+                "engine_pids": st.backend.engines.pids if st.backend.engines is not None else [],
                 "cpu_seconds": time.process_time(),
                 "tokens": m.tokens,
                 "tokens_per_s": m.tokens_per_second(),

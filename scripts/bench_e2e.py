@@ -1,0 +1,177 @@
+#!/usr/bin/env python3
+"""End-to-end benchmark: HTTP streaming clients -> aiospec server -> built-in engine.
+
+The same server and the same engine run three times per concurrency level, with only the
+token path between engine and server swapped:
+
+- ``ring``: the emit op writes each step into a shared-memory ring; the server's Hub reads it;
+- ``vllm``: msgspec msgpack over ZeroMQ PUSH/PULL into an asyncio task with per-request
+  collectors (``aiospec.baselines.VllmStyleHub``);
+- ``fastdeploy``: the fixed 530,448-byte struct over a SysV message queue, read by a thread
+  that hands results to asyncio (``aiospec.baselines.FastDeployStyleHub``).
+
+Each configuration runs a fixed number of streaming chat requests (``top_logprobs=5``,
+fixed-length outputs) at a fixed concurrency, with a time cap. Reported per run: tokens/s
+received by the clients, TTFT and inter-chunk latency p50/p99, server CPU per token (process
+CPU time of the server process over the load / tokens), engine CPU per token, and the server's
+event-loop lag p99 (a 10 ms ticker task in the server measuring oversleep, read from
+``/stats``). The load generator runs in this process (aiohttp, minimal parsing); on a small
+machine it competes with the server and the engine for the CPU, so compare the paths by their
+ratios, measured side by side in one run. Prints JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+import urllib.request
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import uvloop  # noqa: E402
+
+from aiospec.loadtest import LoadConfig, run_load, summarize  # noqa: E402
+from aiospec.server import ServerProcess  # noqa: E402
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _cpu(pid: int) -> float:
+    """utime + stime of a process, seconds."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _TICK
+
+
+def _http(url: str, method: str = "GET") -> Any:
+    req = urllib.request.Request(url, method=method, data=b"" if method == "POST" else None)
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read())
+
+
+def run_one(path: str, concurrency: int, a: argparse.Namespace) -> dict[str, Any]:
+    args = ["--token-path", path, "--max-batch", str(a.max_batch), "--step-ms", str(a.step_ms),
+            "--num-draft", str(a.num_draft), "--acceptance", str(a.acceptance)]  # fmt: skip
+    srv = ServerProcess(args)
+    srv.start(timeout=180)
+    try:
+        stats = _http(srv.url + "/stats")
+        engine_pids = stats["engine_pids"]
+        warm = LoadConfig(url=srv.url, concurrency=16, requests=32, max_tokens=16, top_logprobs=a.top_logprobs)
+        uvloop.run(run_load(warm))
+        n = max(concurrency, int(concurrency * a.requests_per_stream))
+        cfg = LoadConfig(
+            url=srv.url,
+            model="aiospec-toy",
+            concurrency=concurrency,
+            requests=n,
+            max_tokens=a.max_tokens,
+            top_logprobs=a.top_logprobs,
+            prompt_words=a.prompt_words,
+            duration=a.time_cap,
+            timeout=300,
+        )
+        _http(srv.url + "/stats/reset", "POST")
+        cpu0 = _cpu(srv.pid)
+        ecpu0 = sum(_cpu(p) for p in engine_pids)
+        t0 = time.perf_counter()
+        res = uvloop.run(run_load(cfg, grace=a.time_cap))
+        wall = time.perf_counter() - t0
+        cpu = _cpu(srv.pid) - cpu0
+        ecpu = sum(_cpu(p) for p in engine_pids) - ecpu0
+        after = _http(srv.url + "/stats")
+    finally:
+        srv.stop()
+    s = summarize(res)
+    tokens = max(s["output_tokens"], 1)
+    return {
+        "path": path,
+        "concurrency": concurrency,
+        "requests": s["requests"],
+        "ok": s["ok"],
+        "errors": s["errors"],
+        "error_samples": s["error_samples"],
+        "wall_s": round(wall, 3),
+        "output_tokens": s["output_tokens"],
+        "tokens_per_s": round(s["tokens_per_s"], 1),
+        "tokens_per_chunk": round(s["tokens_per_chunk"], 2),
+        "ttft_ms": {"p50": round(s["ttft_ms"]["p50"], 2), "p99": round(s["ttft_ms"]["p99"], 2)},
+        "itl_ms": {"p50": round(s["itl_ms"]["p50"], 2), "p99": round(s["itl_ms"]["p99"], 2)},
+        "server_cpu_s": round(cpu, 3),
+        "server_cpu_us_per_token": round(cpu / tokens * 1e6, 2),
+        "engine_cpu_us_per_token": round(ecpu / tokens * 1e6, 2),
+        "loop_lag_ms": {k: round(v, 3) for k, v in after["loop_lag"].items() if k != "n"},
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[64, 256, 1024])
+    p.add_argument("--paths", nargs="+", default=["ring", "vllm", "fastdeploy"],
+                   choices=["ring", "vllm", "fastdeploy"])  # fmt: skip
+    p.add_argument("--requests-per-stream", type=float, default=1.0, help="requests = concurrency x this")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--prompt-words", type=int, default=16)
+    p.add_argument("--top-logprobs", type=int, default=5)
+    p.add_argument("--max-batch", type=int, default=512, help="engine slots (the FastDeploy struct holds 512)")
+    p.add_argument("--step-ms", type=float, default=20.0)
+    p.add_argument("--num-draft", type=int, default=2)
+    p.add_argument("--acceptance", type=float, default=0.7)
+    p.add_argument("--time-cap", type=float, default=60.0, help="seconds per run before no new request starts")
+    p.add_argument("--json", metavar="PATH", help="also write the JSON here")
+    a = p.parse_args()
+
+    runs = []
+    for c in a.concurrency:
+        for path in a.paths:
+            r = run_one(path, c, a)
+            runs.append(r)
+            print(f"# {path:10s} c={c:5d} {r['tokens_per_s']:9.0f} tok/s  cpu {r['server_cpu_us_per_token']:6.1f} us/tok"
+                  f"  lag p99 {r['loop_lag_ms']['p99_ms']:6.2f} ms  errors {r['errors']}", file=sys.stderr)  # fmt: skip
+    ratios: dict[str, Any] = {}
+    targets: dict[str, Any] = {}
+    for c in a.concurrency:
+        by = {r["path"]: r for r in runs if r["concurrency"] == c}
+        if "ring" not in by:
+            continue
+        ring = by["ring"]
+        for base in ("vllm", "fastdeploy"):
+            if base in by:
+                b = by[base]
+                ratios.setdefault(str(c), {})[f"ring_vs_{base}"] = {
+                    "tokens_per_s": round(ring["tokens_per_s"] / max(b["tokens_per_s"], 1e-9), 3),
+                    "server_cpu_per_token": round(
+                        ring["server_cpu_us_per_token"] / max(b["server_cpu_us_per_token"], 1e-9), 3
+                    ),
+                    "itl_p99": round(ring["itl_ms"]["p99"] / max(b["itl_ms"]["p99"], 1e-9), 3),
+                    "ttft_p99": round(ring["ttft_ms"]["p99"] / max(b["ttft_ms"]["p99"], 1e-9), 3),
+                }
+        t: dict[str, Any] = {"loop_lag_p99_le_10ms": ring["loop_lag_ms"]["p99_ms"] <= 10.0}
+        if "vllm" in by:
+            v = by["vllm"]
+            t["tokens_per_s_ge_1.5x_vllm"] = ring["tokens_per_s"] >= 1.5 * v["tokens_per_s"]
+            t["server_cpu_per_token_le_vllm"] = ring["server_cpu_us_per_token"] <= v["server_cpu_us_per_token"]
+        targets[str(c)] = t
+    out = {
+        "benchmark": "bench_e2e",
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
+        "settings": {k: v for k, v in vars(a).items() if k != "json"},
+        "runs": runs,
+        "ratios": ratios,
+        "targets": targets,
+    }
+    text = json.dumps(out, indent=2)
+    print(text)
+    if a.json:
+        with open(a.json, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
