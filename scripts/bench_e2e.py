@@ -33,10 +33,10 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import uvloop  # noqa: E402
+import uvloop
 
-from aiospec.loadtest import LoadConfig, run_load, summarize  # noqa: E402
-from aiospec.server import ServerProcess  # noqa: E402
+from aiospec.loadtest import LoadConfig, run_load, summarize
+from aiospec.server import ServerProcess
 
 _TICK = os.sysconf("SC_CLK_TCK")
 
@@ -131,8 +131,11 @@ def main() -> int:
         for path in a.paths:
             r = run_one(path, c, a)
             runs.append(r)
-            print(f"# {path:10s} c={c:5d} {r['tokens_per_s']:9.0f} tok/s  cpu {r['server_cpu_us_per_token']:6.1f} us/tok"
-                  f"  lag p99 {r['loop_lag_ms']['p99_ms']:6.2f} ms  errors {r['errors']}", file=sys.stderr)  # fmt: skip
+            line = (
+                f"# {path:10s} c={c:5d} {r['tokens_per_s']:9.0f} tok/s  cpu {r['server_cpu_us_per_token']:6.1f} "
+                f"us/tok  lag p99 {r['loop_lag_ms']['p99_ms']:6.2f} ms  errors {r['errors']}"
+            )
+            print(line, file=sys.stderr)
     ratios: dict[str, Any] = {}
     targets: dict[str, Any] = {}
     for c in a.concurrency:
