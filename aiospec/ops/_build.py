@@ -38,6 +38,7 @@ __all__ = (
     "build_cuda_library",
     "build_cuda",
     "find_nvcc",
+    "cuda_include_dir",
     "cuda_archs",
     "force_cpu",
 )
@@ -165,6 +166,20 @@ def find_nvcc() -> str | None:
     for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
         if home and os.access(os.path.join(home, "bin", "nvcc"), os.X_OK):
             return os.path.join(home, "bin", "nvcc")
+    return None
+
+
+def cuda_include_dir() -> Path | None:
+    """The CUDA toolkit's include directory (holding cuda_runtime.h), or None."""
+    nvcc = find_nvcc()
+    candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")]
+    if nvcc:
+        candidates.append(os.path.dirname(os.path.dirname(os.path.realpath(nvcc))))
+    candidates.append("/usr/local/cuda")
+    for home in filter(None, candidates):
+        inc = Path(home) / "include"
+        if (inc / "cuda_runtime.h").is_file():
+            return inc
     return None
 
 

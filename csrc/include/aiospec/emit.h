@@ -270,8 +270,8 @@ AIOSPEC_HD int aiospec_check_args(const aiospec_emit_args* a, aiospec_error* e) 
     return aiospec_set_error(e, AIOSPEC_E_KIND, AIOSPEC_ARG_KIND, -1, -1, (int64_t)a->kind, 0, 1, -1);
   if (has_lp) {
     const int64_t kmax = a->lp_width - 1 < AIOSPEC_MAX_TOPK ? a->lp_width - 1 : AIOSPEC_MAX_TOPK;
-    const int64_t k = a->k < 0 ? a->lp_width - 1 : a->k;
-    if (a->k < -1 || k > kmax) return aiospec_set_error(e, AIOSPEC_E_K, AIOSPEC_ARG_K, -1, -1, k, 0, kmax, -1);
+    const int64_t k = a->k == -1 ? a->lp_width - 1 : a->k;
+    if (k < 0 || k > kmax) return aiospec_set_error(e, AIOSPEC_E_K, AIOSPEC_ARG_K, -1, -1, k, 0, kmax, -1);
   }
   return AIOSPEC_E_OK;
 }
