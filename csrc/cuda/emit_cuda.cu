@@ -343,9 +343,27 @@ cudaError_t aiospec_cuda_emit_ex(aiospec_cuda_producer* p, const aiospec_emit_ar
   const size_t shmem = sizeof(long long) * 4 * size_t(rpb + 1);
   aiospec::cuda::emit_plan_kernel<<<1, aiospec::cuda::kPlanThreads, 0, stream>>>(*args, p->ref, p->st, p->scratch,
                                                                                  p->stride, step_dev);
+#if AIOSPEC_PDL
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(unsigned(blocks));
+  cfg.blockDim = dim3(aiospec::cuda::kColumnThreads);
+  cfg.dynamicSmemBytes = shmem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  cudaError_t status = cudaGetLastError();
+  if (status == cudaSuccess) {
+    status = cudaLaunchKernelEx(&cfg, aiospec::cuda::emit_columns_kernel, *args, p->ref, p->st,
+                                static_cast<const long long*>(p->scratch), p->stride, p->md, rpb);
+  }
+#else
   aiospec::cuda::emit_columns_kernel<<<unsigned(blocks), aiospec::cuda::kColumnThreads, shmem, stream>>>(
       *args, p->ref, p->st, p->scratch, p->stride, p->md, rpb);
   cudaError_t status = cudaGetLastError();
+#endif
   if (status == cudaSuccess && p->opts.host_notify) status = cudaLaunchHostFunc(stream, notify_callback, p);
   if (status == cudaSuccess) ++p->emits;
   return status;

@@ -30,6 +30,26 @@
 #include "aiospec/emit_cuda.h"
 #include "aiospec/layout.h"
 
+// Measurement switches (scripts/gpu_check.sh "variants" builds the driver with each; the
+// defaults are the shipped protocol, docs/benchmarks.md has the numbers behind them).
+// AIOSPEC_FENCE_MODE: where the system-scope ordering is paid.
+//   0 strict: every writing thread fences at system scope, the last block fences again
+//             before and after the commit;
+//   1 block:  one system fence per column block (after its barrier), then the last block's
+//             release store of the commit word; the plan kernel's stores are ordered by the
+//             kernel boundary and that release (PAD frames keep their own fence);
+//   2 gpu:    as 1 with gpu-scope fences per block, the commit's st.release.sys alone
+//             carrying the stores to system scope (cumulativity);
+//   3 none:   no fences, a plain commit store: a lower bound for measurement, not correct.
+// AIOSPEC_PDL: 1 launches the column kernel with programmatic dependent launch, so that its
+// blocks are scheduled while the plan kernel runs and wait in griddepcontrol.wait.
+#ifndef AIOSPEC_FENCE_MODE
+#define AIOSPEC_FENCE_MODE 0
+#endif
+#ifndef AIOSPEC_PDL
+#define AIOSPEC_PDL 0
+#endif
+
 namespace aiospec {
 namespace cuda {
 
@@ -227,6 +247,9 @@ __global__ void __launch_bounds__(kPlanThreads)
   __shared__ Plan s_plan;
   const int tid = threadIdx.x;
   const int64_t rows = a.rows;
+#if AIOSPEC_PDL
+  asm volatile("griddepcontrol.launch_dependents;");  // the column blocks may be scheduled now
+#endif
   if (tid == 0) s_key = kNoError;
   __syncthreads();
 
@@ -378,7 +401,9 @@ __global__ void __launch_bounds__(kPlanThreads)
       const uint64_t w = AIOSPEC_FRAME_HEADER + p.lay.payload_len + 8 * uint64_t(tid - 96);
       if (w < p.lay.frame_size) st_u64(frame + w, 0);
     }
+#if AIOSPEC_FENCE_MODE == 0
     __threadfence_system();
+#endif
   }
   if (tid == 0) st->plan = s_plan;
 }
@@ -431,15 +456,24 @@ __device__ void finish_frame(const aiospec_emit_args& a, const RingRef& ring, St
   uint8_t* next = ring.data + ((p.pos + size) & ring.mask);
   st_u64(next, 0);
   st_u64(next + 8, 0);
+  const uint64_t commit = (AIOSPEC_FRAME_HEADER + p.lay.payload_len) | (uint64_t(AIOSPEC_FRAME_DATA) << 32);
+#if AIOSPEC_FENCE_MODE == 0
   __threadfence_system();
-  st_release_sys_u64(frame + 8, (AIOSPEC_FRAME_HEADER + p.lay.payload_len) | (uint64_t(AIOSPEC_FRAME_DATA) << 32));
+#endif
+#if AIOSPEC_FENCE_MODE == 3
+  st_u64(frame + 8, commit);
+#else
+  st_release_sys_u64(frame + 8, commit);
+#endif
   const uint64_t head = p.pos + size;
   st->head = head;
   st->frames_written += 1;
   st->bytes_written += p.lay.payload_len;
   st_u64(ring.ctl + AIOSPEC_OFF_FRAMES_WRITTEN, st->frames_written);
   st_u64(ring.ctl + AIOSPEC_OFF_BYTES_WRITTEN, st->bytes_written);
+#if AIOSPEC_FENCE_MODE == 0
   __threadfence_system();
+#endif
   st_u64(ring.ctl + AIOSPEC_OFF_HEAD, head);
 }
 
@@ -464,6 +498,9 @@ __global__ void __launch_bounds__(kColumnThreads)
   const aiospec_frame_layout& lay = p.lay;
   const int has_lp = aiospec_has_logprobs(&a);
   const uint32_t k = lay.k;
+#if AIOSPEC_PDL
+  asm volatile("griddepcontrol.wait;" ::: "memory");  // the plan kernel has finished
+#endif
   if (tid == 0) s_key = kNoError;
   for (int li = tid; li <= n; li += kColumnThreads) {
     s_rec[li] = scratch[row0 + li];
@@ -553,11 +590,17 @@ __global__ void __launch_bounds__(kColumnThreads)
   }
 
   if (key != kNoError) atomicMin(&s_key, key);
+#if AIOSPEC_FENCE_MODE == 0
   __threadfence_system();  // this thread's stores to the ring before the block counts as done
+#endif
   __syncthreads();
   if (tid == 0) {
     if (s_key != kNoError) atomicMin(&st->b_key, s_key);
+#if AIOSPEC_FENCE_MODE == 1
+    __threadfence_system();  // cumulative over the block's stores (ordered by the barrier)
+#else
     __threadfence();
+#endif
     s_last = atomicAdd(&st->blocks_done, 1u) == gridDim.x - 1;
   }
   __syncthreads();
