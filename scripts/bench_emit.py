@@ -695,7 +695,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--k", type=_ints, default=[0, 5, 20])
     ap.add_argument("--iters", type=int, default=200, help="timed emits per batch")
     ap.add_argument("--latency-steps", type=int, default=200, help="publish->seen samples per batch and path")
-    ap.add_argument("--rows-per-block", type=int, default=32)
+    ap.add_argument("--rows-per-block", type=int, default=8)
     ap.add_argument("--raise-msgmax", action="store_true", help="raise kernel.msgmax/msgmnb as FastDeploy's FAQ says")
     ap.add_argument("--json", type=Path, help="also write the JSON here")
     args = ap.parse_args(argv)

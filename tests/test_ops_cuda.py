@@ -52,7 +52,7 @@ def test_cuda_sources_compile_for_sm90(tmp_path: Path) -> None:
     assert cdll.aiospec_cuda_abi_version() == _cuda.CUDA_ABI_VERSION
     opts = _cuda.CudaOptions()
     cdll.aiospec_cuda_default_options(ctypes.byref(opts))
-    assert (opts.device, opts.rows_per_block, opts.max_rows, opts.timeout_s, opts.check_pids) == (0, 32, 4096, 5.0, 1)
+    assert (opts.device, opts.rows_per_block, opts.max_rows, opts.timeout_s, opts.check_pids) == (0, 8, 4096, 5.0, 1)
     if _cuda._driver_devices() == 0:
         err = ctypes.create_string_buffer(256)
         assert cdll.aiospec_cuda_device_ok(0, err, len(err)) == 0

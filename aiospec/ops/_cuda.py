@@ -222,7 +222,7 @@ class CudaProducer:
         reader_timeout: float | None = None,
         check_pids: bool = True,
         host_notify: bool = False,
-        rows_per_block: int = 32,
+        rows_per_block: int = 8,
         liveness_interval: float = 0.05,
     ) -> None:
         self._h: int | None = None

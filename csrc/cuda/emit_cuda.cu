@@ -30,8 +30,10 @@ using aiospec::cuda::Mapped;
 using aiospec::cuda::RingRef;
 using aiospec::cuda::State;
 
-constexpr int kDefaultRowsPerBlock = 32;
-constexpr int kMaxRowsPerBlock = 1024;
+constexpr int kDefaultRowsPerBlock = 8;
+constexpr int kMaxRowsPerBlock = 128;
+// Every block reads every row's counts, so past this many blocks the rows per block grow.
+constexpr long long kMaxBlocks = 264;
 
 void put_error(char* buf, size_t size, const std::string& msg) {
   if (buf == nullptr || size == 0) return;
@@ -73,8 +75,6 @@ struct aiospec_cuda_producer {
   bool registered = false;
   RingRef ref{};
   State* st = nullptr;
-  long long* scratch = nullptr;
-  long long stride = 0;
   Mapped* mh = nullptr;  // host view of the error word
   Mapped* md = nullptr;  // device view
   aiospec_error last{};
@@ -118,10 +118,8 @@ struct aiospec_cuda_producer {
       if (registered) cudaHostUnregister(host_base);
       registered = false;
       if (st != nullptr) cudaFree(st);
-      if (scratch != nullptr) cudaFree(scratch);
       if (mh != nullptr) cudaFreeHost(mh);
       st = nullptr;
-      scratch = nullptr;
       mh = md = nullptr;
     }
     std::lock_guard<std::mutex> lock(mu);
@@ -274,9 +272,6 @@ int aiospec_cuda_producer_create(const char* ring_name, const aiospec_cuda_optio
 
   e = cudaMalloc(&p->st, sizeof(State));
   if (e != cudaSuccess) return fail("cudaMalloc(producer state)", e);
-  p->stride = o.max_rows + 1;
-  e = cudaMalloc(&p->scratch, sizeof(long long) * 3 * size_t(p->stride));
-  if (e != cudaSuccess) return fail("cudaMalloc(scratch)", e);
   e = cudaHostAlloc(&p->mh, sizeof(Mapped), cudaHostAllocMapped | cudaHostAllocPortable);
   if (e != cudaSuccess) return fail("cudaHostAlloc(error word)", e);
   std::memset(static_cast<void*>(p->mh), 0, sizeof(Mapped));
@@ -290,7 +285,7 @@ int aiospec_cuda_producer_create(const char* ring_name, const aiospec_cuda_optio
   init.frames_written = aiospec::load_relaxed(m.ctl64(AIOSPEC_OFF_FRAMES_WRITTEN));
   init.bytes_written = aiospec::load_relaxed(m.ctl64(AIOSPEC_OFF_BYTES_WRITTEN));
   init.frames_lost = aiospec::load_relaxed(m.ctl64(AIOSPEC_OFF_FRAMES_LOST));
-  init.b_key = aiospec::cuda::kNoError;
+  init.key = aiospec::cuda::kNoError;
   e = cudaMemcpy(p->st, &init, sizeof init, cudaMemcpyHostToDevice);
   if (e != cudaSuccess) return fail("cudaMemcpy(producer state)", e);
 
@@ -338,32 +333,14 @@ cudaError_t aiospec_cuda_emit_ex(aiospec_cuda_producer* p, const aiospec_emit_ar
   }
   DeviceGuard guard(p->opts.device);
   if (guard.status() != cudaSuccess) return guard.status();
-  const int rpb = p->opts.rows_per_block;
+  long long rpb = p->opts.rows_per_block;
+  if ((args->rows + rpb - 1) / rpb > kMaxBlocks) rpb = (args->rows + kMaxBlocks - 1) / kMaxBlocks;
+  if (rpb > kMaxRowsPerBlock) rpb = kMaxRowsPerBlock;
   const long long blocks = args->rows > 0 ? (args->rows + rpb - 1) / rpb : 1;
   const size_t shmem = sizeof(long long) * 4 * size_t(rpb + 1);
-  aiospec::cuda::emit_plan_kernel<<<1, aiospec::cuda::kPlanThreads, 0, stream>>>(*args, p->ref, p->st, p->scratch,
-                                                                                 p->stride, step_dev);
-#if AIOSPEC_PDL
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(unsigned(blocks));
-  cfg.blockDim = dim3(aiospec::cuda::kColumnThreads);
-  cfg.dynamicSmemBytes = shmem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  aiospec::cuda::emit_kernel<<<unsigned(blocks), aiospec::cuda::kThreads, shmem, stream>>>(*args, p->ref, p->st, p->md,
+                                                                                          step_dev, int(rpb));
   cudaError_t status = cudaGetLastError();
-  if (status == cudaSuccess) {
-    status = cudaLaunchKernelEx(&cfg, aiospec::cuda::emit_columns_kernel, *args, p->ref, p->st,
-                                static_cast<const long long*>(p->scratch), p->stride, p->md, rpb);
-  }
-#else
-  aiospec::cuda::emit_columns_kernel<<<unsigned(blocks), aiospec::cuda::kColumnThreads, shmem, stream>>>(
-      *args, p->ref, p->st, p->scratch, p->stride, p->md, rpb);
-  cudaError_t status = cudaGetLastError();
-#endif
   if (status == cudaSuccess && p->opts.host_notify) status = cudaLaunchHostFunc(stream, notify_callback, p);
   if (status == cudaSuccess) ++p->emits;
   return status;

@@ -634,7 +634,7 @@ int main(int argc, char** argv) {
   if (argc > 1 && std::strcmp(argv[1], "time") == 0) {
     std::mt19937_64 rng(7);
     for (int i = 2; i < argc; ++i) time_emits(rng, std::atoi(argv[i]));
-    if (argc == 2) time_emits(rng, 32);
+    if (argc == 2) time_emits(rng, 8);
     std::fflush(stdout);
     return g_failures ? 1 : 0;
   }

@@ -1,9 +1,10 @@
 /* The emit op's CUDA path: a framework-free producer that writes frames straight from the GPU.
  *
  * A producer maps one ring segment, registers it with CUDA once (cudaHostRegister, mapped)
- * and keeps its state (head, cached slowest tail, counters, the error word, per-row scratch)
- * in device memory. aiospec_cuda_emit enqueues two kernels on a stream and returns: no host
- * synchronization and no allocation per call, so a step can be captured in a CUDA graph.
+ * and keeps its state (head, cached slowest tail, counters) in device memory and its error
+ * word in mapped host memory. aiospec_cuda_emit enqueues one kernel on a stream and returns:
+ * no host synchronization and no allocation per call, so a step can be captured in a CUDA
+ * graph (aiospec/emit_cuda_kernels.h describes the kernel).
  * Input errors found on the device (counts, offsets, ids; same checks and order as
  * aiospec_check_row in emit.h) and a ring that stays full past the timeout are reported
  * through an error word in mapped host memory, which aiospec_cuda_check reads without
@@ -34,7 +35,7 @@ enum aiospec_cuda_error_code {
   /* the ring had no room for value bytes (frame + PAD + next header) within the producer's
    * timeout; lo = the bytes that were free at the last look, hi = capacity */
   AIOSPEC_E_RING_FULL = 64,
-  /* rows = value exceeds the producer's max_rows = hi (scratch is sized at creation) */
+  /* rows = value exceeds the producer's max_rows = hi */
   AIOSPEC_E_MAX_ROWS = 65
 };
 
@@ -42,8 +43,9 @@ typedef struct aiospec_cuda_producer aiospec_cuda_producer;
 
 typedef struct aiospec_cuda_options {
   int32_t device;            /* CUDA device ordinal the kernels run on */
-  int32_t rows_per_block;    /* rows per block of the column kernel; 0 = default (32) */
-  int64_t max_rows;          /* the largest batch (rows) an emit may carry; sizes the scratch */
+  int32_t rows_per_block;    /* rows per thread block, 1..128; 0 = default (8); grows for
+                                batches past 264 blocks (every block reads every row's counts) */
+  int64_t max_rows;          /* the largest batch (rows) an emit may carry */
   double timeout_s;          /* device-side wait for ring space before "ring full"; >= 0 */
   double reader_timeout_s;   /* evict readers silent for longer (<= 0: only dead pids) */
   double liveness_s;         /* at most one host liveness pass (heartbeat, eviction) per this */
@@ -51,7 +53,7 @@ typedef struct aiospec_cuda_options {
   int32_t check_pids;        /* 1: evict readers whose process is gone */
 } aiospec_cuda_options;
 
-/* Fills `o` with the defaults (device 0, 32 rows per block, max_rows 4096, timeout 5 s, no
+/* Fills `o` with the defaults (device 0, 8 rows per block, max_rows 4096, timeout 5 s, no
  * reader timeout, liveness every 50 ms, no host notify, check pids). */
 void aiospec_cuda_default_options(aiospec_cuda_options* o);
 

@@ -1,18 +1,27 @@
-// The emit op's CUDA kernels: raw pointers in, one frame written into a mapped ring segment.
+// The emit op's CUDA kernel: raw pointers in, one frame written into a mapped ring segment.
 // CUDA C++ only (included by csrc/cuda/emit_cuda.cu, the launcher); it lives beside the other
 // headers so that the build cache key (every header under include/) covers it.
 //
-// Two kernels per frame, launched back to back on the caller's stream:
-//   plan (one block): validates the counts and offsets of every row (aiospec_check_row from
-//     emit.h with the id checks switched off), prefix-sums the records / tokens / draft ids
-//     of the rows, lays the frame out, reserves ring space against the slowest reader (a
-//     bounded wait), writes the PAD frame, the msgpack header and every padding word;
-//   columns (a block per rows_per_block rows): checks the int64 ids of its rows and writes
-//     the columns, each block's slice of each column being contiguous, so a warp's stores to
-//     host memory coalesce; the last block to finish (threadfence reduction) publishes: zero
-//     the next header, system fence, the 8-byte commit word, then head and counters.
-// Any error (first in emit.h's order: smallest aiospec_error_order key) means nothing is
-// committed: the error goes to a word in mapped host memory, frames_lost rises.
+// One launch per frame, a block per `rows_per_block` rows. Nothing passes between blocks
+// before the end, so no block ever waits for another:
+//   * every block runs emit.h's structural row checks (counts, flags, handles, logprob
+//     offsets: aiospec_check_row with the id checks switched off) and sums the records,
+//     tokens and draft ids over all rows, which gives every block the same layout and the
+//     same frame position (from the head in device memory); it then prefix-sums its own
+//     rows, so each block's slice of every column is contiguous and a warp's stores to host
+//     memory coalesce;
+//   * every block checks for space against the slowest reader on its own (the tails are
+//     read from the mapped control page only when the cached lower bound says the ring may
+//     be full; a bounded wait on %globaltimer); a block that runs out of time writes nothing
+//     and marks the frame lost;
+//   * block 0 writes the PAD frame when the frame does not fit before the end of the data
+//     area, the msgpack header, the position word and every padding word; each block writes
+//     its rows' columns and checks their int64 ids;
+//   * the last block to finish (threadfence reduction on a device counter) publishes: zero
+//     the next header, release-store the 8-byte commit word, then head and counters.
+// An error (the first in emit.h's order: smallest aiospec_error_order key, details recomputed
+// with aiospec_check_row) or a ring that stayed full means no commit: the error goes to a
+// word in mapped host memory and frames_lost rises, in the control page too.
 //
 // Only plain loads and stores touch host memory: the GPU this runs on cannot do atomics on
 // it (hostNativeAtomicSupported = 0). Atomics and counters live in device memory.
@@ -30,37 +39,28 @@
 #include "aiospec/emit_cuda.h"
 #include "aiospec/layout.h"
 
-// Measurement switches (scripts/gpu_check.sh "variants" builds the driver with each; the
-// defaults are the shipped protocol, docs/benchmarks.md has the numbers behind them).
-// AIOSPEC_FENCE_MODE: where the system-scope ordering is paid.
-//   0 strict: every writing thread fences at system scope, the last block fences again
-//             before and after the commit;
-//   1 block:  one system fence per column block (after its barrier), then the last block's
-//             release store of the commit word; the plan kernel's stores are ordered by the
-//             kernel boundary and that release (PAD frames keep their own fence);
-//   2 gpu:    as 1 with gpu-scope fences per block, the commit's st.release.sys alone
-//             carrying the stores to system scope (cumulativity);
-//   3 none:   no fences, a plain commit store: a lower bound for measurement, not correct.
-// AIOSPEC_PDL: 1 launches the column kernel with programmatic dependent launch, so that its
-// blocks are scheduled while the plan kernel runs and wait in griddepcontrol.wait.
+// Measurement switch (scripts/gpu_check.sh "variants"; docs/benchmarks.md has the numbers):
+// where the system-scope ordering is paid.
+//   1 (default) every block, after its barrier, fences at system scope once (cumulative over
+//     the block's stores) before it counts itself done; the last block release-stores the
+//     commit word. The PAD frame has its own fence before its commit.
+//   0 strict: every thread fences after its stores, the last block fences before and after
+//     the commit as well.
+//   3 none: no fences and a plain commit store; a lower bound, not a correct protocol.
 #ifndef AIOSPEC_FENCE_MODE
-#define AIOSPEC_FENCE_MODE 0
-#endif
-#ifndef AIOSPEC_PDL
-#define AIOSPEC_PDL 0
+#define AIOSPEC_FENCE_MODE 1
 #endif
 
 namespace aiospec {
 namespace cuda {
 
-constexpr int kPlanThreads = 1024;
-constexpr int kColumnThreads = 256;
+constexpr int kThreads = 256;
 constexpr uint64_t kNoError = ~0ull;
 constexpr uint64_t kFrameSizeKey = ~0ull - 1;  // aiospec_error_order of E_FRAME_SIZE
 
-// Where the ring is, as the device sees it (the mapped segment) and its fixed geometry.
+// Where the ring is, as the device sees it (the registered mapping), and its geometry.
 struct RingRef {
-  uint8_t* ctl;  // control page (device pointer into the registered mapping)
+  uint8_t* ctl;  // control page
   uint8_t* data;  // data area = ctl + CONTROL_SIZE
   uint64_t capacity;
   uint64_t mask;
@@ -69,20 +69,8 @@ struct RingRef {
   uint64_t timeout_ns;  // back-pressure wait before "ring full"
 };
 
-// What the plan kernel decided, read by the column kernel.
-struct Plan {
-  aiospec_frame_layout lay;
-  uint64_t pos;  // position of the frame (after any PAD)
-  uint64_t step;
-  uint64_t key;  // smallest error key the plan kernel found (kNoError: none)
-  uint64_t needed_tail;  // ring full: the slowest tail had to reach this position
-  uint64_t full_head;  // ring full: the head at that time
-  int32_t write;  // 1: space is reserved; write the columns and commit
-  int32_t ring_full;
-};
-
-// Producer state in device memory; zero-initialised by the host, then head and counters
-// copied from the control page.
+// Producer state in device memory; zeroed by the host, then head and counters copied from
+// the control page. The per-frame words are reset by the last block of each launch.
 struct State {
   unsigned long long head;
   unsigned long long tail_cache;  // a lower bound of every active reader's tail
@@ -91,13 +79,16 @@ struct State {
   unsigned long long frames_lost;
   unsigned long long errors;  // errors seen
   unsigned long long published;  // errors published to the mapped word
-  unsigned long long b_key;  // smallest error key of the column kernel (atomicMin)
-  unsigned int blocks_done;  // column blocks finished (threadfence reduction)
-  Plan plan;
+  // per frame
+  unsigned long long key;  // smallest id-check error key (atomicMin)
+  unsigned long long needed_tail;  // ring full: where the slowest tail had to be
+  unsigned int blocks_done;  // threadfence reduction
+  unsigned int full;  // a block ran out of time waiting for space
+  unsigned int pad_done;  // block 0 committed a PAD frame
 };
 
 // The error word in mapped (pinned) host memory. The device publishes an error only when
-// the host has acknowledged the previous one, so the host always sees a whole record.
+// the host has acknowledged the previous one, so the host always reads a whole record.
 struct alignas(128) Mapped {
   volatile unsigned long long seq;  // device: errors published
   volatile unsigned long long errors;  // device: errors seen (published or not)
@@ -108,7 +99,7 @@ struct alignas(128) Mapped {
   aiospec_error err;  // device: the published error
 };
 
-// ---- memory access helpers -------------------------------------------------------------------
+// ---- helpers ---------------------------------------------------------------------------------
 
 __device__ __forceinline__ void st_u64(uint8_t* p, uint64_t v) { *reinterpret_cast<volatile uint64_t*>(p) = v; }
 __device__ __forceinline__ void st_u32(uint8_t* p, uint32_t v) { *reinterpret_cast<volatile uint32_t*>(p) = v; }
@@ -138,12 +129,12 @@ __device__ __forceinline__ uint64_t warp_min_u64(uint64_t v) {
   return v;
 }
 
-// Row of an error key made by aiospec_error_order (1 + (brow << 33 | check << 29 | sub)).
-__device__ __forceinline__ int64_t key_row(uint64_t key) { return int64_t(((key - 1) >> 33) & 0x3FFFFFFFull); }
-
 __device__ __forceinline__ unsigned long long min_key(unsigned long long a, uint64_t b) {
   return b < a ? (unsigned long long)b : a;
 }
+
+// Row of an error key made by aiospec_error_order (1 + (brow << 33 | check << 29 | sub)).
+__device__ __forceinline__ int64_t key_row(uint64_t key) { return int64_t(((key - 1) >> 33) & 0x3FFFFFFFull); }
 
 __device__ __forceinline__ uint64_t id_error_key(int64_t brow, int32_t check, int64_t elem) {
   aiospec_error e;
@@ -167,7 +158,89 @@ __device__ uint64_t scan_min_tail(const RingRef& ring, uint64_t head) {
   return warp_min_u64(t);
 }
 
-// One thread: count the failure, publish it to the host if the host has taken the last one.
+// Records / tokens / draft ids of one row (zero for rows past the first failing one).
+struct Triple {
+  long long r, t, d;
+};
+
+__device__ __forceinline__ Triple row_counts(const aiospec_emit_args& a, int64_t i) {
+  return Triple{aiospec_row_has_record(&a, i) ? 1 : 0, a.num_tokens[i], a.num_draft != nullptr ? a.num_draft[i] : 0};
+}
+
+__device__ __forceinline__ Triple warp_sum(Triple v) {
+  for (int s = 16; s > 0; s >>= 1) {
+    v.r += __shfl_xor_sync(0xffffffffu, v.r, s);
+    v.t += __shfl_xor_sync(0xffffffffu, v.t, s);
+    v.d += __shfl_xor_sync(0xffffffffu, v.d, s);
+  }
+  return v;
+}
+
+// Block-wide sums of two triples; every thread gets the results.
+__device__ __forceinline__ void block_sum2(Triple& x, Triple& y) {
+  __shared__ Triple part[2][kThreads / 32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  x = warp_sum(x);
+  y = warp_sum(y);
+  if (lane == 0) {
+    part[0][warp] = x;
+    part[1][warp] = y;
+  }
+  __syncthreads();
+  x = y = Triple{0, 0, 0};
+  for (int w = 0; w < kThreads / 32; ++w) {
+    x.r += part[0][w].r;
+    x.t += part[0][w].t;
+    x.d += part[0][w].d;
+    y.r += part[1][w].r;
+    y.t += part[1][w].t;
+    y.d += part[1][w].d;
+  }
+  __syncthreads();  // part is reused by the next call
+}
+
+// Exclusive block-wide prefix sums of one triple per thread.
+__device__ __forceinline__ Triple block_exclusive_scan(Triple v) {
+  __shared__ Triple warp_incl[kThreads / 32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  Triple inc = v;
+  for (int s = 1; s < 32; s <<= 1) {
+    const long long r = __shfl_up_sync(0xffffffffu, inc.r, s);
+    const long long t = __shfl_up_sync(0xffffffffu, inc.t, s);
+    const long long d = __shfl_up_sync(0xffffffffu, inc.d, s);
+    if (lane >= s) {
+      inc.r += r;
+      inc.t += t;
+      inc.d += d;
+    }
+  }
+  if (lane == 31) warp_incl[warp] = inc;
+  __syncthreads();
+  Triple before{0, 0, 0};
+  for (int w = 0; w < warp; ++w) {
+    before.r += warp_incl[w].r;
+    before.t += warp_incl[w].t;
+    before.d += warp_incl[w].d;
+  }
+  __syncthreads();
+  return Triple{before.r + inc.r - v.r, before.t + inc.t - v.t, before.d + inc.d - v.d};
+}
+
+// Largest li in [0, n) with off[li] <= e (off non-decreasing, off[0] <= e < off[n]).
+__device__ __forceinline__ int find_row(const long long* off, int n, long long e) {
+  int lo = 0, hi = n;
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) >> 1;
+    if (off[mid] <= e) {
+      lo = mid;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo;
+}
+
+// One thread: count the failure, publish it to the host if the host took the last one.
 __device__ void report_error(const aiospec_error& e, const RingRef& ring, State* st, Mapped* m, uint64_t step) {
   st->frames_lost += 1;
   st->errors += 1;
@@ -191,158 +264,100 @@ __device__ void report_error(const aiospec_error& e, const RingRef& ring, State*
   __threadfence_system();
 }
 
-// ---- kernel 1: plan -------------------------------------------------------------------------
+// ---- the kernel ---------------------------------------------------------------------------------
 
-// Exclusive block-wide prefix sums of three counters (records, tokens, draft ids).
-struct Triple {
-  long long r, t, d;
-};
-
-__device__ __forceinline__ Triple block_exclusive_scan(Triple v, Triple* total) {
-  __shared__ Triple warp_sums[kPlanThreads / 32];
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
-  Triple inc = v;
-  for (int s = 1; s < 32; s <<= 1) {
-    const long long r = __shfl_up_sync(0xffffffffu, inc.r, s);
-    const long long t = __shfl_up_sync(0xffffffffu, inc.t, s);
-    const long long d = __shfl_up_sync(0xffffffffu, inc.d, s);
-    if (lane >= s) {
-      inc.r += r;
-      inc.t += t;
-      inc.d += d;
-    }
-  }
-  if (lane == 31) warp_sums[warp] = inc;
-  __syncthreads();
-  if (warp == 0) {
-    Triple w = lane < kPlanThreads / 32 ? warp_sums[lane] : Triple{0, 0, 0};
-    for (int s = 1; s < 32; s <<= 1) {
-      const long long r = __shfl_up_sync(0xffffffffu, w.r, s);
-      const long long t = __shfl_up_sync(0xffffffffu, w.t, s);
-      const long long d = __shfl_up_sync(0xffffffffu, w.d, s);
-      if (lane >= s) {
-        w.r += r;
-        w.t += t;
-        w.d += d;
-      }
-    }
-    if (lane < kPlanThreads / 32) warp_sums[lane] = w;  // inclusive over warps
-  }
-  __syncthreads();
-  const Triple before = warp > 0 ? warp_sums[warp - 1] : Triple{0, 0, 0};
-  *total = warp_sums[kPlanThreads / 32 - 1];
-  __syncthreads();  // warp_sums is reused by the next call
-  return Triple{before.r + inc.r - v.r, before.t + inc.t - v.t, before.d + inc.d - v.d};
-}
-
-// scratch: rec_off, tok_off, draft_off, each [stride >= rows + 1] int64, exclusive prefix sums
-// over the rows that passed the structural checks (later rows count as empty).
-__global__ void __launch_bounds__(kPlanThreads)
-    emit_plan_kernel(aiospec_emit_args a, RingRef ring, State* st, long long* scratch, long long stride,
-                     const uint64_t* step_dev) {
-  __shared__ unsigned long long s_key;
-  __shared__ int s_write;
+// Dynamic shared memory: 4 * (rows_per_block + 1) int64; rows_per_block <= kThreads.
+__global__ void __launch_bounds__(kThreads)
+    emit_kernel(aiospec_emit_args a, RingRef ring, State* st, Mapped* m, const uint64_t* step_dev,
+                int rows_per_block) {
+  extern __shared__ long long sh[];
+  __shared__ unsigned long long s_key, s_idkey;
+  __shared__ int s_write, s_last;
   __shared__ alignas(8) uint8_t s_header[AIOSPEC_HEADER_SPACE];
-  __shared__ Plan s_plan;
   const int tid = threadIdx.x;
+  const int rpb = rows_per_block;
+  long long* s_rec = sh;
+  long long* s_tok = sh + (rpb + 1);
+  long long* s_dr = sh + 2 * (rpb + 1);
+  long long* s_lp = sh + 3 * (rpb + 1);
   const int64_t rows = a.rows;
-#if AIOSPEC_PDL
-  asm volatile("griddepcontrol.launch_dependents;");  // the column blocks may be scheduled now
-#endif
-  if (tid == 0) s_key = kNoError;
+  const int64_t row0 = int64_t(blockIdx.x) * rpb;
+  const int64_t row_end = row0 + rpb < rows ? row0 + rpb : rows;
+  const int n = row_end > row0 ? int(row_end - row0) : 0;
+  if (tid == 0) {
+    s_key = kNoError;
+    s_idkey = kNoError;
+  }
   __syncthreads();
 
-  // 1. Structural checks (emit.h's checks 0..5): the id checks are switched off here by
-  //    declaring every id input int32; the column kernel checks int64 ids where it reads them.
+  // 1. Structural checks of every row (the id checks are switched off by declaring the id
+  //    inputs int32; this block checks the int64 ids of its own rows where it copies them),
+  //    and the sums before this block's rows and over all rows, assuming they pass.
   aiospec_emit_args sa = a;
   sa.token_ids_i64 = 0;
   sa.draft_ids_i64 = 0;
   sa.lp_ids_i64 = 0;
   sa.lp_ranks_i64 = 0;
-  for (int64_t i = tid; i < rows; i += kPlanThreads) {
+  Triple before{0, 0, 0}, total{0, 0, 0};
+  for (int64_t i = tid; i < rows; i += kThreads) {
     aiospec_error e;
-    if (aiospec_check_row(&sa, i, &e) != AIOSPEC_E_OK) atomicMin(&s_key, (unsigned long long)aiospec_error_order(&e));
+    if (aiospec_check_row(&sa, i, &e) != AIOSPEC_E_OK) {
+      atomicMin(&s_key, (unsigned long long)aiospec_error_order(&e));
+      continue;
+    }
+    const Triple v = row_counts(a, i);
+    total.r += v.r, total.t += v.t, total.d += v.d;
+    if (i < row0) before.r += v.r, before.t += v.t, before.d += v.d;
   }
   __syncthreads();
   const uint64_t skey = s_key;
   const int64_t live = skey == kNoError ? rows : key_row(skey);  // rows [0, live) passed
+  if (skey != kNoError) {
+    // an invalid row: count only the rows before it (their ids are still checked, since an
+    // id error in an earlier row comes first in emit.h's order); nothing is written
+    before = total = Triple{0, 0, 0};
+    for (int64_t i = tid; i < live; i += kThreads) {
+      const Triple v = row_counts(a, i);
+      total.r += v.r, total.t += v.t, total.d += v.d;
+      if (i < row0) before.r += v.r, before.t += v.t, before.d += v.d;
+    }
+  }
+  block_sum2(before, total);
 
-  // 2. Prefix sums over the live rows.
-  long long* rec_off = scratch;
-  long long* tok_off = scratch + stride;
-  long long* dr_off = scratch + 2 * stride;
-  Triple carry{0, 0, 0};
-  for (int64_t base = 0; base < rows; base += kPlanThreads) {
-    const int64_t i = base + tid;
+  // 2. This block's rows: exclusive prefix sums (rows past `live` are empty).
+  {
     Triple v{0, 0, 0};
-    if (i < live) {
-      v.t = a.num_tokens[i];
-      v.d = a.num_draft != nullptr ? a.num_draft[i] : 0;
-      v.r = aiospec_row_has_record(&a, i) ? 1 : 0;
+    if (tid < n && row0 + tid < live) v = row_counts(a, row0 + tid);
+    const Triple ex = block_exclusive_scan(v);
+    if (tid <= n) {
+      s_rec[tid] = before.r + ex.r;
+      s_tok[tid] = before.t + ex.t;
+      s_dr[tid] = before.d + ex.d;
     }
-    Triple total;
-    const Triple ex = block_exclusive_scan(v, &total);
-    if (i < rows) {
-      rec_off[i] = carry.r + ex.r;
-      tok_off[i] = carry.t + ex.t;
-      dr_off[i] = carry.d + ex.d;
-    }
-    carry.r += total.r;
-    carry.t += total.t;
-    carry.d += total.d;
-  }
-  if (tid == 0) {
-    rec_off[rows] = carry.r;
-    tok_off[rows] = carry.t;
-    dr_off[rows] = carry.d;
+    if (tid < n && aiospec_has_logprobs(&a)) s_lp[tid] = a.lp_offsets[row0 + tid];
   }
 
-  // 3. Layout and the frame-size check (after every row check in emit.h's order).
-  if (tid == 0) {
-    Plan& p = s_plan;
-    const int has_lp = aiospec_has_logprobs(&a);
-    aiospec_compute_layout(uint64_t(carry.r), uint64_t(carry.t), uint64_t(carry.d), aiospec_frame_k(&a), has_lp,
-                           &p.lay);
-    p.step = step_dev != nullptr ? *step_dev : a.step;
-    p.key = skey;
-    p.pos = 0;
-    p.needed_tail = 0;
-    p.full_head = 0;
-    p.ring_full = 0;
-    p.write = 0;
-    if (skey == kNoError) {
-      if (p.lay.frame_size > ring.max_record) {
-        p.key = kFrameSizeKey;
-      } else {
-        p.write = 1;
-      }
-    }
-    s_write = p.write;
-  }
-  __syncthreads();
-  const int reserve = s_write;
-  __syncthreads();  // s_write is rewritten below
-
-  // 4. Reserve (warp 0): PAD if the frame does not fit before the end, then wait for the
-  //    slowest reader, reading the tails from the mapped control page only when the cached
-  //    lower bound says the ring may be full.
-  if (reserve && tid < 32) {
-    Plan& p = s_plan;
-    const uint64_t size = p.lay.frame_size;
-    uint64_t head = st->head;
-    const uint64_t off = head & ring.mask;
-    const uint64_t pad = size > ring.capacity - off ? ring.capacity - off : 0;
-    const uint64_t need = pad + size + AIOSPEC_FRAME_HEADER;  // + the next header, zeroed at commit
-    bool room = head + need - st->tail_cache <= ring.capacity;
+  // 3. Layout, frame position and space (every block reaches the same layout and position).
+  aiospec_frame_layout lay;
+  aiospec_compute_layout(uint64_t(total.r), uint64_t(total.t), uint64_t(total.d), aiospec_frame_k(&a),
+                         aiospec_has_logprobs(&a), &lay);
+  const uint64_t size = lay.frame_size;
+  const bool valid = skey == kNoError && size <= ring.max_record;
+  const uint64_t head = st->head;
+  const uint64_t off = head & ring.mask;
+  const uint64_t pad = size > ring.capacity - off ? ring.capacity - off : 0;
+  const uint64_t pos = head + pad;
+  const uint64_t need = pad + size + AIOSPEC_FRAME_HEADER;  // + the next header, zeroed at commit
+  if (tid < 32) {
+    bool room = !valid || head + need - st->tail_cache <= ring.capacity;
     if (!room) {
       // lane 0's clock decides for the whole warp: the scan needs every lane
       const uint64_t t0 = globaltimer_ns();
       for (;;) {
         const uint64_t min_tail = scan_min_tail(ring, head);
-        if (tid == 0) st->tail_cache = min_tail;
         if (head + need - min_tail <= ring.capacity) {
           room = true;
+          if (tid == 0) st->tail_cache = min_tail;  // racing blocks store valid lower bounds
           break;
         }
         const int expired = __shfl_sync(0xffffffffu, int(globaltimer_ns() - t0 >= ring.timeout_ns), 0);
@@ -351,12 +366,12 @@ __global__ void __launch_bounds__(kPlanThreads)
       }
     }
     if (tid == 0) {
-      if (!room) {
-        p.write = 0;
-        p.ring_full = 1;
-        p.needed_tail = head + need - ring.capacity;
-        p.full_head = head;
-      } else {
+      s_write = valid && room;
+      if (valid && !room) {
+        st->needed_tail = head + need - ring.capacity;
+        atomicExch(&st->full, 1u);
+      }
+      if (s_write && blockIdx.x == 0) {
         if (pad != 0) {
           uint8_t* f = ring.data + off;
           st_u64(f, head);
@@ -364,161 +379,52 @@ __global__ void __launch_bounds__(kPlanThreads)
           st_u64(ring.data + 8, 0);
           __threadfence_system();
           st_release_sys_u64(f + 8, pad | (uint64_t(AIOSPEC_FRAME_PAD) << 32));
-          head += pad;
-          st->head = head;
-          st_u64(ring.ctl + AIOSPEC_OFF_HEAD, head);
+          st->pad_done = 1;
         }
-        p.pos = head;
-        aiospec_write_header(s_header, &p.lay, a.producer, p.step, a.kind);
+        aiospec_write_header(s_header, &lay, a.producer, step_dev != nullptr ? *step_dev : a.step, a.kind);
       }
-      s_write = p.write;
     }
   }
   __syncthreads();
+  const int write = s_write;
+  uint8_t* frame = ring.data + (pos & ring.mask);
+  uint8_t* pay = frame + AIOSPEC_FRAME_HEADER;
 
-  // 5. Position word, header, the last offset entries and every padding word.
-  if (s_write) {
-    const Plan& p = s_plan;
-    uint8_t* frame = ring.data + (p.pos & ring.mask);
-    uint8_t* pay = frame + AIOSPEC_FRAME_HEADER;
+  // 4. Block 0: position word, header, the offset columns' last entries, padding words.
+  if (write && blockIdx.x == 0) {
     if (tid < AIOSPEC_HEADER_SPACE / 8) st_u64(pay + 8 * tid, reinterpret_cast<const uint64_t*>(s_header)[tid]);
-    if (tid == 32) st_u64(frame, p.pos);
-    if (tid == 33) st_u32(pay + p.lay.off[AIOSPEC_COL_TOKEN_OFFSETS] + 4 * p.lay.r, uint32_t(p.lay.t));
-    if (tid == 34 && p.lay.d > 0) st_u32(pay + p.lay.off[AIOSPEC_COL_DRAFT_OFFSETS] + 4 * p.lay.r, uint32_t(p.lay.d));
+    if (tid == 32) st_u64(frame, pos);
+    if (tid == 33) st_u32(pay + lay.off[AIOSPEC_COL_TOKEN_OFFSETS] + 4 * lay.r, uint32_t(lay.t));
+    if (tid == 34 && lay.d > 0) st_u32(pay + lay.off[AIOSPEC_COL_DRAFT_OFFSETS] + 4 * lay.r, uint32_t(lay.d));
     if (tid >= 64 && tid < 64 + AIOSPEC_NUM_COLUMNS) {
       // a column of 4-byte elements with an odd count ends 4 bytes before the next boundary
       const int c = tid - 64;
-      const uint64_t counts[AIOSPEC_NUM_COLUMNS] = {
-          p.lay.r, p.lay.r, p.lay.r + 1, p.lay.t, p.lay.r + 1, p.lay.d, p.lay.t, p.lay.t,
-          p.lay.t * p.lay.k, p.lay.t * p.lay.k};
-      if (p.lay.off[c] != 0) {
-        const uint64_t end = p.lay.off[c] + counts[c] * (c == AIOSPEC_COL_HANDLES ? 8u : 4u);
+      const uint64_t tk = lay.t * lay.k;
+      const uint64_t counts[AIOSPEC_NUM_COLUMNS] = {lay.r, lay.r, lay.r + 1, lay.t, lay.r + 1,
+                                                    lay.d, lay.t, lay.t, tk, tk};
+      if (lay.off[c] != 0) {
+        const uint64_t end = lay.off[c] + counts[c] * (c == AIOSPEC_COL_HANDLES ? 8u : 4u);
         if (end & 7) st_u32(pay + end, 0);
       }
     }
     if (tid >= 96 && tid < 104) {
-      // zero the frame's alignment tail [16 + payload_len, frame_size)
-      const uint64_t w = AIOSPEC_FRAME_HEADER + p.lay.payload_len + 8 * uint64_t(tid - 96);
-      if (w < p.lay.frame_size) st_u64(frame + w, 0);
-    }
-#if AIOSPEC_FENCE_MODE == 0
-    __threadfence_system();
-#endif
-  }
-  if (tid == 0) st->plan = s_plan;
-}
-
-// ---- kernel 2: columns and commit ----------------------------------------------------------
-
-// Largest li in [0, n) with off[li] <= e (off non-decreasing, off[0] <= e < off[n]).
-__device__ __forceinline__ int find_row(const long long* off, int n, long long e) {
-  int lo = 0, hi = n;  // invariant: off[lo] <= e < off[hi]
-  while (hi - lo > 1) {
-    const int mid = (lo + hi) >> 1;
-    if (off[mid] <= e) {
-      lo = mid;
-    } else {
-      hi = mid;
+      // the frame's alignment tail [16 + payload_len, frame_size)
+      const uint64_t w = AIOSPEC_FRAME_HEADER + lay.payload_len + 8 * uint64_t(tid - 96);
+      if (w < size) st_u64(frame + w, 0);
     }
   }
-  return lo;
-}
 
-// Last block: pick the first error (or commit the frame) and publish.
-__device__ void finish_frame(const aiospec_emit_args& a, const RingRef& ring, State* st, Mapped* m) {
-  __threadfence();
-  const Plan& p = st->plan;
-  const unsigned long long bkey = atomicExch(&st->b_key, (unsigned long long)kNoError);
-  st->blocks_done = 0;
-  const uint64_t key = p.key < bkey ? p.key : bkey;
-  if (key != kNoError) {
-    aiospec_error e;
-    if (key == kFrameSizeKey) {
-      aiospec_set_error(&e, AIOSPEC_E_FRAME_SIZE, AIOSPEC_ARG_FRAME, -1, -1, int64_t(p.lay.frame_size), 0,
-                        int64_t(ring.max_record), -1);
-    } else if (aiospec_check_row(&a, key_row(key), &e) == AIOSPEC_E_OK) {
-      // unreachable: the key came from a failing check of that row
-      aiospec_set_error(&e, AIOSPEC_E_DIM, AIOSPEC_ARG_ROWS, key_row(key), -1, 0, 0, 0, -1);
-    }
-    report_error(e, ring, st, m, p.step);
-    return;
-  }
-  if (p.ring_full) {
-    aiospec_error e;
-    aiospec_set_error(&e, AIOSPEC_E_RING_FULL, AIOSPEC_ARG_FRAME, -1, -1, int64_t(p.lay.frame_size),
-                      int64_t(p.needed_tail), int64_t(p.full_head), -1);
-    report_error(e, ring, st, m, p.step);
-    return;
-  }
-  if (!p.write) return;
-  const uint64_t size = p.lay.frame_size;
-  uint8_t* frame = ring.data + (p.pos & ring.mask);
-  uint8_t* next = ring.data + ((p.pos + size) & ring.mask);
-  st_u64(next, 0);
-  st_u64(next + 8, 0);
-  const uint64_t commit = (AIOSPEC_FRAME_HEADER + p.lay.payload_len) | (uint64_t(AIOSPEC_FRAME_DATA) << 32);
-#if AIOSPEC_FENCE_MODE == 0
-  __threadfence_system();
-#endif
-#if AIOSPEC_FENCE_MODE == 3
-  st_u64(frame + 8, commit);
-#else
-  st_release_sys_u64(frame + 8, commit);
-#endif
-  const uint64_t head = p.pos + size;
-  st->head = head;
-  st->frames_written += 1;
-  st->bytes_written += p.lay.payload_len;
-  st_u64(ring.ctl + AIOSPEC_OFF_FRAMES_WRITTEN, st->frames_written);
-  st_u64(ring.ctl + AIOSPEC_OFF_BYTES_WRITTEN, st->bytes_written);
-#if AIOSPEC_FENCE_MODE == 0
-  __threadfence_system();
-#endif
-  st_u64(ring.ctl + AIOSPEC_OFF_HEAD, head);
-}
-
-// Dynamic shared memory: 4 * (rows_per_block + 1) int64.
-__global__ void __launch_bounds__(kColumnThreads)
-    emit_columns_kernel(aiospec_emit_args a, RingRef ring, State* st, const long long* scratch, long long stride,
-                        Mapped* m, int rows_per_block) {
-  extern __shared__ long long sh[];
-  __shared__ unsigned long long s_key;
-  __shared__ int s_last;
-  const int tid = threadIdx.x;
-  const int rpb = rows_per_block;
-  long long* s_rec = sh;
-  long long* s_tok = sh + (rpb + 1);
-  long long* s_dr = sh + 2 * (rpb + 1);
-  long long* s_lp = sh + 3 * (rpb + 1);
-  const int64_t row0 = int64_t(blockIdx.x) * rpb;
-  const int64_t row_end = row0 + rpb < a.rows ? row0 + rpb : a.rows;
-  const int n = row_end > row0 ? int(row_end - row0) : 0;
-  const Plan& p = st->plan;
-  const int write = p.write;
-  const aiospec_frame_layout& lay = p.lay;
+  // 5. This block's rows: records, then token ids with their logprobs and ranks, draft ids,
+  //    top-k ids and logprobs. Int64 ids are checked even when nothing is written.
   const int has_lp = aiospec_has_logprobs(&a);
   const uint32_t k = lay.k;
-#if AIOSPEC_PDL
-  asm volatile("griddepcontrol.wait;" ::: "memory");  // the plan kernel has finished
-#endif
-  if (tid == 0) s_key = kNoError;
-  for (int li = tid; li <= n; li += kColumnThreads) {
-    s_rec[li] = scratch[row0 + li];
-    s_tok[li] = scratch[stride + row0 + li];
-    s_dr[li] = scratch[2 * stride + row0 + li];
-    if (has_lp && li < n) s_lp[li] = a.lp_offsets[row0 + li];
-  }
-  __syncthreads();
-  uint8_t* pay = ring.data + (p.pos & ring.mask) + AIOSPEC_FRAME_HEADER;
   unsigned long long key = kNoError;
-
-  // records: handle, flags, token / draft offsets
   if (write) {
     uint64_t* handles = reinterpret_cast<uint64_t*>(pay + lay.off[AIOSPEC_COL_HANDLES]);
     uint32_t* flags = reinterpret_cast<uint32_t*>(pay + lay.off[AIOSPEC_COL_FLAGS]);
     int32_t* toff = reinterpret_cast<int32_t*>(pay + lay.off[AIOSPEC_COL_TOKEN_OFFSETS]);
     int32_t* doff = reinterpret_cast<int32_t*>(pay + lay.off[AIOSPEC_COL_DRAFT_OFFSETS]);
-    for (int li = tid; li < n; li += kColumnThreads) {
+    for (int li = tid; li < n; li += kThreads) {
       if (s_rec[li + 1] == s_rec[li]) continue;
       const long long r = s_rec[li];
       const int64_t i = row0 + li;
@@ -528,14 +434,12 @@ __global__ void __launch_bounds__(kColumnThreads)
       if (lay.d > 0) doff[r] = int32_t(s_dr[li]);
     }
   }
-
-  // tokens: ids, then the sampled token's logprob and rank
   {
     int32_t* ids = reinterpret_cast<int32_t*>(pay + lay.off[AIOSPEC_COL_TOKEN_IDS]);
     float* lps = reinterpret_cast<float*>(pay + lay.off[AIOSPEC_COL_LOGPROBS]);
     int32_t* ranks = reinterpret_cast<int32_t*>(pay + lay.off[AIOSPEC_COL_RANKS]);
     const long long t0 = s_tok[0], t1 = s_tok[n];
-    for (long long e = t0 + tid; e < t1; e += kColumnThreads) {
+    for (long long e = t0 + tid; e < t1; e += kThreads) {
       const int li = find_row(s_tok, n, e);
       const int64_t i = row0 + li;
       const int64_t j = e - s_tok[li];
@@ -553,12 +457,10 @@ __global__ void __launch_bounds__(kColumnThreads)
       }
     }
   }
-
-  // draft ids
   if (a.draft_ids != nullptr) {
     int32_t* ids = reinterpret_cast<int32_t*>(pay + lay.off[AIOSPEC_COL_DRAFT_IDS]);
     const long long d0 = s_dr[0], d1 = s_dr[n];
-    for (long long e = d0 + tid; e < d1; e += kColumnThreads) {
+    for (long long e = d0 + tid; e < d1; e += kThreads) {
       const int li = find_row(s_dr, n, e);
       const int64_t i = row0 + li;
       const int64_t j = e - s_dr[li];
@@ -567,14 +469,12 @@ __global__ void __launch_bounds__(kColumnThreads)
       if (write) ids[e] = int32_t(v);
     }
   }
-
-  // top-k ids and logprobs: columns 1..k of the token's logprob row
   if (has_lp && k > 0) {
     int32_t* tk_ids = reinterpret_cast<int32_t*>(pay + lay.off[AIOSPEC_COL_TOPK_IDS]);
     float* tk_lps = reinterpret_cast<float*>(pay + lay.off[AIOSPEC_COL_TOPK_LOGPROBS]);
     const long long e0 = s_tok[0] * k, e1 = s_tok[n] * k;
     const bool narrow = e1 < (1ll << 31);
-    for (long long e = e0 + tid; e < e1; e += kColumnThreads) {
+    for (long long e = e0 + tid; e < e1; e += kThreads) {
       const long long t = narrow ? (long long)(uint32_t(e) / k) : e / k;
       const int64_t c = 1 + (e - t * k);
       const int li = find_row(s_tok, n, t);
@@ -589,22 +489,77 @@ __global__ void __launch_bounds__(kColumnThreads)
     }
   }
 
-  if (key != kNoError) atomicMin(&s_key, key);
+  // 6. Count this block done; the last one decides.
+  if (key != kNoError) atomicMin(&s_idkey, key);
 #if AIOSPEC_FENCE_MODE == 0
-  __threadfence_system();  // this thread's stores to the ring before the block counts as done
+  __threadfence_system();
 #endif
   __syncthreads();
   if (tid == 0) {
-    if (s_key != kNoError) atomicMin(&st->b_key, s_key);
-#if AIOSPEC_FENCE_MODE == 1
-    __threadfence_system();  // cumulative over the block's stores (ordered by the barrier)
-#else
+    if (s_idkey != kNoError) atomicMin(&st->key, s_idkey);
+#if AIOSPEC_FENCE_MODE == 3
     __threadfence();
+#else
+    __threadfence_system();  // the block's stores (ordered by the barrier) before it counts
 #endif
     s_last = atomicAdd(&st->blocks_done, 1u) == gridDim.x - 1;
   }
   __syncthreads();
-  if (s_last && tid == 0) finish_frame(a, ring, st, m);
+  if (!s_last || tid != 0) return;
+
+  __threadfence();
+  const uint64_t step = step_dev != nullptr ? *step_dev : a.step;
+  const unsigned long long idkey = atomicExch(&st->key, (unsigned long long)kNoError);
+  const unsigned int full = atomicExch(&st->full, 0u);
+  const unsigned int pad_done = st->pad_done;
+  st->pad_done = 0;
+  st->blocks_done = 0;
+  if (pad_done) {
+    st->head = pos;
+    st_u64(ring.ctl + AIOSPEC_OFF_HEAD, pos);
+  }
+  uint64_t first = skey == kNoError && size > ring.max_record ? kFrameSizeKey : skey;
+  first = idkey < first ? idkey : first;
+  if (first != kNoError) {
+    aiospec_error e;
+    if (first == kFrameSizeKey) {
+      aiospec_set_error(&e, AIOSPEC_E_FRAME_SIZE, AIOSPEC_ARG_FRAME, -1, -1, int64_t(size), 0,
+                        int64_t(ring.max_record), -1);
+    } else if (aiospec_check_row(&a, key_row(first), &e) == AIOSPEC_E_OK) {
+      // unreachable: the key came from a failing check of that row
+      aiospec_set_error(&e, AIOSPEC_E_DIM, AIOSPEC_ARG_ROWS, key_row(first), -1, 0, 0, 0, -1);
+    }
+    report_error(e, ring, st, m, step);
+    return;
+  }
+  if (full) {
+    aiospec_error e;
+    aiospec_set_error(&e, AIOSPEC_E_RING_FULL, AIOSPEC_ARG_FRAME, -1, -1, int64_t(size), int64_t(st->needed_tail),
+                      int64_t(head), -1);
+    report_error(e, ring, st, m, step);
+    return;
+  }
+  uint8_t* next = ring.data + ((pos + size) & ring.mask);
+  st_u64(next, 0);
+  st_u64(next + 8, 0);
+  const uint64_t commit = (AIOSPEC_FRAME_HEADER + lay.payload_len) | (uint64_t(AIOSPEC_FRAME_DATA) << 32);
+#if AIOSPEC_FENCE_MODE == 0
+  __threadfence_system();
+#endif
+#if AIOSPEC_FENCE_MODE == 3
+  st_u64(frame + 8, commit);
+#else
+  st_release_sys_u64(frame + 8, commit);
+#endif
+  st->head = pos + size;
+  st->frames_written += 1;
+  st->bytes_written += lay.payload_len;
+  st_u64(ring.ctl + AIOSPEC_OFF_FRAMES_WRITTEN, st->frames_written);
+  st_u64(ring.ctl + AIOSPEC_OFF_BYTES_WRITTEN, st->bytes_written);
+#if AIOSPEC_FENCE_MODE == 0
+  __threadfence_system();
+#endif
+  st_u64(ring.ctl + AIOSPEC_OFF_HEAD, pos + size);
 }
 
 }  // namespace cuda
