@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 import struct
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 import numpy as np
@@ -41,27 +41,33 @@ class Flag(enum.IntFlag):
     DRAFT = L.FLAG_DRAFT
 
 
+# msgpack could carry negative or wider integers in the same places: the typed decoder
+# rejects them before any count or offset is used
+_U32 = Annotated[int, msgspec.Meta(ge=0, le=0xFFFFFFFF)]
+_U64 = Annotated[int, msgspec.Meta(ge=0)]
+
+
 class _Header(msgspec.Struct, array_like=True, gc=False, frozen=True):
-    version: int
-    producer: int
-    step: int
-    kind: int
-    fflags: int
-    k: int
-    r: int
-    t: int
-    d: int
-    off_handles: int
-    off_flags: int
-    off_token_offsets: int
-    off_token_ids: int
-    off_draft_offsets: int
-    off_draft_ids: int
-    off_logprobs: int
-    off_ranks: int
-    off_topk_ids: int
-    off_topk_logprobs: int
-    payload_len: int
+    version: _U32
+    producer: _U32
+    step: _U64
+    kind: _U32
+    fflags: _U32
+    k: _U32
+    r: _U32
+    t: _U32
+    d: _U32
+    off_handles: _U32
+    off_flags: _U32
+    off_token_offsets: _U32
+    off_token_ids: _U32
+    off_draft_offsets: _U32
+    off_draft_ids: _U32
+    off_logprobs: _U32
+    off_ranks: _U32
+    off_topk_ids: _U32
+    off_topk_logprobs: _U32
+    payload_len: _U32
 
 
 _header_decoder = msgspec.msgpack.Decoder(_Header)
@@ -306,7 +312,7 @@ class Frame:
         )
 
 
-_DTYPES = {
+_DTYPES: dict[str, np.dtype[Any]] = {
     "handles": np.dtype("<u8"),
     "flags": np.dtype("<u4"),
     "token_offsets": np.dtype("<i4"),
@@ -339,6 +345,8 @@ def decode_frame(buffer: Any, *, validate_offsets: bool = True) -> Frame:
         )
     try:
         hd = _header_decoder.decode(mv[: L.HEADER_LEN])
+    except msgspec.ValidationError as exc:
+        raise _header_value_error(mv[: L.HEADER_LEN], exc) from exc
     except msgspec.DecodeError as exc:
         raise FrameError(f"header: {exc}") from exc
     if hd.version != L.PAYLOAD_VERSION:
@@ -384,6 +392,26 @@ def decode_frame(buffer: Any, *, validate_offsets: bool = True) -> Frame:
     if validate_offsets and hd.r and int(np.bitwise_or.reduce(f.flags)) & ~L.FLAG_MASK:
         raise FrameError(f"flags: unknown bits, known mask 0x{L.FLAG_MASK:x}")
     return f
+
+
+_HEADER_NAMES = (
+    "version", "producer", "step", "kind", "fflags", "k", "R", "T", "D",
+    *(f"{c} offset" for c in L.COLUMNS), "payload_len",
+)  # fmt: skip
+
+
+def _header_value_error(raw: memoryview, exc: msgspec.ValidationError) -> FrameError:
+    """Name the header element the typed decoder refused, with its value (a cold path)."""
+    try:
+        values = msgspec.msgpack.decode(raw)
+    except msgspec.DecodeError:  # the typed decoder stopped early; later bytes are broken too
+        values = None
+    if isinstance(values, list):
+        for i, (name, v) in enumerate(zip(_HEADER_NAMES, values, strict=False)):
+            top = (1 << 64) - 1 if i == L.HF_STEP else _U32_MAX
+            if type(v) is not int or not 0 <= v <= top:
+                return FrameError(f"header.{name}: expected an integer in 0..{top}, got {v!r}")
+    return FrameError(f"header: {exc}")
 
 
 def _check_decoded_offsets(offs: np.ndarray, name: str, total: int, full: bool) -> None:
