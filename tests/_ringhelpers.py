@@ -16,7 +16,7 @@ import struct
 import sys
 import time
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sized
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -107,8 +107,8 @@ def _shm_names() -> set[str]:
     return set(os.listdir(shm.SHM_DIR))
 
 
-@pytest.fixture(autouse=True)
-def shm_tracker(monkeypatch: pytest.MonkeyPatch) -> Iterator[ShmTracker]:
+@pytest.fixture(autouse=True, name="shm_tracker")
+def shm_tracker_fixture(monkeypatch: pytest.MonkeyPatch) -> Iterator[ShmTracker]:
     """Record every ring created in this process; fail the test if any file of them remains.
 
     A create that fails must not leave files either: what appeared in /dev/shm during a
@@ -157,7 +157,7 @@ def control_page(
     return page
 
 
-def write_segment(name: str, page: bytes, size: int) -> str:
+def write_segment(name: str, page: bytes | bytearray, size: int) -> str:
     path = os.path.join(shm.SHM_DIR, name)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
@@ -218,11 +218,15 @@ def recv(conn: Connection, what: str, timeout: float = XPROC_TIMEOUT) -> Any:
 
 
 def reap(*procs: mp.process.BaseProcess) -> None:
-    """Join spawned processes, killing any that is still running."""
+    """Join spawned processes, killing any that is still running after a short grace.
+
+    Tests join their processes themselves on success; this is the ``finally`` that keeps a
+    failed test from leaving processes behind.
+    """
     for p in procs:
         if p.pid is None:
             continue
-        p.join(XPROC_TIMEOUT if p.exitcode is None else 0)
+        p.join(5.0)
         if p.exitcode is None:
             p.kill()
             p.join()
@@ -241,10 +245,18 @@ def proc_attach_and_exit(name: str, close: bool, conn: Connection) -> None:
     """Attach, read one frame, report what the resource tracker was told, exit."""
     import multiprocessing.resource_tracker as rt
 
-    calls: list[tuple[str, ...]] = []
+    calls: list[tuple[str, object, str]] = []
     orig_register, orig_unregister = rt.register, rt.unregister
-    rt.register = lambda n, t: (calls.append(("register", n, t)), orig_register(n, t))[1]  # type: ignore[assignment]
-    rt.unregister = lambda n, t: (calls.append(("unregister", n, t)), orig_unregister(n, t))[1]  # type: ignore[assignment]
+
+    def register(name: Sized, rtype: str) -> None:
+        calls.append(("register", name, rtype))
+        orig_register(name, rtype)
+
+    def unregister(name: Sized, rtype: str) -> None:
+        calls.append(("unregister", name, rtype))
+        orig_unregister(name, rtype)
+
+    rt.register, rt.unregister = register, unregister
     ring = shm.Ring.attach(name)
     reader = ring.reader()
     conn.send(("ready", reader.slot))
@@ -309,11 +321,14 @@ def proc_reader(
     spin: float,
     recheck: float,
     stall_after: int | None,
+    wait_timeout: float | None = XPROC_TIMEOUT,
 ) -> None:
     """Attach, verify every frame until ``expect`` (or ProducerGone when ``expect`` < 0).
 
-    Reports ("ok", count, woken) or ("error", message). ``stall_after``: after that many
-    frames, report and stop reading (the test kills this process).
+    Reports ("ok", count, producer-gone message) or ("error", message). ``stall_after``:
+    after that many frames, report and stop reading (the test kills this process).
+    ``wait_timeout=None`` waits without a deadline: with a long ``recheck``, only the bell
+    can end such a wait (a missing wake-up then fails the test by its timeout).
     """
     ring = shm.Ring.attach(name)
     reader = ring.reader(spin=spin, recheck=recheck)
@@ -323,8 +338,8 @@ def proc_reader(
     try:
         while expect < 0 or seq < expect:
             try:
-                if not reader.wait(XPROC_TIMEOUT):
-                    conn.send(("error", f"no frame {seq} within {XPROC_TIMEOUT} s"))
+                if not reader.wait(wait_timeout):
+                    conn.send(("error", f"no frame {seq} within {wait_timeout} s"))
                     return
             except shm.ProducerGone as exc:
                 gone = str(exc)

@@ -1,0 +1,587 @@
+"""The frame payload codec: round trips, byte-exact frames, and rejection of malformed input."""
+
+from __future__ import annotations
+
+import re
+import struct
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from aiospec._codec import Flag, Frame, FrameError, Kind, decode_frame, encode_frame, frame_layout
+from shm import _layout as L
+
+# -- building frames ---------------------------------------------------------------------------
+
+
+def make_columns(
+    seed: int,
+    counts: list[int],
+    *,
+    k: int = 0,
+    logprobs: bool = False,
+    drafts: list[int] | None = None,
+    flags: bool = False,
+) -> dict[str, Any]:
+    """Random but valid encoder arguments for records with ``counts`` tokens each."""
+    rng = np.random.default_rng(seed)
+    r, t = len(counts), sum(counts)
+    cols: dict[str, Any] = {
+        "handles": rng.integers(0, 2**63, r, dtype=np.uint64) * 2 + rng.integers(0, 2, r, dtype=np.uint64),
+        "token_offsets": np.concatenate([[0], np.cumsum(counts)]).astype(np.int32),
+        "token_ids": rng.integers(-(2**31), 2**31, t, dtype=np.int64),
+    }
+    if flags:
+        cols["flags"] = rng.integers(0, L.FLAG_MASK + 1, r, dtype=np.uint32)
+    if logprobs:
+        cols["logprobs"] = -rng.random(t, dtype=np.float32) * 20
+        cols["ranks"] = rng.integers(1, 200_000, t, dtype=np.int32)
+    if k:
+        cols["topk_ids"] = rng.integers(0, 200_000, (t, k), dtype=np.int32)
+        cols["topk_logprobs"] = np.sort(-rng.random((t, k), dtype=np.float32) * 30, axis=1)[:, ::-1]
+    if drafts is not None:
+        cols["draft_offsets"] = np.concatenate([[0], np.cumsum(drafts)]).astype(np.int32)
+        cols["draft_ids"] = rng.integers(0, 200_000, sum(drafts), dtype=np.int32)
+    return cols
+
+
+def assert_matches(f: Frame, cols: dict[str, Any], *, step: int, kind: int, producer: int, nbytes: int) -> None:
+    r = len(cols["handles"])
+    t = len(cols["token_ids"])
+    assert (f.version, f.step, f.kind, f.producer, f.nbytes) == (1, step, kind, producer, nbytes)
+    assert isinstance(f.kind, Kind)
+    assert (f.num_records, f.num_tokens) == (r, t)
+    np.testing.assert_array_equal(f.handles, np.asarray(cols["handles"], dtype=np.uint64))
+    want_flags = np.asarray(cols.get("flags", np.zeros(r)), dtype=np.uint32)
+    if kind == Kind.DRAFT:
+        want_flags = want_flags | np.uint32(Flag.DRAFT)
+    np.testing.assert_array_equal(f.flags, want_flags)
+    np.testing.assert_array_equal(f.token_offsets, cols["token_offsets"])
+    np.testing.assert_array_equal(f.token_ids, np.asarray(cols["token_ids"]).astype(np.int32))
+    assert f.token_ids.dtype == np.dtype("<i4") and f.handles.dtype == np.dtype("<u8")
+    d = len(cols["draft_ids"]) if "draft_ids" in cols else 0
+    if d:
+        assert f.draft_offsets is not None and f.draft_ids is not None
+        np.testing.assert_array_equal(f.draft_offsets, cols["draft_offsets"])
+        np.testing.assert_array_equal(f.draft_ids, cols["draft_ids"])
+    else:
+        assert f.draft_offsets is None and f.draft_ids is None
+    assert f.has_logprobs == ("logprobs" in cols)
+    if "logprobs" in cols:
+        assert f.logprobs is not None and f.ranks is not None
+        assert f.logprobs.dtype == np.dtype("<f4")
+        np.testing.assert_array_equal(f.logprobs, cols["logprobs"])
+        np.testing.assert_array_equal(f.ranks, cols["ranks"])
+    else:
+        assert f.logprobs is None and f.ranks is None
+    k = cols["topk_ids"].shape[1] if "topk_ids" in cols else 0
+    assert f.k == k
+    if k:
+        assert f.topk_ids is not None and f.topk_logprobs is not None
+        assert f.topk_ids.shape == f.topk_logprobs.shape == (t, k)
+        np.testing.assert_array_equal(f.topk_ids, cols["topk_ids"])
+        np.testing.assert_array_equal(f.topk_logprobs, cols["topk_logprobs"])
+    else:
+        assert f.topk_ids is None and f.topk_logprobs is None
+
+
+# -- round trips -------------------------------------------------------------------------------
+
+COMBOS = [
+    pytest.param({}, id="plain"),
+    pytest.param({"logprobs": True}, id="logprobs-k0"),
+    pytest.param({"logprobs": True, "k": 5}, id="k5"),
+    pytest.param({"logprobs": True, "k": 20}, id="k20"),
+    pytest.param({"logprobs": True, "k": 1}, id="k1"),
+    pytest.param({"drafts": True}, id="drafts"),
+    pytest.param({"drafts": True, "logprobs": True, "k": 20, "flags": True}, id="everything"),
+    pytest.param({"flags": True}, id="flags"),
+]
+
+
+@pytest.mark.parametrize("opts", COMBOS)
+@pytest.mark.parametrize("r", [0, 1, 19, 99])
+@pytest.mark.parametrize("kind", [Kind.TARGET, Kind.DRAFT])
+def test_round_trip(opts: dict[str, Any], r: int, kind: Kind) -> None:
+    rng = np.random.default_rng(r)
+    counts = [int(c) for c in rng.integers(0, 7, r)]  # 0..6 tokens: MTP-like acceptance
+    drafts = [int(c) for c in rng.integers(0, 3, r)] if opts.get("drafts") else None
+    cols = make_columns(r, counts, k=opts.get("k", 0), logprobs=opts.get("logprobs", False), drafts=drafts,
+                        flags=opts.get("flags", False))  # fmt: skip
+    step = 2**64 - 1 if r == 19 else r * 1000 + 7
+    producer = 2**32 - 1 if r == 99 else 3
+    buf = encode_frame(**cols, step=step, kind=kind, producer=producer)
+    assert isinstance(buf, bytes)
+    assert len(buf) % 8 == 0
+    f = decode_frame(buf)
+    assert_matches(f, cols, step=step, kind=kind, producer=producer, nbytes=len(buf))
+    # re-encoding the decoded columns gives the same bytes
+    again = encode_frame(
+        f.handles, f.token_offsets, f.token_ids, flags=f.flags, logprobs=f.logprobs, ranks=f.ranks,
+        topk_ids=f.topk_ids, topk_logprobs=f.topk_logprobs, draft_offsets=f.draft_offsets, draft_ids=f.draft_ids,
+        step=f.step, kind=f.kind, producer=f.producer,
+    )  # fmt: skip
+    assert again == buf
+
+
+def test_empty_frame() -> None:
+    buf = encode_frame([], [0], [])
+    assert len(buf) == 120  # header space + token_offsets [0] padded to 8
+    f = decode_frame(buf)
+    assert (f.num_records, f.num_tokens, f.k) == (0, 0, 0)
+    assert f.handles.shape == (0,) and f.flags.shape == (0,)
+    np.testing.assert_array_equal(f.token_offsets, [0])
+    assert repr(f) == "<Frame step=0 kind=TARGET producer=0 records=0 tokens=0 k=0>"
+
+
+def test_records_without_tokens_and_with_logprobs_k0() -> None:
+    cols = make_columns(5, [0, 3, 0, 1], logprobs=True)
+    buf = encode_frame(**cols, step=9)
+    f = decode_frame(buf)
+    assert_matches(f, cols, step=9, kind=Kind.TARGET, producer=0, nbytes=len(buf))
+    assert f.has_logprobs and f.k == 0
+
+
+def test_draft_ids_with_d0_are_absent() -> None:
+    # draft columns are present only when D > 0 (wire format section 4)
+    buf = encode_frame([1, 2], [0, 1, 2], [5, 6], draft_offsets=[0, 0, 0], draft_ids=[])
+    f = decode_frame(buf)
+    assert f.draft_offsets is None and f.draft_ids is None
+    assert buf == encode_frame([1, 2], [0, 1, 2], [5, 6])
+
+
+def test_decode_is_zero_copy_and_accepts_any_buffer() -> None:
+    cols = make_columns(1, [2, 1], logprobs=True, k=3)
+    raw = bytearray(encode_frame(**cols))
+    f = decode_frame(raw)
+    assert np.shares_memory(f.token_ids, np.frombuffer(raw, dtype=np.uint8))
+    off = frame_layout(2, 3, 0, 3, True)[0][L.COLUMNS.index("token_ids")]
+    raw[off : off + 4] = (12345).to_bytes(4, "little")
+    assert f.token_ids[0] == 12345  # a view, not a copy
+    for buf in (memoryview(raw), np.frombuffer(raw, dtype=np.uint8), memoryview(raw).cast("Q"), bytes(raw)):
+        assert decode_frame(buf).token_ids[0] == 12345
+    # an odd start address (inside a larger buffer) is fine too
+    shifted = bytearray(1) + raw
+    assert decode_frame(memoryview(shifted)[1:]).token_ids[0] == 12345
+
+
+def test_flags_and_kinds_are_the_wire_values() -> None:
+    assert [int(f) for f in (Flag.FIRST_TOKEN, Flag.FINISHED, Flag.PREEMPTED, Flag.RECOVERY_STOP, Flag.ABORTED,
+                             Flag.DRAFT)] == [1, 2, 4, 8, 16, 32]  # fmt: skip
+    assert (int(Kind.TARGET), int(Kind.DRAFT)) == (0, 1)
+    buf = encode_frame([1, 2, 3], [0, 1, 1, 1], [4], flags=[Flag.FIRST_TOKEN, Flag.FINISHED | Flag.ABORTED,
+                       Flag.PREEMPTED | Flag.RECOVERY_STOP], kind=Kind.DRAFT)  # fmt: skip
+    f = decode_frame(buf)
+    assert [Flag(int(x)) for x in f.flags] == [
+        Flag.FIRST_TOKEN | Flag.DRAFT,
+        Flag.FINISHED | Flag.ABORTED | Flag.DRAFT,
+        Flag.PREEMPTED | Flag.RECOVERY_STOP | Flag.DRAFT,
+    ]
+    assert f.kind is Kind.DRAFT
+
+
+# -- byte-exact frames, computed by hand from docs/wire-format.md -------------------------------------
+
+
+def _hex(text: str) -> bytes:
+    return bytes.fromhex("".join(line.split("#")[0] for line in text.splitlines()))
+
+
+SMALL_FRAME = _hex("""
+    dc 00 14                    # array16 of 20
+    ce 00 00 00 01              # version 1
+    ce 00 00 00 03              # producer 3
+    cf 00 00 00 00 00 00 00 05  # step 5 (u64)
+    ce 00 00 00 00              # kind target
+    ce 00 00 00 00              # fflags: no logprobs
+    ce 00 00 00 00              # k 0
+    ce 00 00 00 01              # R 1
+    ce 00 00 00 02              # T 2
+    ce 00 00 00 00              # D 0
+    ce 00 00 00 70              # handles at 112
+    ce 00 00 00 78              # flags at 120
+    ce 00 00 00 80              # token_offsets at 128 (124 rounded up to 8)
+    ce 00 00 00 88              # token_ids at 136
+    ce 00 00 00 00              # draft_offsets absent
+    ce 00 00 00 00              # draft_ids absent
+    ce 00 00 00 00              # logprobs absent
+    ce 00 00 00 00              # ranks absent
+    ce 00 00 00 00              # topk_ids absent
+    ce 00 00 00 00              # topk_logprobs absent
+    ce 00 00 00 90              # payload_len 144
+    00 00 00 00 00              # 107..112: zero
+    08 07 06 05 04 03 02 01     # handles[0] = 0x0102030405060708
+    02 00 00 00 00 00 00 00     # flags[0] = FINISHED, then 4 zero bytes of padding
+    00 00 00 00 02 00 00 00     # token_offsets = [0, 2]
+    07 00 00 00 09 00 00 00     # token_ids = [7, 9]
+""")
+
+FULL_FRAME = _hex("""
+    dc 00 14
+    ce 00 00 00 01              # version 1
+    ce 00 00 00 00              # producer 0
+    cf 00 00 01 00 00 00 00 01  # step 2**40 + 1
+    ce 00 00 00 01              # kind draft
+    ce 00 00 00 01              # fflags: FRAME_HAS_LOGPROBS
+    ce 00 00 00 02              # k 2
+    ce 00 00 00 01              # R 1
+    ce 00 00 00 01              # T 1
+    ce 00 00 00 01              # D 1
+    ce 00 00 00 70              # handles 112
+    ce 00 00 00 78              # flags 120
+    ce 00 00 00 80              # token_offsets 128
+    ce 00 00 00 88              # token_ids 136
+    ce 00 00 00 90              # draft_offsets 144
+    ce 00 00 00 98              # draft_ids 152
+    ce 00 00 00 a0              # logprobs 160
+    ce 00 00 00 a8              # ranks 168
+    ce 00 00 00 b0              # topk_ids 176
+    ce 00 00 00 b8              # topk_logprobs 184
+    ce 00 00 00 c0              # payload_len 192
+    00 00 00 00 00
+    01 00 00 00 00 00 00 00     # handles = [1]
+    21 00 00 00 00 00 00 00     # flags = [FIRST_TOKEN | DRAFT], padding
+    00 00 00 00 01 00 00 00     # token_offsets = [0, 1]
+    2a 00 00 00 00 00 00 00     # token_ids = [42], padding
+    00 00 00 00 01 00 00 00     # draft_offsets = [0, 1]
+    4d 00 00 00 00 00 00 00     # draft_ids = [77], padding
+    00 00 00 bf 00 00 00 00     # logprobs = [-0.5], padding
+    01 00 00 00 00 00 00 00     # ranks = [1], padding
+    2a 00 00 00 0d 00 00 00     # topk_ids = [[42, 13]]
+    00 00 00 bf 00 00 00 c0     # topk_logprobs = [[-0.5, -2.0]]
+""")
+
+
+def test_small_frame_byte_exact() -> None:
+    assert len(SMALL_FRAME) == 144
+    buf = encode_frame([0x0102030405060708], [0, 2], [7, 9], flags=[Flag.FINISHED], step=5, producer=3)
+    assert buf == SMALL_FRAME
+    f = decode_frame(SMALL_FRAME)
+    assert (f.step, f.producer, f.kind, f.k, f.has_logprobs) == (5, 3, Kind.TARGET, 0, False)
+    assert f.handles.tolist() == [0x0102030405060708] and f.flags.tolist() == [2]
+    assert f.token_offsets.tolist() == [0, 2] and f.token_ids.tolist() == [7, 9]
+
+
+def test_full_frame_byte_exact() -> None:
+    assert len(FULL_FRAME) == 192
+    buf = encode_frame(
+        [1], [0, 1], [42], flags=[Flag.FIRST_TOKEN], logprobs=[-0.5], ranks=[1], topk_ids=[[42, 13]],
+        topk_logprobs=[[-0.5, -2.0]], draft_offsets=[0, 1], draft_ids=[77], step=2**40 + 1, kind=Kind.DRAFT,
+    )  # fmt: skip
+    assert buf == FULL_FRAME
+    f = decode_frame(FULL_FRAME)
+    assert f.topk_logprobs is not None and f.topk_logprobs.tolist() == [[-0.5, -2.0]]
+    assert f.draft_ids is not None and f.draft_ids.tolist() == [77]
+
+
+def test_frame_layout_matches_the_hand_computed_offsets() -> None:
+    assert frame_layout(1, 2, 0, 0, False) == ([112, 120, 128, 136, 0, 0, 0, 0, 0, 0], 144)
+    assert frame_layout(1, 1, 1, 2, True) == ([112, 120, 128, 136, 144, 152, 160, 168, 176, 184], 192)
+    assert frame_layout(0, 0, 0, 0, False) == ([112, 112, 112, 120, 0, 0, 0, 0, 0, 0], 120)
+
+
+@settings(max_examples=150, deadline=None, print_blob=True)
+@given(
+    counts=st.lists(st.integers(0, 6), max_size=40),
+    drafts=st.one_of(st.none(), st.integers(0, 3)),
+    k=st.integers(0, 24),
+    logprobs=st.booleans(),
+    flags=st.booleans(),
+    seed=st.integers(0, 2**32 - 1),
+    step=st.integers(0, 2**64 - 1),
+    producer=st.integers(0, 2**32 - 1),
+    kind=st.sampled_from(Kind),
+)
+def test_round_trip_property(
+    counts: list[int], drafts: int | None, k: int, logprobs: bool, flags: bool, seed: int, step: int,
+    producer: int, kind: Kind,
+) -> None:  # fmt: skip
+    k = k if logprobs else 0
+    d = None if drafts is None else [(seed >> i) % (drafts + 1) for i in range(len(counts))]
+    cols = make_columns(seed, counts, k=k, logprobs=logprobs, drafts=d, flags=flags)
+    buf = encode_frame(**cols, step=step, kind=kind, producer=producer)
+    offsets, plen = frame_layout(len(counts), sum(counts), sum(d or []), k, logprobs)
+    assert len(buf) == plen
+    f = decode_frame(buf)
+    if d is not None and sum(d) == 0:
+        del cols["draft_offsets"], cols["draft_ids"]
+    assert_matches(f, cols, step=step, kind=kind, producer=producer, nbytes=len(buf))
+    # padding between and after columns is zero
+    spans = []
+    for name, off in zip(L.COLUMNS, offsets, strict=True):
+        arr = getattr(f, name)
+        if off:
+            spans.append((off, off + arr.nbytes))
+    covered = np.zeros(len(buf), dtype=bool)
+    covered[: L.HEADER_LEN] = True
+    for a, b in spans:
+        covered[a:b] = True
+    assert not np.frombuffer(buf, dtype=np.uint8)[~covered].any()
+
+
+# -- decoder rejection ------------------------------------------------------------------------------
+
+
+# element i of the msgpack header starts at this byte (element 2, the step, is 9 bytes long)
+def elem_off(i: int) -> int:
+    return 3 + 5 * i + (4 if i > L.HF_STEP else 0)
+
+
+def with_elem(buf: bytes, i: int, value: int) -> bytes:
+    out = bytearray(buf)
+    if i == L.HF_STEP:
+        out[elem_off(i) : elem_off(i) + 9] = b"\xcf" + value.to_bytes(8, "big")
+    else:
+        out[elem_off(i) : elem_off(i) + 5] = b"\xce" + value.to_bytes(4, "big")
+    return bytes(out)
+
+
+def elem(buf: bytes, i: int) -> int:
+    o = elem_off(i)
+    return int.from_bytes(buf[o + 1 : o + (9 if i == L.HF_STEP else 5)], "big")
+
+
+def patch_column(buf: bytes, name: str, values: list[int], fmt: str = "<i") -> bytes:
+    out = bytearray(buf)
+    off = elem(buf, L.HF_COLUMNS + L.COLUMNS.index(name))
+    for j, v in enumerate(values):
+        struct.pack_into(fmt, out, off + 4 * j, v)
+    return bytes(out)
+
+
+def rejects(buf: bytes | bytearray | memoryview, message: str, **kw: Any) -> None:
+    with pytest.raises(FrameError, match="^" + message + "$") as info:
+        decode_frame(buf, **kw)
+    assert isinstance(info.value, ValueError)
+
+
+GOOD = encode_frame(**make_columns(3, [1, 3, 0, 2], k=5, logprobs=True, drafts=[1, 0, 2, 0], flags=True), step=11)
+GOOD_LAYOUT = frame_layout(4, 6, 3, 5, True)
+
+
+def test_good_frame_decodes() -> None:
+    assert len(GOOD) == GOOD_LAYOUT[1]
+    decode_frame(GOOD)
+
+
+def test_every_truncation_is_rejected() -> None:
+    for n in range(len(GOOD)):
+        if n < L.HEADER_SPACE:
+            rejects(GOOD[:n], rf"frame: expected at least 112 bytes, got {n}")
+        else:
+            rejects(GOOD[:n], rf"header\.payload_len: expected {n} \(the frame size\), got {len(GOOD)}")
+    rejects(GOOD + bytes(8), rf"header\.payload_len: expected {len(GOOD) + 8} \(the frame size\), got {len(GOOD)}")
+
+
+def test_wrong_array_header() -> None:
+    for head in (b"\xdc\x00\x13", b"\xdc\x01\x14", b"\x94\x00\x14", b"\xdd\x00\x00"):
+        got = " ".join(f"{b:02x}" for b in head)
+        rejects(head + GOOD[3:], rf"header: expected a msgpack array16 of 20 \(dc 00 14\), got {got}")
+
+
+def test_malformed_msgpack_elements() -> None:
+    out = bytearray(GOOD)
+    out[elem_off(0)] = 0xC1  # never used in msgpack
+    rejects(bytes(out), r"header: MessagePack data is malformed: invalid opcode '\\xc1' \(byte 3\)")
+    out = bytearray(GOOD)
+    out[elem_off(1)] = 0xCD  # a u16: the header ends early and the rest no longer parses
+    with pytest.raises(FrameError, match=r"^header: "):
+        decode_frame(bytes(out))
+    out = bytearray(GOOD)
+    out[elem_off(1)] = 0xA4  # a 4-byte string where an integer belongs
+    rejects(bytes(out), r"header\.producer: expected an integer in 0\.\.4294967295, got '\\x00\\x00\\x00\\x00'")
+
+
+@pytest.mark.parametrize("field", range(L.HEADER_FIELDS))
+def test_negative_header_values(field: int) -> None:
+    # msgpack can encode negative integers in the same 5 bytes (0xd2 + be i32): never valid here
+    out = bytearray(GOOD)
+    if field == L.HF_STEP:
+        out[elem_off(field) : elem_off(field) + 9] = b"\xd3" + (-1).to_bytes(8, "big", signed=True)
+        top = 2**64 - 1
+    else:
+        out[elem_off(field) : elem_off(field) + 5] = b"\xd2" + (-1).to_bytes(4, "big", signed=True)
+        top = 2**32 - 1
+    names = ["version", "producer", "step", "kind", "fflags", "k", "R", "T", "D"]
+    names += [f"{c} offset" for c in L.COLUMNS] + ["payload_len"]
+    rejects(bytes(out), rf"header\.{re.escape(names[field])}: expected an integer in 0\.\.{top}, got -1")
+
+
+def test_negative_counts_with_consistent_offsets() -> None:
+    # a crafted frame whose offsets agree with R = -1: must be an error, never an IndexError
+    offsets, plen = frame_layout(-1, 2, 0, 0, False)
+    vals = [1, 0, 0, 0, 0, 0, -1, 2, 0, *offsets, plen]
+    hdr = b"\xdc\x00\x14" + b"".join(
+        (b"\xcf" + v.to_bytes(8, "big")) if i == L.HF_STEP else (b"\xd2" + v.to_bytes(4, "big", signed=True))
+        for i, v in enumerate(vals)
+    )
+    rejects(hdr + bytes(plen - len(hdr)), r"header\.R: expected an integer in 0\.\.4294967295, got -1")
+
+
+def test_header_field_errors() -> None:
+    rejects(with_elem(GOOD, L.HF_VERSION, 2), r"header\.version: expected 1, got 2")
+    rejects(with_elem(GOOD, L.HF_VERSION, 0), r"header\.version: expected 1, got 0")
+    rejects(with_elem(GOOD, L.HF_KIND, 2), r"header\.kind: expected 0 \(target\) or 1 \(draft\), got 2")
+    rejects(with_elem(GOOD, L.HF_FFLAGS, 3), r"header\.fflags: unknown bits 0x3")
+    rejects(with_elem(GOOD, L.HF_FFLAGS, 0x80000000), r"header\.fflags: unknown bits 0x80000000")
+    rejects(with_elem(GOOD, L.HF_K, 1025), r"header\.k: expected 0\.\.1024 \(and >0 only with logprobs\), got 1025")
+    rejects(with_elem(GOOD, L.HF_FFLAGS, 0), r"header\.k: expected 0\.\.1024 \(and >0 only with logprobs\), got 5")
+    n = len(GOOD)
+    rejects(
+        with_elem(GOOD, L.HF_PAYLOAD_LEN, n + 8), rf"header\.payload_len: expected {n} \(the frame size\), got {n + 8}"
+    )
+    rejects(with_elem(GOOD, L.HF_PAYLOAD_LEN, 0), rf"header\.payload_len: expected {n} \(the frame size\), got 0")
+
+
+@pytest.mark.parametrize("column", range(len(L.COLUMNS)))
+@pytest.mark.parametrize("delta", [8, -8, 4, 1])
+def test_column_offsets_off(column: int, delta: int) -> None:
+    want = GOOD_LAYOUT[0][column]
+    name = L.COLUMNS[column]
+    rejects(with_elem(GOOD, L.HF_COLUMNS + column, want + delta),
+            rf"header\.{name} offset: expected {want}, got {want + delta}")  # fmt: skip
+
+
+@pytest.mark.parametrize("column", ["draft_offsets", "draft_ids", "logprobs", "ranks", "topk_ids", "topk_logprobs"])
+def test_absent_column_with_an_offset(column: int) -> None:
+    plain = encode_frame([1], [0, 1], [5])
+    i = L.COLUMNS.index(column)
+    rejects(with_elem(plain, L.HF_COLUMNS + i, 128), rf"header\.{column} offset: expected 0, got 128")
+
+
+def test_counts_too_large_for_the_frame() -> None:
+    n = len(GOOD)
+    for field, value in ((L.HF_R, 2**32 - 1), (L.HF_T, 2**31), (L.HF_D, 10**9), (L.HF_K, 1024)):
+        buf = with_elem(GOOD, field, value)
+        r, t, d, k = (elem(buf, f) for f in (L.HF_R, L.HF_T, L.HF_D, L.HF_K))
+        if field == L.HF_K:
+            buf = with_elem(buf, L.HF_T, 2**20)
+            t = 2**20
+        rejects(buf, rf"header: counts R={r} T={t} D={d} k={k} exceed the {n}-byte frame")
+
+
+def test_counts_that_need_more_bytes_than_the_frame() -> None:
+    # T + 1: every offset stays the same (token_ids grows into its padding? no: the columns after
+    # it move), so use a frame whose last column is token_ids
+    plain = encode_frame([1], [0, 2], [7, 9])  # token_ids at 136..144 is the last column
+    buf = with_elem(plain, L.HF_T, 3)
+    buf = patch_column(buf, "token_offsets", [0, 3])
+    rejects(buf, r"header: columns need 152 bytes, frame has 144")
+
+
+def test_offset_columns() -> None:
+    # token_offsets [0, 1, 4, 4, 6] in GOOD; draft_offsets [0, 1, 1, 3, 3]
+    rejects(patch_column(GOOD, "token_offsets", [0, 4, 1, 4, 6]), r"token_offsets: not monotonic")
+    rejects(
+        patch_column(GOOD, "token_offsets", [0, 1, 4, 4, 5]), r"token_offsets: expected to run from 0 to 6, got 0\.\.5"
+    )
+    rejects(
+        patch_column(GOOD, "token_offsets", [1, 1, 4, 4, 6]), r"token_offsets: expected to run from 0 to 6, got 1\.\.6"
+    )
+    rejects(patch_column(GOOD, "token_offsets", [0, 1, 4, 4, -1]),
+            r"token_offsets: expected to run from 0 to 6, got 0\.\.-1")  # fmt: skip
+    rejects(patch_column(GOOD, "draft_offsets", [0, 3, 1, 3, 3]), r"draft_offsets: not monotonic")
+    rejects(
+        patch_column(GOOD, "draft_offsets", [0, 1, 1, 3, 4]), r"draft_offsets: expected to run from 0 to 3, got 0\.\.4"
+    )
+    # validate_offsets=False skips only the O(R) scans: the ends are still checked
+    decode_frame(patch_column(GOOD, "token_offsets", [0, 4, 1, 4, 6]), validate_offsets=False)
+    short_end = patch_column(GOOD, "token_offsets", [0, 1, 4, 4, 5])
+    rejects(short_end, r"token_offsets: expected to run from 0 to 6, got 0\.\.5", validate_offsets=False)
+
+
+def test_unknown_flag_bits() -> None:
+    for bad in (64, 1 << 31, 0xFFFFFFFF):
+        rejects(patch_column(GOOD, "flags", [1, 2, bad, 4], "<I"), r"flags: unknown bits, known mask 0x3f")
+
+
+@settings(max_examples=300, deadline=None, print_blob=True)
+@given(flips=st.lists(st.tuples(st.integers(0, len(GOOD) - 1), st.integers(1, 255)), min_size=1, max_size=6))
+def test_corrupted_frames_raise_frame_error_or_decode_within_bounds(flips: list[tuple[int, int]]) -> None:
+    buf = bytearray(GOOD)
+    for i, x in flips:
+        buf[i] ^= x
+    try:
+        f = decode_frame(bytes(buf))
+    except FrameError:
+        return
+    # whatever decodes is consistent: views inside the buffer, offsets within their columns
+    assert f.nbytes == len(buf)
+    assert f.token_offsets[0] == 0 and f.token_offsets[-1] == f.num_tokens
+    assert np.all(np.diff(f.token_offsets) >= 0)
+    assert not any(int(x) & ~L.FLAG_MASK for x in f.flags)
+
+
+# -- encoder errors ------------------------------------------------------------------------------------
+
+
+def encoder_rejects(message: str, *args: Any, **kw: Any) -> None:
+    with pytest.raises(FrameError, match="^" + message + "$"):
+        encode_frame(*args, **kw)
+
+
+def test_encoder_shapes() -> None:
+    encoder_rejects(r"handles: expected a 1-D array, got shape \(1, 1\)", [[1]], [0, 1], [5])
+    encoder_rejects(r"token_ids: expected a 1-D array, got shape \(1, 1\)", [1], [0, 1], [[5]])
+    encoder_rejects(r"token_offsets: expected shape \(2,\), got \(3,\)", [1], [0, 1, 1], [5])
+    encoder_rejects(r"token_offsets: expected shape \(3,\), got \(2,\)", [1, 2], [0, 1], [5])
+    encoder_rejects(r"flags: expected shape \(1,\), got \(2,\)", [1], [0, 1], [5], flags=[0, 0])
+    encoder_rejects(r"logprobs: expected shape \(1,\), got \(2,\)", [1], [0, 1], [5], logprobs=[0.0, 0.0], ranks=[1])
+    encoder_rejects(r"ranks: expected shape \(1,\), got \(\)", [1], [0, 1], [5], logprobs=[0.0], ranks=1)
+    encoder_rejects(r"topk_ids: expected shape \(1, k\), got \(2, 3\)", [1], [0, 1], [5], logprobs=[0.0], ranks=[1],
+                    topk_ids=np.zeros((2, 3)), topk_logprobs=np.zeros((2, 3)))  # fmt: skip
+    encoder_rejects(r"topk_ids: expected shape \(1, k\), got \(3,\)", [1], [0, 1], [5], logprobs=[0.0], ranks=[1],
+                    topk_ids=np.zeros(3, dtype=int), topk_logprobs=np.zeros(3))  # fmt: skip
+    encoder_rejects(r"topk_logprobs: expected shape \(1, 3\), got \(1, 2\)", [1], [0, 1], [5], logprobs=[0.0],
+                    ranks=[1], topk_ids=np.zeros((1, 3), dtype=int), topk_logprobs=np.zeros((1, 2)))  # fmt: skip
+    encoder_rejects(r"draft_offsets: expected shape \(2,\), got \(1,\)", [1], [0, 1], [5], draft_offsets=[0],
+                    draft_ids=[3])  # fmt: skip
+    encoder_rejects(r"draft_ids: expected a 1-D array, got shape \(1, 1\)", [1], [0, 1], [5], draft_offsets=[0, 1],
+                    draft_ids=[[3]])  # fmt: skip
+
+
+def test_encoder_values() -> None:
+    encoder_rejects(r"handles: expected non-negative integers, got dtype int64", np.array([1, -1]), [0, 0, 0], [])
+    encoder_rejects(r"handles: expected non-negative integers, got dtype float64", [1.5], [0, 0], [])
+    encoder_rejects(r"token_ids: value 2147483648 does not fit int32", [1], [0, 1], [2**31])
+    encoder_rejects(r"token_ids: value -2147483649 does not fit int32", [1], [0, 1], [-(2**31) - 1])
+    encoder_rejects(r"token_ids: expected integers, got dtype float64", [1], [0, 1], [1.0])
+    encoder_rejects(r"token_ids: expected a numeric array, got dtype <U1", [1], [0, 1], ["a"])
+    encoder_rejects(r"ranks: value 2147483648 does not fit int32", [1], [0, 1], [5], logprobs=[0.0], ranks=[2**31])
+    encoder_rejects(r"topk_ids: value -2147483649 does not fit int32", [1], [0, 1], [5], logprobs=[0.0], ranks=[1],
+                    topk_ids=[[-(2**31) - 1]], topk_logprobs=[[0.0]])  # fmt: skip
+    encoder_rejects(r"flags: value -1 does not fit uint32", [1], [0, 1], [5], flags=[-1])
+    encoder_rejects(r"flags: unknown bits in 0x40, known mask 0x3f", [1, 2], [0, 1, 1], [5], flags=[64, 1])
+    encoder_rejects(r"kind: expected 0 \(target\) or 1 \(draft\), got 2", [1], [0, 1], [5], kind=2)
+    encoder_rejects(r"producer: expected 0\.\.4294967295, got 4294967296", [1], [0, 1], [5], producer=2**32)
+    encoder_rejects(r"producer: expected 0\.\.4294967295, got -1", [1], [0, 1], [5], producer=-1)
+    encoder_rejects(r"step: expected 0\.\.2\*\*64-1, got -1", [1], [0, 1], [5], step=-1)
+    encoder_rejects(r"step: expected 0\.\.2\*\*64-1, got 18446744073709551616", [1], [0, 1], [5], step=2**64)
+
+
+def test_encoder_offsets() -> None:
+    encoder_rejects(r"token_offsets\[0\]: expected 0, got 1", [1], [1, 1], [5])
+    encoder_rejects(r"token_offsets\[-1\]: expected 1 \(the number of ids\), got 2", [1], [0, 2], [5])
+    encoder_rejects(r"token_offsets: not monotonic at record 1 \(2 -> 1\)", [1, 2, 3], [0, 2, 1, 2], [5, 6])
+    encoder_rejects(r"draft_offsets\[-1\]: expected 2 \(the number of ids\), got 1", [1], [0, 1], [5],
+                    draft_offsets=[0, 1], draft_ids=[3, 4])  # fmt: skip
+
+
+def test_encoder_column_pairs() -> None:
+    encoder_rejects(r"draft_offsets and draft_ids: give both or neither", [1], [0, 1], [5], draft_ids=[3])
+    encoder_rejects(r"draft_offsets and draft_ids: give both or neither", [1], [0, 1], [5], draft_offsets=[0, 1])
+    encoder_rejects(r"logprobs and ranks: give both or neither", [1], [0, 1], [5], logprobs=[0.0])
+    encoder_rejects(r"logprobs and ranks: give both or neither", [1], [0, 1], [5], ranks=[1])
+    encoder_rejects(r"topk_ids and topk_logprobs: give both or neither", [1], [0, 1], [5], logprobs=[0.0], ranks=[1],
+                    topk_ids=[[1]])  # fmt: skip
+    encoder_rejects(r"topk_ids: top-k columns need logprobs and ranks too", [1], [0, 1], [5], topk_ids=[[1]],
+                    topk_logprobs=[[0.0]])  # fmt: skip
+    encoder_rejects(r"topk_ids: k=1025 exceeds the maximum 1024", [1], [0, 1], [5], logprobs=[0.0], ranks=[1],
+                    topk_ids=np.zeros((1, 1025), dtype=int), topk_logprobs=np.zeros((1, 1025)))  # fmt: skip
+    # k = 1024 is the largest allowed
+    f = decode_frame(encode_frame([1], [0, 1], [5], logprobs=[0.0], ranks=[1], topk_ids=np.zeros((1, 1024), dtype=int),
+                                  topk_logprobs=np.zeros((1, 1024))))  # fmt: skip
+    assert f.k == 1024

@@ -1,0 +1,218 @@
+"""The ring across processes: a producer and readers in separate spawned processes."""
+
+from __future__ import annotations
+
+import os
+import stat
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+
+import pytest
+from _ringhelpers import (  # noqa: F401  (shm_tracker is an autouse fixture)
+    SPAWN,
+    XPROC_TIMEOUT,
+    ShmTracker,
+    check_payload,
+    kill,
+    make_payload,
+    payload_size,
+    proc_producer,
+    proc_reader,
+    reap,
+    recv,
+    remove_segment,
+    segment_files,
+    shm_tracker_fixture,
+)
+
+import shm
+
+CAP = 1 << 18  # small enough to wrap many times, with frames up to max_record
+
+
+def _start_producer(
+    name: str, n_frames: int, readers: int, *, pace: bool = False, stop_after: int | None = None,
+    max_record: int | None = None,
+) -> tuple[BaseProcess, Connection]:  # fmt: skip
+    parent, child = SPAWN.Pipe()
+    p = SPAWN.Process(target=proc_producer, args=(name, n_frames, CAP, max_record, child, readers, pace, stop_after))
+    p.start()
+    child.close()
+    tag, pid = recv(parent, "the producer to create the ring")
+    assert tag == "created" and pid == p.pid
+    return p, parent
+
+
+def _start_reader(
+    name: str, expect: int, *, spin: float = 50e-6, recheck: float = 0.05, stall_after: int | None = None,
+    wait_timeout: float | None = XPROC_TIMEOUT,
+) -> tuple[BaseProcess, Connection, int]:  # fmt: skip
+    parent, child = SPAWN.Pipe()
+    p = SPAWN.Process(target=proc_reader, args=(name, child, expect, spin, recheck, stall_after, wait_timeout))
+    p.start()
+    child.close()
+    tag, slot, pid = recv(parent, "a reader to attach")
+    assert tag == "ready" and pid == p.pid
+    return p, parent, slot
+
+
+def test_payload_helpers_detect_damage() -> None:
+    # the cross-process checks below are only as good as these helpers
+    for seq in range(50):
+        size = payload_size(seq, 4000)
+        data = make_payload(seq, size)
+        assert len(data) == size <= 4000
+        assert check_payload(data, seq) is None
+        if size > 16:
+            damaged = bytearray(data)
+            damaged[size // 2 + 8] ^= 1
+            assert check_payload(bytes(damaged), seq) is not None
+            assert check_payload(data, seq + 1) is not None
+            assert check_payload(data[:-1], seq) is not None
+    assert check_payload(b"", 0) is None and check_payload(b"x", 0) is not None
+
+
+def test_two_reader_processes_verify_every_frame(shm_tracker: ShmTracker) -> None:
+    name = shm_tracker.new_name()
+    n = 3000
+    procs = []
+    try:
+        prod, pconn = _start_producer(name, n, readers=2, max_record=CAP // 4)
+        procs.append(prod)
+        # readers with different spins: one mostly spins, one mostly sleeps on its bell
+        r1, c1, s1 = _start_reader(name, n, spin=1e-3)
+        r2, c2, s2 = _start_reader(name, n, spin=0.0)
+        procs += [r1, r2]
+        assert {s1, s2} == {0, 1}
+        # created by the producer under umask 0, bells by the readers: all 0600
+        files = segment_files(name)
+        assert files == sorted([f"/dev/shm/{name}", f"/dev/shm/{name}.bell0", f"/dev/shm/{name}.bell1"])
+        for path in files:
+            assert stat.S_IMODE(os.stat(path).st_mode) == 0o600, path
+        assert recv(pconn, "the producer to see both readers")[0] == "readers"
+        assert recv(pconn, "the producer to finish") == ("finished", n)
+        for conn in (c1, c2):
+            assert recv(conn, "a reader's verdict") == ("ok", n, "")
+        att = shm.Ring.attach(name)
+        try:
+            st = att.stats()
+            assert st.frames_written == n and st.frames_lost == 0
+            assert st.head > 10 * CAP  # it wrapped many times
+        finally:
+            att.close()
+        pconn.send("close")
+        for p in procs:
+            p.join(XPROC_TIMEOUT)
+            assert p.exitcode == 0
+    finally:
+        reap(*procs)
+        remove_segment(name)
+
+
+def test_sleeping_readers_are_woken_by_the_bell(shm_tracker: ShmTracker) -> None:
+    # every frame is written only once both readers sleep on their bells; they wait without a
+    # deadline and re-check the ring only every 10 minutes, so only a bell can deliver a frame
+    # before the test runs out of patience
+    name = shm_tracker.new_name()
+    n = 30
+    procs = []
+    try:
+        prod, pconn = _start_producer(name, n, readers=2, pace=True)
+        procs.append(prod)
+        r1, c1, _ = _start_reader(name, n, spin=0.0, recheck=600.0, wait_timeout=None)
+        r2, c2, _ = _start_reader(name, n, spin=0.0, recheck=600.0, wait_timeout=None)
+        procs += [r1, r2]
+        assert recv(pconn, "the producer to see both readers")[0] == "readers"
+        assert recv(pconn, "the producer to finish") == ("finished", n)
+        for conn in (c1, c2):
+            assert recv(conn, "a reader's verdict") == ("ok", n, "")
+        pconn.send("close")
+        for p in procs:
+            p.join(XPROC_TIMEOUT)
+            assert p.exitcode == 0
+    finally:
+        reap(*procs)
+        remove_segment(name)
+
+
+def test_producer_killed_mid_stream(shm_tracker: ShmTracker) -> None:
+    name = shm_tracker.new_name()
+    procs = []
+    try:
+        # the producer writes until it is killed
+        prod, pconn = _start_producer(name, -1, readers=2, stop_after=2000)
+        procs.append(prod)
+        r1, c1, _ = _start_reader(name, -1, spin=0.0)
+        r2, c2, _ = _start_reader(name, -1, spin=1e-3)
+        procs += [r1, r2]
+        assert recv(pconn, "the producer to see both readers")[0] == "readers"
+        assert recv(pconn, "the producer to write 2000 frames") == ("written", 2000)
+        kill(prod)
+        assert prod.exitcode == -9
+        att = shm.Ring.attach(name)
+        try:
+            st = att.stats()
+            assert st.producer_state == "live"  # it never closed: only its pid tells
+            written = st.frames_written
+        finally:
+            att.close()
+        assert written >= 2000
+        counts = []
+        for conn in (c1, c2):
+            tag, count, gone = recv(conn, "a reader's verdict")
+            assert tag == "ok"
+            assert gone == f"ring {name}: the producer (pid {prod.pid}) exited"
+            counts.append(count)
+        # every frame committed before the kill was drained before ProducerGone (the counter
+        # is stored just after the commit word: a kill between the two leaves it one short)
+        assert counts[0] == counts[1]
+        assert written <= counts[0] <= written + 1
+        for p in (r1, r2):
+            p.join(XPROC_TIMEOUT)
+            assert p.exitcode == 0
+        # the creator is dead: its segment stays until someone removes it
+        assert os.path.exists(f"/dev/shm/{name}")
+    finally:
+        reap(*procs)
+        remove_segment(name)
+
+
+def test_reader_killed_is_evicted_and_the_producer_continues(shm_tracker: ShmTracker) -> None:
+    procs = []
+    with shm.Ring.create(capacity=CAP) as ring:
+        try:
+            n_total = 4000
+            good, cgood, _ = _start_reader(ring.name, n_total)
+            bad, cbad, sbad = _start_reader(ring.name, -1, stall_after=100)
+            procs += [good, bad]
+            for seq in range(100):  # 100 frames fit: nobody waits yet
+                ring.write(make_payload(seq, payload_size(seq, ring.max_payload)), timeout=XPROC_TIMEOUT)
+            assert recv(cbad, "the stalling reader") == ("stalled", 100)
+            kill(bad)
+            for seq in range(100, n_total):  # wraps many times: only possible once it is evicted
+                ring.write(make_payload(seq, payload_size(seq, ring.max_payload)), timeout=XPROC_TIMEOUT)
+            assert ring.stats().head > 5 * CAP
+            states = {r.slot: (r.state, r.pid) for r in ring.stats().readers}
+            assert states[sbad] == ("evicted", bad.pid)
+            assert recv(cgood, "the good reader's verdict") == ("ok", n_total, "")
+            good.join(XPROC_TIMEOUT)
+            assert good.exitcode == 0
+            assert ring.stats().frames_lost == 0
+        finally:
+            reap(*procs)
+
+
+@pytest.mark.parametrize("frames", [1, 257])
+def test_reader_process_sees_exactly_what_was_written_before_close(shm_tracker: ShmTracker, frames: int) -> None:
+    with shm.Ring.create(capacity=CAP) as ring:
+        r, conn, _ = _start_reader(ring.name, -1, spin=0.0)
+        try:
+            for seq in range(frames):
+                ring.write(make_payload(seq, payload_size(seq, ring.max_payload)), timeout=XPROC_TIMEOUT)
+            ring.close()  # the reader drains, then sees the close
+            tag, count, gone = recv(conn, "the reader's verdict")
+            assert (tag, count, gone) == ("ok", frames, f"ring {ring.name}: the producer closed the ring")
+            r.join(XPROC_TIMEOUT)
+            assert r.exitcode == 0
+        finally:
+            reap(r)
