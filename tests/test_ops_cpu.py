@@ -19,6 +19,8 @@ from typing import Any
 import numpy as np
 import pytest
 from _opshelpers import MODES, make_step, read_frames, sleep_then_die
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from test_ops_reference import INVALID, arr, base
 
 import shm
@@ -528,3 +530,69 @@ def test_arrays_of_python_lists_are_accepted(ring: shm.Ring) -> None:
         p.emit(arr([1, 2], np.int64), [[5], [6]], arr([1, 1], np.int32))
     f = decode_frame(reader.read()[0])
     assert f.token_ids.tolist() == [5, 6]
+
+
+# -- differential: arbitrary (mostly invalid) inputs ---------------------------------------------
+
+_I32 = (-(1 << 31), (1 << 31) - 1)
+
+
+def _ids(data: st.DataObject, shape: tuple[int, ...], i64: bool) -> np.ndarray:
+    """Small ids, or (half the time) a mix where about a third do not fit int32."""
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1), label="ids seed"))
+    values = rng.integers(-2, 200, shape, dtype=np.int64)
+    if i64 and data.draw(st.booleans(), label="wide ids"):
+        wide = rng.integers(-(1 << 40), 1 << 40, shape, dtype=np.int64)
+        values = np.where(rng.random(shape) < 0.3, wide, values)
+    return values.astype(np.int64 if i64 else np.int32)
+
+
+def _count(limit: int) -> st.SearchStrategy[int]:
+    """Mostly valid counts, sometimes one past either end."""
+    return st.one_of(st.integers(0, limit), st.integers(0, limit), st.integers(0, limit), st.integers(-1, limit + 1))
+
+
+def _outcome(fn: Any) -> tuple[str, Any]:
+    try:
+        return ("frame", fn())
+    except EmitError as exc:
+        return ("error", str(exc))
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_cpu_and_reference_agree_on_arbitrary_inputs(data: st.DataObject) -> None:
+    b = data.draw(st.integers(0, 5), label="rows")
+    w = data.draw(st.integers(0, 3), label="W")
+    i64 = data.draw(st.booleans(), label="i64")
+    kw: dict[str, Any] = {
+        "handles": np.array(data.draw(st.lists(st.integers(-2, 9), min_size=b, max_size=b)), np.int64),
+        "token_ids": _ids(data, (b, w), i64),
+        "num_tokens": np.array(data.draw(st.lists(_count(w), min_size=b, max_size=b)), np.int32),
+        "kind": data.draw(st.sampled_from([0, 1])),
+        "step": data.draw(st.integers(0, (1 << 64) - 1)),
+    }
+    if data.draw(st.booleans(), label="flags"):
+        fl = data.draw(st.lists(st.sampled_from([0, 0, 0, 1, 2, 4, 8, 16, 32, 3, 64, -1]), min_size=b, max_size=b))
+        kw["flags"] = np.array(fl, np.int32)
+    if data.draw(st.booleans(), label="drafts"):
+        wd = data.draw(st.integers(0, 2))
+        kw["draft_ids"] = _ids(data, (b, wd), data.draw(st.booleans()))
+        kw["num_draft"] = np.array(data.draw(st.lists(_count(wd), min_size=b, max_size=b)), np.int32)
+    if data.draw(st.booleans(), label="logprobs"):
+        n = data.draw(st.integers(0, 8))
+        width = data.draw(st.integers(1, 4))
+        kw["lp_ids"] = _ids(data, (n, width), data.draw(st.booleans()))
+        kw["lp_values"] = np.array(
+            data.draw(st.lists(st.floats(-50, 0, width=32), min_size=n * width, max_size=n * width)), np.float32
+        ).reshape(n, width)
+        kw["lp_ranks"] = _ids(data, (n,), data.draw(st.booleans()))
+        offs = sorted(data.draw(st.lists(st.integers(-1, n + 1), min_size=b + 1, max_size=b + 1)))
+        if data.draw(st.booleans(), label="shuffle offsets"):
+            offs = data.draw(st.permutations(offs))
+        kw["lp_offsets"] = np.array(offs, np.int32)
+        kw["k"] = data.draw(st.one_of(st.none(), st.integers(-2, width)))
+    max_record = data.draw(st.sampled_from([0, 128, 256, 512, 4096]), label="max_record")
+    ref = _outcome(lambda: build_frame(**kw, max_record=max_record or None))
+    cpp = _outcome(lambda: cpp_frame(**kw, max_record=max_record))
+    assert cpp == ref
