@@ -16,6 +16,7 @@ import pytest
 from aiospec.ops import _build
 
 XPROC_TIMEOUT = 300.0  # a compile on a loaded 2-core machine
+pytestmark = pytest.mark.timeout(900)  # these tests compile the library, some several times
 
 
 @pytest.fixture

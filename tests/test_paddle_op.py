@@ -26,6 +26,9 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # paddle warns at import when ccache is missing
     paddle = pytest.importorskip("paddle", reason="paddlepaddle is not installed")
 
+# the first test builds the op (a JIT compile against Paddle's headers): slow on a loaded machine
+pytestmark = pytest.mark.timeout(900)
+
 
 @pytest.fixture(scope="module", autouse=True)
 def _ops() -> None:
