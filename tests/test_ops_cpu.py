@@ -470,6 +470,9 @@ class FakeCudaTensor:
     def __cuda_array_interface__(self) -> dict[str, Any]:
         return {"shape": self._a.shape, "typestr": self._a.dtype.str, "data": (0x1000, False), "version": 3}
 
+    def cpu(self) -> np.ndarray:
+        return self._a
+
 
 def test_cuda_tensors_on_a_cpu_producer_are_refused(ring: shm.Ring) -> None:
     inp = base()
@@ -495,6 +498,17 @@ def test_force_cpu_disables_the_cuda_backend(monkeypatch: pytest.MonkeyPatch, ri
     assert available_backends()[-2:] == ("cpu", "python")
     with pytest.raises(ValueError, match=r"^device = 'cuda': the CUDA path is disabled by AIOSPEC_FORCE_CPU=1$"):
         Producer(ring, device="cuda")
+
+
+def test_force_cpu_copies_cuda_tensors_to_the_host(monkeypatch: pytest.MonkeyPatch, ring: shm.Ring) -> None:
+    monkeypatch.setenv("AIOSPEC_FORCE_CPU", "1")
+    reader = ring.reader()
+    inp = base()
+    every = {key: FakeCudaTensor(v) if isinstance(v, np.ndarray) else v for key, v in inp.items()}
+    with Producer(ring) as p:
+        p.emit(**every)  # type: ignore[arg-type]
+        assert p.device == "cpu"
+    assert reader.read() == [build_frame(**inp)]  # type: ignore[arg-type]
 
 
 def test_paddle_cpu_tensors_go_through_dlpack(ring: shm.Ring) -> None:
@@ -596,3 +610,38 @@ def test_cpu_and_reference_agree_on_arbitrary_inputs(data: st.DataObject) -> Non
     ref = _outcome(lambda: build_frame(**kw, max_record=max_record or None))
     cpp = _outcome(lambda: cpp_frame(**kw, max_record=max_record))
     assert cpp == ref
+
+
+def test_empty_tensors_with_null_pointers_are_still_given() -> None:
+    # numpy gives empty arrays a real pointer, other frameworks may give NULL, which the C ABI
+    # reads as "not given": args() substitutes a placeholder the op never dereferences
+    import dataclasses
+
+    kw: dict[str, Any] = {
+        "handles": np.zeros(0, np.int64),
+        "token_ids": np.zeros((0, 2), np.int64),
+        "num_tokens": np.zeros(0, np.int32),
+        "lp_ids": np.zeros((0, 4), np.int64),
+        "lp_values": np.zeros((0, 4), np.float32),
+        "lp_ranks": np.zeros(0, np.int64),
+        "lp_offsets": np.zeros(1, np.int32),
+    }
+    x = collect(**kw)
+    for name in ("handles", "token_ids", "num_tokens", "lp_ids", "lp_values", "lp_ranks"):
+        setattr(x, name, dataclasses.replace(getattr(x, name), ptr=0))
+    args = x.args()
+    assert args.lp_ids and args.handles and args.lp_values
+    lay = _cpu.validate(x)
+    assert (lay.r, lay.k, lay.fflags) == (0, 3, L.FRAME_HAS_LOGPROBS)
+    assert _cpu.build_payload(x) == build_frame(**kw)
+
+
+def test_unclosed_producer_warns() -> None:
+    import gc
+
+    with shm.Ring.create(capacity=1 << 16) as ring:
+        p = Producer(ring, device="cpu")
+        with pytest.warns(ResourceWarning, match=r"^unclosed <aiospec\.ops\.Producer ring="):
+            del p
+            gc.collect()
+        assert ring.stats().producer_state == "closed"

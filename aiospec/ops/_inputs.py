@@ -231,25 +231,25 @@ class Inputs:
         this object lives)."""
         a = EmitArgs()
         a.rows = self.rows
-        a.handles = self.handles.ptr
-        a.token_ids = self.token_ids.ptr
+        a.handles = _ptr(self.handles)
+        a.token_ids = _ptr(self.token_ids)
         a.token_ids_i64 = int(self.token_ids.dtype.itemsize == 8)
         a.max_tokens = self.max_tokens
-        a.num_tokens = self.num_tokens.ptr
-        a.flags = self.flags.ptr if self.flags is not None else None
+        a.num_tokens = _ptr(self.num_tokens)
+        a.flags = _ptr(self.flags) if self.flags is not None else None
         if self.draft_ids is not None and self.num_draft is not None:
-            a.draft_ids = self.draft_ids.ptr
+            a.draft_ids = _ptr(self.draft_ids)
             a.draft_ids_i64 = int(self.draft_ids.dtype.itemsize == 8)
             a.max_draft = self.max_draft
-            a.num_draft = self.num_draft.ptr
+            a.num_draft = _ptr(self.num_draft)
         if self.lp_ids is not None and self.lp_values is not None and self.lp_ranks is not None:
             assert self.lp_offsets is not None
-            a.lp_ids = self.lp_ids.ptr
+            a.lp_ids = _ptr(self.lp_ids)
             a.lp_ids_i64 = int(self.lp_ids.dtype.itemsize == 8)
-            a.lp_values = self.lp_values.ptr
-            a.lp_ranks = self.lp_ranks.ptr
+            a.lp_values = _ptr(self.lp_values)
+            a.lp_ranks = _ptr(self.lp_ranks)
             a.lp_ranks_i64 = int(self.lp_ranks.dtype.itemsize == 8)
-            a.lp_offsets = self.lp_offsets.ptr
+            a.lp_offsets = _ptr(self.lp_offsets)
             a.lp_rows = self.lp_rows
             a.lp_width = self.lp_width
             a.k = self.k
@@ -260,6 +260,16 @@ class Inputs:
 
 
 _INT = ("int32", "int64")
+
+# Stands in for the NULL data pointer some frameworks give CPU tensors without elements: the
+# op reads no element of them, and NULL would mean "not given". (The CUDA backend puts its own
+# device placeholder in the fields left 0.)
+_EMPTY = (ctypes.c_int64 * 2)()
+_EMPTY_PTR = ctypes.addressof(_EMPTY)
+
+
+def _ptr(ref: TensorRef) -> int:
+    return ref.ptr or (_EMPTY_PTR if ref.device == "cpu" else 0)
 
 
 def _check(ref: TensorRef, ndim: int, dtypes: tuple[str, ...], lead: int | None) -> None:
