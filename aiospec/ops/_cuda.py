@@ -176,6 +176,9 @@ def resolve_stream(stream: Any, owner: Any, device: int) -> int:
     module = type(owner).__module__.split(".")[0]
     if module == "torch" and "torch" in sys.modules:
         torch = sys.modules["torch"]
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # ~10x cheaper than a Stream
+        if raw is not None:
+            return int(raw(device))
         return int(torch.cuda.current_stream(device).cuda_stream)
     if module == "cupy" and "cupy" in sys.modules:
         cupy = sys.modules["cupy"]

@@ -284,6 +284,10 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t row0 = int64_t(blockIdx.x) * rpb;
   const int64_t row_end = row0 + rpb < rows ? row0 + rpb : rows;
   const int n = row_end > row0 ? int(row_end - row0) : 0;
+  // issued now, used after the row checks: their latency hides behind that work
+  const uint64_t head = st->head;
+  const uint64_t tail_cache = tid < 32 ? st->tail_cache : 0;
+  const uint64_t step = step_dev != nullptr ? *step_dev : a.step;
   if (tid == 0) {
     s_key = kNoError;
     s_idkey = kNoError;
@@ -343,13 +347,12 @@ __global__ void __launch_bounds__(kThreads)
                          aiospec_has_logprobs(&a), &lay);
   const uint64_t size = lay.frame_size;
   const bool valid = skey == kNoError && size <= ring.max_record;
-  const uint64_t head = st->head;
   const uint64_t off = head & ring.mask;
   const uint64_t pad = size > ring.capacity - off ? ring.capacity - off : 0;
   const uint64_t pos = head + pad;
   const uint64_t need = pad + size + AIOSPEC_FRAME_HEADER;  // + the next header, zeroed at commit
   if (tid < 32) {
-    bool room = !valid || head + need - st->tail_cache <= ring.capacity;
+    bool room = !valid || head + need - tail_cache <= ring.capacity;
     if (!room) {
       // lane 0's clock decides for the whole warp: the scan needs every lane
       const uint64_t t0 = globaltimer_ns();
@@ -381,7 +384,7 @@ __global__ void __launch_bounds__(kThreads)
           st_release_sys_u64(f + 8, pad | (uint64_t(AIOSPEC_FRAME_PAD) << 32));
           st->pad_done = 1;
         }
-        aiospec_write_header(s_header, &lay, a.producer, step_dev != nullptr ? *step_dev : a.step, a.kind);
+        aiospec_write_header(s_header, &lay, a.producer, step, a.kind);
       }
     }
   }
@@ -507,13 +510,16 @@ __global__ void __launch_bounds__(kThreads)
   __syncthreads();
   if (!s_last || tid != 0) return;
 
+  // every other block is done: plain loads (issued together) and stores will do
   __threadfence();
-  const uint64_t step = step_dev != nullptr ? *step_dev : a.step;
-  const unsigned long long idkey = atomicExch(&st->key, (unsigned long long)kNoError);
-  const unsigned int full = atomicExch(&st->full, 0u);
-  const unsigned int pad_done = st->pad_done;
-  st->pad_done = 0;
-  st->blocks_done = 0;
+  volatile State* vs = st;
+  const unsigned long long idkey = vs->key;
+  const unsigned int full = vs->full;
+  const unsigned int pad_done = vs->pad_done;
+  vs->key = kNoError;
+  vs->full = 0;
+  vs->pad_done = 0;
+  vs->blocks_done = 0;
   if (pad_done) {
     st->head = pos;
     st_u64(ring.ctl + AIOSPEC_OFF_HEAD, pos);
