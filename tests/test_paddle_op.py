@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import sysconfig
 import warnings
 from typing import Any
 
@@ -146,7 +147,7 @@ def test_gpu_branch_compiles_where_cuda_headers_exist(tmp_path: Any) -> None:
     from paddle.utils.cpp_extension.extension_utils import find_paddle_includes
 
     root = _build.source_root()
-    includes = [f"-I{p}" for p in find_paddle_includes(use_cuda=False)]
+    includes = [f"-I{p}" for p in [*find_paddle_includes(use_cuda=False), sysconfig.get_paths()["include"]]]
     cmd = [
         "g++", "-std=c++17", "-fsyntax-only", "-DPADDLE_WITH_CUDA", "-DPADDLE_WITH_CUSTOM_KERNEL_OFF",
         f"-I{root / 'include'}", f"-I{cuda_inc}", f"-I{cuda_inc / 'cccl'}", *includes,
