@@ -5,8 +5,8 @@ reader announces that it sleeps (``sleep_begin``), registers the bell FIFO with
 ``loop.add_reader`` and awaits it, with a ``recheck`` timer as a bound so that a lost wake-up
 costs latency, never a hang (vLLM #45224). Every wake-up drains all committed frames; each
 frame is copied out once and the ring space released before routing, so a slow client never
-holds ring space. Routing yields to the loop every ``yield_every`` records (vLLM #12287) and
-wakes the streams once per batch.
+holds ring space. Routing yields to the loop every ``yield_every`` records (vLLM #12287), so a
+huge frame cannot stall other tasks, and wakes each stream once per batch (SGLang #22658).
 """
 
 from __future__ import annotations
@@ -93,7 +93,8 @@ async def read_ring(
                     budget -= stop - start
                     start = stop
                     if budget <= 0:
-                        sink.flush()
+                        # let other tasks run; the streams are woken once, after the batch,
+                        # so a backlog reaches each consumer as one coalesced delta
                         await asyncio.sleep(0)
                         budget = yield_every
             for err in bad:

@@ -7,9 +7,10 @@ delta instead of a queue of single steps, and what a stream holds is bounded by 
 has not read yet (never by the number of steps).
 
 Merging copies nothing while few records are pending: a record is kept as (frame, row, token
-range), a view into the frame copy the reader made. Once more than ``_MAX_SEGMENTS`` records
-wait, they are copied into a growable columnar buffer (amortized O(1) per token), so a stalled
-stream pins at most that many frames.
+range), a view into the frame copy the reader made, and a read concatenates them (one numpy call
+per column). Once more than ``_MAX_SEGMENTS`` records wait, they are copied into a chunk of the
+stream's own, and chunks merge geometrically (O(log n) copies per token), so a stalled stream
+pins at most that many frames.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ __all__ = (
     "StreamStatistics",
 )
 
-_MAX_SEGMENTS = 16  # records kept as frame views before they are copied into the stream's buffer
+_MAX_SEGMENTS = 64  # records kept as frame views before they are copied into a chunk
 
 _ERROR_FLAGS = L.FLAG_PREEMPTED | L.FLAG_RECOVERY_STOP | L.FLAG_ABORTED
 
@@ -165,7 +166,7 @@ class StreamStatistics(msgspec.Struct, frozen=True, gc=False):
     handle: int
     buffered_tokens: int  # tokens received and not yet read
     buffered_steps: int  # records merged into the pending delta
-    pinned_frames: int  # frame copies referenced by the pending delta (at most 16)
+    pinned_frames: int  # frame copies the pending delta still refers to (at most 64)
     waiting: bool  # a task is waiting in get()
     routed: bool  # the Hub still routes records to it
     ended: bool  # finished, failed or closed (more deltas may still be buffered)
@@ -175,42 +176,52 @@ class StreamStatistics(msgspec.Struct, frozen=True, gc=False):
 # -- the collector ------------------------------------------------------------------------------
 
 
-class _Buf:
-    """Growable columnar token buffer of one stream (capacity doubles)."""
+class _Chunk:
+    """Tokens copied out of frames into the stream's own arrays; quacks like a ``Frame``
+    (the columns a segment reads), so frames and chunks are gathered the same way."""
 
-    __slots__ = ("n", "tok", "lp", "rank", "tki", "tkl")
+    __slots__ = ("token_ids", "logprobs", "ranks", "topk_ids", "topk_logprobs", "has_logprobs", "k", "drafts")
 
-    def __init__(self, cap: int, has_lp: bool, k: int) -> None:
-        self.n = 0
-        self.tok = np.empty(cap, np.int32)
-        self.lp = np.empty(cap, np.float32) if has_lp else None
-        self.rank = np.empty(cap, np.int32) if has_lp else None
-        self.tki = np.empty((cap, k), np.int32) if k else None
-        self.tkl = np.empty((cap, k), np.float32) if k else None
+    draft_offsets = None  # drafts are kept whole in ``drafts``
 
-    def reshape(self, has_lp: bool, k: int, need: int) -> None:
-        """Narrow the columns to (has_lp, k) and make room for ``need`` tokens in all."""
-        n = self.n
-        cap = self.tok.shape[0]
-        if need > cap:
-            cap = max(need, 2 * cap)
-            tok = np.empty(cap, np.int32)
-            tok[:n] = self.tok[:n]
-            self.tok = tok
-        if not has_lp:
-            self.lp = self.rank = None
-        elif self.lp is None or self.lp.shape[0] < cap:
-            assert self.lp is not None and self.rank is not None
-            lp, rank = np.empty(cap, np.float32), np.empty(cap, np.int32)
-            lp[:n], rank[:n] = self.lp[:n], self.rank[:n]
-            self.lp, self.rank = lp, rank
-        if not k:
-            self.tki = self.tkl = None
-        elif self.tki is None or self.tki.shape[0] < cap or self.tki.shape[1] != k:
-            assert self.tki is not None and self.tkl is not None
-            tki, tkl = np.empty((cap, k), np.int32), np.empty((cap, k), np.float32)
-            tki[:n], tkl[:n] = self.tki[:n, :k], self.tkl[:n, :k]
-            self.tki, self.tkl = tki, tkl
+    def __init__(self, segs: list[_Seg], has_lp: bool, k: int) -> None:
+        self.has_logprobs, self.k = has_lp, k
+        self.token_ids, self.logprobs, self.ranks, self.topk_ids, self.topk_logprobs = _gather(segs, has_lp, k)
+        self.drafts = _drafts(segs, copy=True)
+
+
+_Seg = tuple[Any, int, int, int]  # (Frame or _Chunk, row, first token, end token)
+
+
+def _gather(segs: list[_Seg], has_lp: bool, k: int) -> tuple[Any, Any, Any, Any, Any]:
+    """The columns of ``segs`` concatenated: one copy, one numpy call per column."""
+    tok = np.concatenate([f.token_ids[a:b] for f, _, a, b in segs])
+    if not has_lp:
+        return tok, None, None, None, None
+    lp = np.concatenate([f.logprobs[a:b] for f, _, a, b in segs])
+    rank = np.concatenate([f.ranks[a:b] for f, _, a, b in segs])
+    if not k:
+        return tok, lp, rank, None, None
+    tki = np.concatenate([f.topk_ids[a:b, :k] for f, _, a, b in segs])
+    tkl = np.concatenate([f.topk_logprobs[a:b, :k] for f, _, a, b in segs])
+    return tok, lp, rank, tki, tkl
+
+
+def _drafts(segs: list[_Seg], copy: bool = False) -> list[np.ndarray] | None:
+    """The draft ids of ``segs``, in order (copied out of frames for a chunk)."""
+    out: list[np.ndarray] | None = None
+    for f, row, _, _ in segs:
+        if f.draft_offsets is not None:
+            d = f.draft_ids[f.draft_offsets[row] : f.draft_offsets[row + 1]]
+            if d.shape[0]:
+                out = (out or []) + [d.copy() if copy else d]
+        elif isinstance(f, _Chunk) and f.drafts:
+            out = (out or []) + f.drafts
+    return out
+
+
+def _narrow(f: Any, a: int, b: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    return f.topk_ids[a:b, :k], f.topk_logprobs[a:b, :k]
 
 
 class Collector:
@@ -221,16 +232,16 @@ class Collector:
     """
 
     __slots__ = (
-        "handle", "rings", "_segs", "_buf", "_ntok", "_nsteps", "_first", "_finished", "_step",
-        "_has_lp", "_k", "_drafts", "_error", "_ended", "_closed", "_end_read", "_routed", "_waiter",
+        "handle", "rings", "_segs", "_nfr", "_ntok", "_nsteps", "_first", "_finished", "_step",
+        "_has_lp", "_k", "_error", "_ended", "_closed", "_end_read", "_routed", "_waiter",
         "_wake_queued", "_forget",
     )  # fmt: skip
 
     def __init__(self, handle: int, rings: frozenset[str] | None, forget: Callable[[Collector], None]) -> None:
         self.handle = handle
         self.rings = rings  # rings whose failure ends this stream (None: every ring)
-        self._segs: list[tuple[Frame, int, int, int]] = []  # (frame, row, first token, end token)
-        self._buf: _Buf | None = None
+        self._segs: list[_Seg] = []  # chunks first, then the records still in their frames
+        self._nfr = 0  # trailing segments that are frames
         self._ntok = 0
         self._nsteps = 0
         self._first = False
@@ -238,7 +249,6 @@ class Collector:
         self._step = 0
         self._has_lp = True  # narrowed to the columns every merged record has
         self._k = L.MAX_TOPK
-        self._drafts: list[np.ndarray] | None = None
         self._error: StreamError | None = None
         self._ended = False  # no more records will come (finished, failed, closed)
         self._closed = False  # the consumer closed the stream
@@ -253,8 +263,7 @@ class Collector:
     def put(self, frame: Frame, row: int, a: int, b: int, flags: int) -> bool:
         """Merge record ``row`` of ``frame`` (tokens ``a:b``) into the pending delta."""
         if b > a or not flags & _ERROR_FLAGS:  # an error with no token adds no delta
-            segs = self._segs
-            segs.append((frame, row, a, b))
+            self._segs.append((frame, row, a, b))
             self._ntok += b - a
             self._nsteps += 1
             self._step = frame.step
@@ -262,7 +271,8 @@ class Collector:
                 self._has_lp = False
             if frame.k < self._k:
                 self._k = frame.k
-            if len(segs) > _MAX_SEGMENTS:
+            self._nfr += 1
+            if self._nfr > _MAX_SEGMENTS:
                 self._compact()
         if flags:
             self._flags(flags)
@@ -323,32 +333,21 @@ class Collector:
         segs = self._segs
         has_lp, k = self._has_lp, self._k
         lp = rank = tki = tkl = None
-        drafts = self._drafts
-        if self._buf is None and len(segs) == 1:
-            f, row, a, b = segs[0]
+        draft = None
+        if len(segs) == 1:  # views of the frame copy (or of the chunk): nothing is copied
+            f, _, a, b = segs[0]
             tok = f.token_ids[a:b]
             if has_lp:
-                lp, rank = f.logprobs[a:b], f.ranks[a:b]  # type: ignore[index]
+                lp, rank = f.logprobs[a:b], f.ranks[a:b]
                 if k:
-                    tki, tkl = f.topk_ids[a:b], f.topk_logprobs[a:b]  # type: ignore[index]
-            if f.draft_offsets is not None:
-                d = f.draft_ids[f.draft_offsets[row] : f.draft_offsets[row + 1]]  # type: ignore[index]
-                if d.shape[0]:
-                    drafts = [d] if drafts is None else [*drafts, d]
+                    tki, tkl = (f.topk_ids[a:b], f.topk_logprobs[a:b]) if f.k == k else _narrow(f, a, b, k)
+            if f.draft_offsets is not None or isinstance(f, _Chunk):
+                drafts = _drafts(segs)
+                draft = None if drafts is None else drafts[0] if len(drafts) == 1 else np.concatenate(drafts)
         else:
-            self._compact()
-            buf = self._buf
-            assert buf is not None
-            n = buf.n
-            tok = buf.tok[:n]
-            if has_lp:
-                lp, rank = buf.lp[:n], buf.rank[:n]  # type: ignore[index]
-                if k:
-                    tki, tkl = buf.tki[:n], buf.tkl[:n]  # type: ignore[index]
-            drafts = self._drafts
-        draft = None
-        if drafts is not None:
-            draft = drafts[0] if len(drafts) == 1 else np.concatenate(drafts)
+            tok, lp, rank, tki, tkl = _gather(segs, has_lp, k)
+            drafts = _drafts(segs)
+            draft = None if drafts is None else drafts[0] if len(drafts) == 1 else np.concatenate(drafts)
         delta = Delta(
             token_ids=tok,
             logprobs=lp,
@@ -364,46 +363,24 @@ class Collector:
         if self._finished:
             self._end_read = True
         self._segs = []
-        self._buf = None
-        self._drafts = None
-        self._ntok = self._nsteps = 0
+        self._nfr = self._ntok = self._nsteps = 0
         self._first = False
         self._has_lp, self._k = True, L.MAX_TOPK
         return delta
 
     def _compact(self) -> None:
-        """Copy the pending frame views into the growable buffer."""
-        segs = self._segs
-        if not segs:
-            return
+        """Copy the records still in frames into a chunk, so few frames stay pinned; merge it
+        with earlier chunks that are not much larger (each token is copied O(log n) times)."""
+        segs, n = self._segs, self._nfr
         has_lp, k = self._has_lp, self._k
-        buf = self._buf
-        need = self._ntok
-        if buf is None:
-            buf = self._buf = _Buf(max(need, 16), has_lp, k)
-        else:
-            buf.reshape(has_lp, k, need)
-        n = buf.n
-        drafts = self._drafts
-        for f, row, a, b in segs:
-            m = n + b - a
-            buf.tok[n:m] = f.token_ids[a:b]
-            if has_lp:
-                buf.lp[n:m] = f.logprobs[a:b]  # type: ignore[index]
-                buf.rank[n:m] = f.ranks[a:b]  # type: ignore[index]
-                if k:
-                    buf.tki[n:m] = f.topk_ids[a:b, :k]  # type: ignore[index]
-                    buf.tkl[n:m] = f.topk_logprobs[a:b, :k]  # type: ignore[index]
-            if f.draft_offsets is not None:
-                d = f.draft_ids[f.draft_offsets[row] : f.draft_offsets[row + 1]]  # type: ignore[index]
-                if d.shape[0]:
-                    if drafts is None:
-                        drafts = []
-                    drafts.append(d.copy())
-            n = m
-        buf.n = n
-        self._drafts = drafts
-        self._segs = []
+        chunk = _Chunk(segs[-n:], has_lp, k)
+        del segs[-n:]
+        self._nfr = 0
+        size = chunk.token_ids.shape[0]
+        while segs and segs[-1][3] <= 2 * size:
+            chunk = _Chunk([segs.pop(), (chunk, 0, 0, size)], has_lp, k)
+            size = chunk.token_ids.shape[0]
+        segs.append((chunk, 0, 0, size))
 
     def close(self) -> None:
         """Consumer-side close: forget the handle, fail a waiter with StreamClosed."""
@@ -411,9 +388,7 @@ class Collector:
             return
         self._closed = True
         self._segs = []
-        self._buf = None
-        self._drafts = None
-        self._ntok = self._nsteps = 0
+        self._nfr = self._ntok = self._nsteps = 0
         if not self._ended:
             self._ended = True
             if self._routed:
@@ -426,7 +401,7 @@ class Collector:
             handle=self.handle,
             buffered_tokens=self._ntok,
             buffered_steps=self._nsteps,
-            pinned_frames=len({id(s[0]) for s in self._segs}),
+            pinned_frames=len({id(s[0]) for s in self._segs[len(self._segs) - self._nfr :]}),
             waiting=self._waiter is not None,
             routed=self._routed,
             ended=self._ended,
@@ -462,6 +437,8 @@ class RequestStream:
         """Wait for the next delta (``get_nowait() or await`` the router's wake-up)."""
         c = self._c
         while True:
+            if c._nsteps:
+                return c._take()
             d = c.get_nowait()
             if d is not None:
                 return d

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _ringhelpers import shm_tracker  # noqa: F401  (autouse fixture)
+from test_hub import no_segment_left  # noqa: F401  (autouse fixture)
 
 import shm
 from aiospec._codec import Flag, encode_frame

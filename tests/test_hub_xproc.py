@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 import uvloop
-from _ringhelpers import SPAWN, XPROC_TIMEOUT, reap, recv, remove_segment, shm_tracker  # noqa: F401
-from test_hub import check_logprobs, enc
+from _ringhelpers import SPAWN, XPROC_TIMEOUT, reap, recv, remove_segment
+from test_hub import check_logprobs, enc, no_segment_left  # noqa: F401  (autouse fixture)
 
 import shm
 from aiospec._codec import Flag

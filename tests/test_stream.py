@@ -11,7 +11,7 @@ from test_hub import check_logprobs, enc
 
 from aiospec._codec import Flag, decode_frame
 from aiospec._routing import Router
-from aiospec._stream import EndOfStream, ProducerLost, RequestStream, StreamError, StreamFramesLost
+from aiospec._stream import _MAX_SEGMENTS, EndOfStream, ProducerLost, RequestStream, StreamError, StreamFramesLost
 
 
 def route(router: Router, payload: bytes) -> None:
@@ -94,7 +94,7 @@ def test_buffer_grows_past_many_records_and_keeps_everything() -> None:
         route(router, enc([(1, toks, 0), (2, [0], 0)], step=step, k=4, drafts=d))
         steps += 1
         st = s.statistics()
-        assert st.pinned_frames <= 16 and st.buffered_tokens == len(want) and st.buffered_steps == steps
+        assert st.pinned_frames <= _MAX_SEGMENTS and st.buffered_tokens == len(want) and st.buffered_steps == steps
         if step in (20, 150):  # reading in between starts a fresh buffer
             got = s.get_nowait()
             assert got is not None and got.token_list() == want
@@ -172,9 +172,13 @@ def test_delta_views_alias_the_frame_copy_until_merged() -> None:
     assert d.token_ids.base is not None
     route(router, enc([(1, [7], 0)]))
     route(router, enc([(1, [8], 0)]))
-    for _ in range(20):  # past the segment limit: merged into the stream's own buffer
+    d = s.get_nowait()  # several records: concatenated, one copy
+    assert d is not None and d.token_ids.flags.writeable and d.token_list() == [7, 8]
+    for _ in range(_MAX_SEGMENTS + 1):  # past the segment limit: copied into a chunk
         route(router, enc([(1, [9], 0)]))
+    assert s.statistics().pinned_frames == 0
+    route(router, enc([(1, [10], 0)]))
+    assert s.statistics().pinned_frames == 1
     d = s.get_nowait()
-    assert d is not None and d.token_ids.flags.writeable
-    assert np.array_equal(d.token_ids, [7, 8] + [9] * 20)
+    assert d is not None and np.array_equal(d.token_ids, [9] * (_MAX_SEGMENTS + 1) + [10])
     s.close()

@@ -6,8 +6,8 @@ import threading
 from collections.abc import Iterator
 
 import pytest
-from _ringhelpers import XPROC_TIMEOUT, RawSegment, shm_tracker, wait_for  # noqa: F401  (autouse fixture)
-from test_hub import check_logprobs, enc
+from _ringhelpers import XPROC_TIMEOUT, RawSegment, wait_for
+from test_hub import check_logprobs, enc, no_segment_left  # noqa: F401  (autouse fixture)
 
 import shm
 from aiospec._codec import Flag, FrameError, Kind
