@@ -235,7 +235,8 @@ class EngineGroup:
 
     @property
     def alive(self) -> bool:
-        return bool(self._conns) and all(not c.closed and c.proc.poll() is None for c in self._conns)
+        """Every engine is up: its control socket is open (an engine that exits closes it)."""
+        return bool(self._conns) and not self._stopped and all(not c.closed for c in self._conns)
 
     def _spawn(self) -> None:
         roles: list[tuple[str, EngineConfig]]

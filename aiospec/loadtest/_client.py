@@ -41,6 +41,7 @@ class LoadConfig(msgspec.Struct, kw_only=True):
     ignore_eos: bool = True
     temperature: float = 1.0
     duration: float | None = None  # stop starting requests after this many seconds
+    ramp_up: float = 0.0  # spread the first wave of requests over this many seconds
     timeout: float = 120.0  # per-request read timeout
 
     def validate(self) -> None:
@@ -56,6 +57,8 @@ class LoadConfig(msgspec.Struct, kw_only=True):
         for name, value, ok, expected in checks:
             if not ok:
                 raise ValueError(f"{name} = {value!r}: expected {expected}")
+        if not 0 <= self.ramp_up <= 3600:
+            raise ValueError(f"ramp_up = {self.ramp_up!r}: expected 0..3600 seconds")
         if self.duration is not None and self.duration <= 0:
             raise ValueError(f"duration = {self.duration!r}: expected a positive number of seconds")
         if not self.url.startswith(("http://", "https://")):
@@ -266,8 +269,10 @@ async def run_load(
         next_i = 0
         deadline = None if cfg.duration is None else t0 + cfg.duration
 
-        async def worker() -> None:
+        async def worker(w: int) -> None:
             nonlocal next_i
+            if cfg.ramp_up:
+                await asyncio.sleep(cfg.ramp_up * w / max(1, cfg.concurrency))
             while next_i < len(bodies) and (deadline is None or time.perf_counter() < deadline):
                 i = next_i
                 next_i += 1
@@ -280,7 +285,7 @@ async def run_load(
                 if on_result is not None:
                     on_result(r, rec.tokens)
 
-        tasks = [asyncio.ensure_future(worker()) for _ in range(min(cfg.concurrency, cfg.requests))]
+        tasks = [asyncio.ensure_future(worker(w)) for w in range(min(cfg.concurrency, cfg.requests))]
         cap = None if cfg.duration is None else cfg.duration + grace
         _, pending = await asyncio.wait(tasks, timeout=cap)
         for t in pending:

@@ -28,6 +28,7 @@ def add_load_args(p: argparse.ArgumentParser, *, concurrency: int, requests: int
     )
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--duration", type=float, default=None, help="start no request after this many seconds")
+    p.add_argument("--ramp-up", type=float, default=0.0, help="spread the first requests over this many seconds")
     p.add_argument("--json", metavar="PATH", help="write the summary as JSON")
     p.add_argument("--plot", metavar="PATH", help="write a latency plot (PNG)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar or table")
@@ -47,6 +48,7 @@ def config_from_args(url: str, a: argparse.Namespace, model: str | None = None) 
         ignore_eos=not a.no_ignore_eos,
         temperature=a.temperature,
         duration=a.duration,
+        ramp_up=a.ramp_up,
     )
     cfg.validate()
     return cfg

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import secrets
@@ -26,9 +27,9 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
-from aiospec._stream import EndOfStream, RequestStream, StreamClosed, StreamError
+from aiospec._stream import Delta, EndOfStream, RequestStream, StreamClosed, StreamError
 from aiospec.openai import (
     SSE_DONE,
     ChatLogprobs,
@@ -45,6 +46,8 @@ from aiospec.openai import (
 )
 from aiospec.server._backend import Backend, ServerSettings
 from aiospec.server._metrics import Metrics
+from aiospec.server._pacer import Pacer
+from aiospec.server._ready import ready_turn
 from aiospec.server._requests import ApiError, Parsed, parse_chat, parse_completion
 
 __all__ = ("create_app",)
@@ -177,6 +180,34 @@ def _truncate(lp: Any, n: int) -> Any:
     )
 
 
+MAX_CHUNK_TOKENS = 48  # tokens formatted in one piece of work; a larger delta is split
+
+
+def _split(d: Delta, n: int) -> list[Delta]:
+    """A delta as pieces of at most ``n`` tokens (first-token and finished flags where due)."""
+    total = d.num_tokens
+    if total <= n:
+        return [d]
+    out = []
+    for a in range(0, total, n):
+        b = min(total, a + n)
+        out.append(
+            Delta(
+                token_ids=d.token_ids[a:b],
+                logprobs=None if d.logprobs is None else d.logprobs[a:b],
+                ranks=None if d.ranks is None else d.ranks[a:b],
+                topk_ids=None if d.topk_ids is None else d.topk_ids[a:b],
+                topk_logprobs=None if d.topk_logprobs is None else d.topk_logprobs[a:b],
+                draft_ids=d.draft_ids if a == 0 else None,
+                first_token=d.first_token and a == 0,
+                finished=d.finished and b == total,
+                num_steps=d.num_steps,
+                step=d.step,
+            )
+        )
+    return out
+
+
 def _error_event(exc: BaseException) -> bytes:
     err = ApiError(500, f"the request ended early: {exc}", code=type(exc).__name__)
     return b"data: " + err.body() + b"\n\n"
@@ -253,23 +284,38 @@ class _Generation(Response):
         rid, created = self.rid, self.created
         chat = self.chat
         first = True
+        pacer = st.pacer
         await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+        pieces: list[Delta] = []  # the rest of a delta too large for one piece of work
         while True:
-            try:
-                d = stream.get_nowait() or await stream.get()
-            except (StreamClosed, EndOfStream):
-                return False
-            except StreamError as exc:
-                # the engine side ended it (aborted, preempted, producer lost): tell the client
-                await send({"type": "http.response.body", "body": _error_event(exc) + SSE_DONE, "more_body": False})
-                return True
+            if pieces:
+                await pacer.turn()
+            else:
+                # wait for data and for this iteration's budget, then take all that arrived
+                await ready_turn(stream, pacer)
+            t0 = time.perf_counter()
+            if not pieces:
+                try:
+                    got = stream.get_nowait()
+                except (StreamClosed, EndOfStream):
+                    return False
+                except StreamError as exc:
+                    # the engine side ended it (aborted, preempted, producer lost): tell the client
+                    body = _error_event(exc) + SSE_DONE
+                    await send({"type": "http.response.body", "body": body, "more_body": False})
+                    return True
+                if got is None:
+                    continue
+                pieces = _split(got, MAX_CHUNK_TOKENS)
+            d = pieces.pop(0)
             text, lp = out.consume(d)
+            ntok = d.num_tokens
             fr = out.finish_reason
             if not text and lp is None and fr is None:
                 continue  # e.g. the first byte of a character split over tokens
-            if first and d.num_tokens:
+            if first and ntok:
                 m.ttft.observe(time.perf_counter() - self.t_start)
-            m.tokens += d.num_tokens
+            m.tokens += ntok
             if chat:
                 body = sse(
                     chat_chunk(
@@ -293,8 +339,10 @@ class _Generation(Response):
                         )
                     )
                 await send({"type": "http.response.body", "body": body + SSE_DONE, "more_body": False})
+                pacer.charge(time.perf_counter() - t0)
                 return not out.stopped
             await send({"type": "http.response.body", "body": body, "more_body": True})
+            pacer.charge(time.perf_counter() - t0)
             if gone():
                 return False
 
@@ -372,6 +420,8 @@ class _State:
         self.backend = Backend(settings)
         self.metrics = Metrics()
         self.metrics.loop_lag.interval = settings.loop_lag_interval
+        self.metrics.loop_lag.manage_gc = settings.manage_gc
+        self.pacer = Pacer(settings.loop_budget)
         self.on_ready = on_ready
 
 
@@ -379,23 +429,16 @@ def _json(obj: Any, status: int = 200) -> Response:
     return Response(_encoder.encode(obj), status_code=status, media_type="application/json")
 
 
-def create_app(settings: ServerSettings | None = None, *, on_ready: Callable[[], None] | None = None) -> Starlette:
+class _ClientGone(Exception):
+    pass
+
+
+def create_app(settings: ServerSettings | None = None, *, on_ready: Callable[[], None] | None = None) -> ASGIApp:
     """The ASGI app; its lifespan starts the engines and the token path and stops them.
 
     ``on_ready`` is called once the engines are up and the app can serve.
     """
     st = _State(settings or ServerSettings(), on_ready)
-
-    async def read_body(request: Request) -> bytes:
-        n = request.headers.get("content-length")
-        if n is not None and n.isdigit() and int(n) > MAX_BODY:
-            raise ApiError(413, f"request body of {n} bytes: expected at most {MAX_BODY}", code="body_too_large")
-        body = await request.body()
-        if len(body) > MAX_BODY:
-            raise ApiError(
-                413, f"request body of {len(body)} bytes: expected at most {MAX_BODY}", code="body_too_large"
-            )
-        return body
 
     def check_model(model: str | None) -> None:
         if model is not None and model != st.settings.model:
@@ -404,35 +447,72 @@ def create_app(settings: ServerSettings | None = None, *, on_ready: Callable[[],
                 param="model", code="model_not_found",
             )  # fmt: skip
 
-    async def generate(request: Request, chat: bool) -> Response:
+    async def read_body(scope: Scope, receive: Receive) -> bytes:
+        for k, v in scope["headers"]:
+            if k == b"content-length" and v.isdigit() and int(v) > MAX_BODY:
+                msg = f"request body of {int(v)} bytes: expected at most {MAX_BODY}"
+                raise ApiError(413, msg, code="body_too_large")
+        parts: list[bytes] = []
+        n = 0
+        while True:
+            event = await receive()
+            if event["type"] == "http.disconnect":
+                raise _ClientGone()
+            body = event.get("body", b"")
+            n += len(body)
+            if n > MAX_BODY:
+                raise ApiError(413, f"request body of {n}+ bytes: expected at most {MAX_BODY}", code="body_too_large")
+            parts.append(body)
+            if not event.get("more_body", False):
+                return b"".join(parts)
+
+    async def generate(scope: Scope, receive: Receive, send: Send, chat: bool) -> None:
+        """POST /v1/chat/completions and /v1/completions, straight on ASGI: no middleware
+        layers between each SSE chunk and the socket."""
         t_start = time.perf_counter()
-        body = await read_body(request)
-        s = st.settings
-        parse = parse_chat if chat else parse_completion
-        parsed = parse(body, default_max=s.default_max_tokens, max_model_len=s.max_model_len)
-        check_model(parsed.model)
-        if not st.backend.alive:
-            raise ApiError(503, "the engine is not running", code="engine_unavailable")
-        prompt_ids = st.backend.vocab.encode(parsed.prompt)
-        if len(prompt_ids) + parsed.max_tokens > s.max_model_len:
-            raise ApiError(
-                400,
-                f"Invalid 'max_tokens': {len(prompt_ids)} prompt tokens + max_tokens = {parsed.max_tokens} "
-                f"exceeds the context length {s.max_model_len}.",
-                param="max_tokens", code="context_length_exceeded",
-            )  # fmt: skip
-        handle, stream = st.backend.submit(
-            prompt_ids, parsed.max_tokens, parsed.top_logprobs, parsed.temperature, parsed.seed, parsed.ignore_eos
-        )
-        return _Generation(
+        endpoint = "chat" if chat else "completions"
+        try:
+            body = await read_body(scope, receive)
+            await st.pacer.turn()  # a burst of new requests is set up a few per loop iteration
+            t0 = time.perf_counter()
+            s = st.settings
+            parse = parse_chat if chat else parse_completion
+            parsed = parse(body, default_max=s.default_max_tokens, max_model_len=s.max_model_len)
+            check_model(parsed.model)
+            if not st.backend.alive:
+                raise ApiError(503, "the engine is not running", code="engine_unavailable")
+            prompt_ids = st.backend.vocab.encode(parsed.prompt)
+            if len(prompt_ids) + parsed.max_tokens > s.max_model_len:
+                raise ApiError(
+                    400,
+                    f"Invalid 'max_tokens': {len(prompt_ids)} prompt tokens + max_tokens = {parsed.max_tokens} "
+                    f"exceeds the context length {s.max_model_len}.",
+                    param="max_tokens", code="context_length_exceeded",
+                )  # fmt: skip
+            handle, stream = st.backend.submit(
+                prompt_ids, parsed.max_tokens, parsed.top_logprobs, parsed.temperature, parsed.seed, parsed.ignore_eos
+            )
+            st.pacer.charge(time.perf_counter() - t0)
+        except _ClientGone:
+            st.metrics.request_done(endpoint, 499)
+            return
+        except ApiError as exc:
+            st.metrics.request_done(endpoint, exc.status)
+            await _send_json(send, exc.status, exc.body())
+            return
+        except Exception as exc:
+            log.exception("%s request failed", endpoint)
+            st.metrics.request_done(endpoint, 500)
+            err = ApiError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error")
+            await _send_json(send, 500, err.body())
+            return
+        gen = _Generation(
             st, chat=chat, parsed=parsed, handle=handle, stream=stream, prompt_tokens=len(prompt_ids), t_start=t_start
         )
+        await gen(scope, receive, send)
 
-    async def chat_completions(request: Request) -> Response:
-        return await generate(request, True)
-
-    async def completions(request: Request) -> Response:
-        return await generate(request, False)
+    async def not_here(request: Request) -> Response:
+        raise AssertionError("the generate routes are served before Starlette")
 
     async def models(request: Request) -> Response:
         return _json(
@@ -527,6 +607,9 @@ def create_app(settings: ServerSettings | None = None, *, on_ready: Callable[[],
             raise
         log.info("serving %s (token path %s, engines %s)", st.settings.model, st.backend.token_path,
                  st.backend.engines.pids if st.backend.engines else [])  # fmt: skip
+        # what startup allocated lives as long as the server: keep it out of every collection
+        gc.collect()
+        gc.freeze()
         if st.on_ready is not None:
             st.on_ready()
         try:
@@ -537,8 +620,8 @@ def create_app(settings: ServerSettings | None = None, *, on_ready: Callable[[],
 
     app = Starlette(
         routes=[
-            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/chat/completions", not_here, methods=["POST"]),
+            Route("/v1/completions", not_here, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
@@ -549,4 +632,14 @@ def create_app(settings: ServerSettings | None = None, *, on_ready: Callable[[],
         lifespan=lifespan,
     )
     app.state.aiospec = st
-    return app
+
+    async def asgi(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            path = scope["path"]
+            if path == "/v1/chat/completions":
+                return await generate(scope, receive, send, True)
+            if path == "/v1/completions":
+                return await generate(scope, receive, send, False)
+        await app(scope, receive, send)
+
+    return asgi

@@ -32,6 +32,9 @@ class ServerSettings(msgspec.Struct, kw_only=True):
     default_max_tokens: int = 256
     producer_timeout: float = 10.0
     loop_lag_interval: float = 0.01
+    manage_gc: bool = True  # collect garbage from the ticker, not wherever a threshold is passed
+    loop_budget: float = 0.003  # seconds of chunk formatting (and request set-up) per loop iteration
+    hub_yield_every: int = 64  # records the Hub routes between two yields to the loop
     start_timeout: float = 120.0
 
 
@@ -60,7 +63,7 @@ class Backend:
         if cfg.transport == "ring":
             self.engines = EngineGroup(cfg, pd=self.settings.pd)
             names = await self.engines.start(self.settings.start_timeout)
-            hub = Hub(names, producer_timeout=self.settings.producer_timeout)
+            hub = Hub(names, producer_timeout=self.settings.producer_timeout, yield_every=self.settings.hub_yield_every)
             await hub.__aenter__()
             self.source = hub
         else:

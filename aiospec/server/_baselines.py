@@ -50,9 +50,7 @@ async def open_api_side(cfg: EngineConfig) -> BaselineApiSide:
         limits = raise_msg_limits()
         msgmax = limits.get("msgmax", {}).get("value", 0)
         if msgmax < TOPK_MSG_BYTES:
-            raise RuntimeError(
-                f"kernel.msgmax = {msgmax}: the FastDeploy-style path needs {TOPK_MSG_BYTES} ({limits})"
-            )
+            raise RuntimeError(f"kernel.msgmax = {msgmax}: the FastDeploy-style path needs {TOPK_MSG_BYTES} ({limits})")
         fhub = FastDeployStyleHub()
         await fhub.__aenter__()
         return BaselineApiSide(fhub, str(fhub.key))
