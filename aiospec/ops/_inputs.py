@@ -30,7 +30,7 @@ _DLPACK_CPU = 1
 _DLPACK_CUDA = (2, 13)  # kDLCUDA, kDLCUDAManaged
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(slots=True)
 class TensorRef:
     """One input as the op sees it: where it lives, what it holds, and what keeps it alive."""
 
@@ -61,17 +61,10 @@ def _c_contiguous(shape: tuple[int, ...], strides: tuple[int, ...] | None, items
 
 
 def _from_numpy(name: str, arr: np.ndarray[Any, Any], owner: Any) -> TensorRef:
-    return TensorRef(
-        name=name,
-        shape=tuple(int(d) for d in arr.shape),
-        dtype=arr.dtype,
-        ptr=int(arr.ctypes.data),
-        device="cpu",
-        device_id=-1,
-        contiguous=bool(arr.flags.c_contiguous) and arr.dtype.byteorder in "=|<",
-        owner=owner,
-        array=arr,
-    )
+    # positional and without conversions: this runs for every input of every emit call
+    dtype = arr.dtype
+    contiguous = arr.flags.c_contiguous and dtype.byteorder in "=|<"
+    return TensorRef(name, arr.shape, dtype, arr.ctypes.data, "cpu", -1, contiguous, owner, arr)
 
 
 def _from_cuda_array_interface(name: str, obj: Any, device_id: int) -> TensorRef:
@@ -272,12 +265,16 @@ def _ptr(ref: TensorRef) -> int:
     return ref.ptr or (_EMPTY_PTR if ref.device == "cpu" else 0)
 
 
+# little-endian (or native) dtypes the op takes, by numpy's dtype.str (cheaper than .name)
+_DTYPE_NAMES = {"<i4": "int32", "<i8": "int64", "<f4": "float32"}
+
+
 def _check(ref: TensorRef, ndim: int, dtypes: tuple[str, ...], lead: int | None) -> None:
     """Dimensions, dtype, leading size and contiguity of one tensor."""
     name = ref.name
     if len(ref.shape) != ndim:
         raise EmitError(f"{name}: expected a {ndim}-D tensor, got shape {list(ref.shape)}")
-    if ref.dtype.kind not in "iuf" or ref.dtype.name not in dtypes or ref.dtype.byteorder == ">":
+    if _DTYPE_NAMES.get(ref.dtype.str) not in dtypes:
         raise EmitError(f"{name}: expected dtype {' or '.join(dtypes)}, got {ref.dtype}")
     if lead is not None and ref.shape[0] != lead:
         want = [lead] if ndim == 1 else [lead, "*"]
