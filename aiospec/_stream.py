@@ -180,17 +180,34 @@ class _Chunk:
     """Tokens copied out of frames into the stream's own arrays; quacks like a ``Frame``
     (the columns a segment reads), so frames and chunks are gathered the same way."""
 
-    __slots__ = ("token_ids", "logprobs", "ranks", "topk_ids", "topk_logprobs", "has_logprobs", "k", "drafts")
+    __slots__ = (
+        "token_ids", "logprobs", "ranks", "topk_ids", "topk_logprobs", "has_logprobs", "k", "drafts", "step",
+        "records",
+    )  # fmt: skip
 
     draft_offsets = None  # drafts are kept whole in ``drafts``
 
-    def __init__(self, segs: list[_Seg], has_lp: bool, k: int) -> None:
-        self.has_logprobs, self.k = has_lp, k
+    def __init__(self, segs: list[_Seg]) -> None:
+        self.has_logprobs, self.k = has_lp, k = _columns(segs)
         self.token_ids, self.logprobs, self.ranks, self.topk_ids, self.topk_logprobs = _gather(segs, has_lp, k)
         self.drafts = _drafts(segs, copy=True)
+        self.step = segs[-1][0].step
+        self.records = _records(segs)
 
 
 _Seg = tuple[Any, int, int, int]  # (Frame or _Chunk, row, first token, end token)
+
+
+def _columns(segs: list[_Seg]) -> tuple[bool, int]:
+    """The columns every record of ``segs`` has: logprobs or not, and the narrowest top-k."""
+    if len(segs) == 1:
+        f = segs[0][0]
+        return f.has_logprobs, f.k
+    return all(s[0].has_logprobs for s in segs), min(s[0].k for s in segs)
+
+
+def _records(segs: list[_Seg]) -> int:
+    return sum(s[0].records if type(s[0]) is _Chunk else 1 for s in segs)
 
 
 def _gather(segs: list[_Seg], has_lp: bool, k: int) -> tuple[Any, Any, Any, Any, Any]:
@@ -220,8 +237,10 @@ def _drafts(segs: list[_Seg], copy: bool = False) -> list[np.ndarray] | None:
     return out
 
 
-def _narrow(f: Any, a: int, b: int, k: int) -> tuple[np.ndarray, np.ndarray]:
-    return f.topk_ids[a:b, :k], f.topk_logprobs[a:b, :k]
+def _join(drafts: list[np.ndarray] | None) -> np.ndarray | None:
+    if drafts is None:
+        return None
+    return drafts[0] if len(drafts) == 1 else np.concatenate(drafts)
 
 
 class Collector:
@@ -232,23 +251,19 @@ class Collector:
     """
 
     __slots__ = (
-        "handle", "rings", "_segs", "_nfr", "_ntok", "_nsteps", "_first", "_finished", "_step",
-        "_has_lp", "_k", "_error", "_ended", "_closed", "_end_read", "_routed", "_waiter",
-        "_wake_queued", "_forget",
+        "handle", "rings", "_segs", "_limit", "_first", "_finished", "_error", "_ended", "_closed",
+        "_end_read", "_routed", "_waiter", "_wake_queued", "_forget",
     )  # fmt: skip
 
     def __init__(self, handle: int, rings: frozenset[str] | None, forget: Callable[[Collector], None]) -> None:
         self.handle = handle
         self.rings = rings  # rings whose failure ends this stream (None: every ring)
-        self._segs: list[_Seg] = []  # chunks first, then the records still in their frames
-        self._nfr = 0  # trailing segments that are frames
-        self._ntok = 0
-        self._nsteps = 0
+        # pending records: chunks first, then (frame, row, a, b) of records still in their
+        # frame; step, columns and counts are derived when read, so that put stays minimal
+        self._segs: list[_Seg] = []
+        self._limit = _MAX_SEGMENTS  # compact when more segments than this (chunks + frames)
         self._first = False
         self._finished = False
-        self._step = 0
-        self._has_lp = True  # narrowed to the columns every merged record has
-        self._k = L.MAX_TOPK
         self._error: StreamError | None = None
         self._ended = False  # no more records will come (finished, failed, closed)
         self._closed = False  # the consumer closed the stream
@@ -262,26 +277,23 @@ class Collector:
 
     def put(self, frame: Frame, row: int, a: int, b: int, flags: int) -> bool:
         """Merge record ``row`` of ``frame`` (tokens ``a:b``) into the pending delta."""
-        if b > a or not flags & _ERROR_FLAGS:  # an error with no token adds no delta
-            self._segs.append((frame, row, a, b))
-            self._ntok += b - a
-            self._nsteps += 1
-            self._step = frame.step
-            if not frame.has_logprobs:
-                self._has_lp = False
-            if frame.k < self._k:
-                self._k = frame.k
-            self._nfr += 1
-            if self._nfr > _MAX_SEGMENTS:
-                self._compact()
         if flags:
-            self._flags(flags)
+            self._flags(flags, frame, row, a, b)
+        else:
+            segs = self._segs
+            segs.append((frame, row, a, b))
+            if len(segs) > self._limit:
+                self._compact()
         if self._waiter is not None and not self._wake_queued:
             self._wake_queued = True
             return True
         return False
 
-    def _flags(self, flags: int) -> None:
+    def _flags(self, flags: int, frame: Frame, row: int, a: int, b: int) -> None:
+        if b > a or not flags & _ERROR_FLAGS:  # an error with no token adds no delta
+            self._segs.append((frame, row, a, b))
+            if len(self._segs) > self._limit:
+                self._compact()
         if flags & L.FLAG_FIRST_TOKEN:
             self._first = True
         if flags & _ERROR_FLAGS:
@@ -318,7 +330,7 @@ class Collector:
 
     def get_nowait(self) -> Delta | None:
         """The pending delta, or None when nothing arrived yet; raises at the end."""
-        if self._nsteps:
+        if self._segs:
             return self._take()
         if self._closed:
             raise StreamClosed(f"stream of request {self.handle:#x} is closed", self.handle)
@@ -331,23 +343,25 @@ class Collector:
 
     def _take(self) -> Delta:
         segs = self._segs
-        has_lp, k = self._has_lp, self._k
-        lp = rank = tki = tkl = None
-        draft = None
+        lp = rank = tki = tkl = draft = None
         if len(segs) == 1:  # views of the frame copy (or of the chunk): nothing is copied
             f, _, a, b = segs[0]
             tok = f.token_ids[a:b]
-            if has_lp:
+            if f.has_logprobs:
                 lp, rank = f.logprobs[a:b], f.ranks[a:b]
-                if k:
-                    tki, tkl = (f.topk_ids[a:b], f.topk_logprobs[a:b]) if f.k == k else _narrow(f, a, b, k)
-            if f.draft_offsets is not None or isinstance(f, _Chunk):
-                drafts = _drafts(segs)
-                draft = None if drafts is None else drafts[0] if len(drafts) == 1 else np.concatenate(drafts)
+                if f.k:
+                    tki, tkl = f.topk_ids[a:b], f.topk_logprobs[a:b]
+            steps = 1
+            if type(f) is _Chunk:
+                steps = f.records
+                draft = _join(f.drafts)
+            elif f.draft_offsets is not None:
+                draft = _join(_drafts(segs))
         else:
+            has_lp, k = _columns(segs)
             tok, lp, rank, tki, tkl = _gather(segs, has_lp, k)
-            drafts = _drafts(segs)
-            draft = None if drafts is None else drafts[0] if len(drafts) == 1 else np.concatenate(drafts)
+            draft = _join(_drafts(segs))
+            steps = _records(segs)
         delta = Delta(
             token_ids=tok,
             logprobs=lp,
@@ -357,30 +371,31 @@ class Collector:
             draft_ids=draft,
             first_token=self._first,
             finished=self._finished,
-            num_steps=self._nsteps,
-            step=self._step,
+            num_steps=steps,
+            step=segs[-1][0].step,
         )
         if self._finished:
             self._end_read = True
         self._segs = []
-        self._nfr = self._ntok = self._nsteps = 0
+        self._limit = _MAX_SEGMENTS
         self._first = False
-        self._has_lp, self._k = True, L.MAX_TOPK
         return delta
 
     def _compact(self) -> None:
         """Copy the records still in frames into a chunk, so few frames stay pinned; merge it
         with earlier chunks that are not much larger (each token is copied O(log n) times)."""
-        segs, n = self._segs, self._nfr
-        has_lp, k = self._has_lp, self._k
-        chunk = _Chunk(segs[-n:], has_lp, k)
-        del segs[-n:]
-        self._nfr = 0
+        segs = self._segs
+        i = len(segs)
+        while i and type(segs[i - 1][0]) is not _Chunk:
+            i -= 1
+        chunk = _Chunk(segs[i:])
+        del segs[i:]
         size = chunk.token_ids.shape[0]
         while segs and segs[-1][3] <= 2 * size:
-            chunk = _Chunk([segs.pop(), (chunk, 0, 0, size)], has_lp, k)
+            chunk = _Chunk([segs.pop(), (chunk, 0, 0, size)])
             size = chunk.token_ids.shape[0]
         segs.append((chunk, 0, 0, size))
+        self._limit = len(segs) + _MAX_SEGMENTS
 
     def close(self) -> None:
         """Consumer-side close: forget the handle, fail a waiter with StreamClosed."""
@@ -388,7 +403,6 @@ class Collector:
             return
         self._closed = True
         self._segs = []
-        self._nfr = self._ntok = self._nsteps = 0
         if not self._ended:
             self._ended = True
             if self._routed:
@@ -399,9 +413,9 @@ class Collector:
     def statistics(self) -> StreamStatistics:
         return StreamStatistics(
             handle=self.handle,
-            buffered_tokens=self._ntok,
-            buffered_steps=self._nsteps,
-            pinned_frames=len({id(s[0]) for s in self._segs[len(self._segs) - self._nfr :]}),
+            buffered_tokens=sum(s[3] - s[2] for s in self._segs),
+            buffered_steps=_records(self._segs),
+            pinned_frames=len({id(s[0]) for s in self._segs if type(s[0]) is not _Chunk}),
             waiting=self._waiter is not None,
             routed=self._routed,
             ended=self._ended,
@@ -437,7 +451,7 @@ class RequestStream:
         """Wait for the next delta (``get_nowait() or await`` the router's wake-up)."""
         c = self._c
         while True:
-            if c._nsteps:
+            if c._segs:
                 return c._take()
             d = c.get_nowait()
             if d is not None:
@@ -480,7 +494,7 @@ class RequestStream:
     def __repr__(self) -> str:
         c = self._c
         state = "closed" if c._closed else "ended" if c._ended else "open"
-        return f"<RequestStream handle={c.handle:#x} {state} buffered_tokens={c._ntok}>"
+        return f"<RequestStream handle={c.handle:#x} {state} buffered_tokens={c.statistics().buffered_tokens}>"
 
     def __del__(self) -> None:
         c = self._c

@@ -194,15 +194,13 @@ class _Pending:
             "finished": self.finished,
             "num_steps": self.steps,
         }
-        if self.lp_ids and len(self.ranks) == self.steps:
-            return make_delta(
-                tokens,
-                np.concatenate(self.lp_ids),
-                np.concatenate(self.lp_values),
-                np.concatenate(self.ranks),
-                **kw,
-            )
-        return make_delta(tokens, None, None, None, **kw)
+        if not self.lp_ids or len(self.ranks) != self.steps:
+            return make_delta(tokens, None, None, None, **kw)
+        if self.steps == 1:  # the common case when the consumer keeps up: the decoded arrays as they are
+            return make_delta(tokens, self.lp_ids[0], self.lp_values[0], self.ranks[0], **kw)
+        return make_delta(
+            tokens, np.concatenate(self.lp_ids), np.concatenate(self.lp_values), np.concatenate(self.ranks), **kw
+        )
 
 
 class VllmStyleStream(BaselineStream):
