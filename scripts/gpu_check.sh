@@ -88,21 +88,29 @@ if has sanitize; then
 fi
 
 if has variants; then
-  # measurement builds of the driver (AIOSPEC_FENCE_MODE in emit_cuda_kernels.h): GPU time
-  # per emit for each, rows per block 4..32 for the default, and the correctness checks for
-  # the strict build
-  nvcc -arch=sm_90 -O2 -std=c++17 -Icsrc/include -DAIOSPEC_FENCE_MODE=0 csrc/cuda/tools/emit_check.cu \
-    csrc/cuda/emit_cuda.cu csrc/cpu/emit_cpu.cc -o "$DRIVER.f0" &
-  nvcc -arch=sm_90 -O2 -std=c++17 -Icsrc/include -DAIOSPEC_FENCE_MODE=3 csrc/cuda/tools/emit_check.cu \
-    csrc/cuda/emit_cuda.cu csrc/cpu/emit_cpu.cc -o "$DRIVER.f3" &
+  # measurement builds of the driver (AIOSPEC_FENCE_MODE, AIOSPEC_THREADS in
+  # emit_cuda_kernels.h): GPU time per emit for each, rows per block 4..32 for the default
+  build_variant() {  # NAME FLAGS...
+    local name=$1
+    shift
+    nvcc -arch=sm_90 -O2 -std=c++17 -Icsrc/include "$@" csrc/cuda/tools/emit_check.cu csrc/cuda/emit_cuda.cu \
+      csrc/cpu/emit_cpu.cc -o "$DRIVER.$name"
+  }
+  build_variant f0 -DAIOSPEC_FENCE_MODE=0 &
+  build_variant f2 -DAIOSPEC_FENCE_MODE=2 &
+  build_variant f3 -DAIOSPEC_FENCE_MODE=3 &
+  build_variant t128 -DAIOSPEC_THREADS=128 &
+  build_variant t512 -DAIOSPEC_THREADS=512 &
   wait
   variants() {
-    echo "## default build (fence mode 1), rows per block 4 8 16 32"
+    echo "## default build (fence mode 1, 256 threads), rows per block 4 8 16 32"
     "$DRIVER" time 4 8 16 32
-    echo "## strict fences (mode 0)"
-    "$DRIVER.f0" time 8
-    "$DRIVER.f0" 60 | tail -n 2
-    echo "## no fences (mode 3, a lower bound)"
+    for v in f0 f2 t128 t512; do
+      echo "## $v"
+      "$DRIVER.$v" time 8
+      "$DRIVER.$v" 60 | tail -n 1
+    done
+    echo "## f3: no fences, a lower bound"
     "$DRIVER.f3" time 8
   }
   export DRIVER

@@ -31,7 +31,7 @@ using aiospec::cuda::RingRef;
 using aiospec::cuda::State;
 
 constexpr int kDefaultRowsPerBlock = 8;
-constexpr int kMaxRowsPerBlock = 128;
+constexpr int kMaxRowsPerBlock = aiospec::cuda::kThreads / 2;
 // Every block reads every row's counts, so past this many blocks the rows per block grow.
 constexpr long long kMaxBlocks = 264;
 

@@ -46,15 +46,21 @@
 //     commit word. The PAD frame has its own fence before its commit.
 //   0 strict: every thread fences after its stores, the last block fences before and after
 //     the commit as well.
+//   2 gpu: the blocks fence at gpu scope only; the commit's release at system scope carries
+//     their stores (cumulativity of the PTX memory model).
 //   3 none: no fences and a plain commit store; a lower bound, not a correct protocol.
+// AIOSPEC_THREADS: threads per block.
 #ifndef AIOSPEC_FENCE_MODE
 #define AIOSPEC_FENCE_MODE 1
+#endif
+#ifndef AIOSPEC_THREADS
+#define AIOSPEC_THREADS 256
 #endif
 
 namespace aiospec {
 namespace cuda {
 
-constexpr int kThreads = 256;
+constexpr int kThreads = AIOSPEC_THREADS;
 constexpr uint64_t kNoError = ~0ull;
 constexpr uint64_t kFrameSizeKey = ~0ull - 1;  // aiospec_error_order of E_FRAME_SIZE
 
@@ -500,7 +506,7 @@ __global__ void __launch_bounds__(kThreads)
   __syncthreads();
   if (tid == 0) {
     if (s_idkey != kNoError) atomicMin(&st->key, s_idkey);
-#if AIOSPEC_FENCE_MODE == 3
+#if AIOSPEC_FENCE_MODE >= 2
     __threadfence();
 #else
     __threadfence_system();  // the block's stores (ordered by the barrier) before it counts
