@@ -49,7 +49,7 @@ enum class RingErrc : int {
 
 class RingError : public std::runtime_error {
  public:
-  RingError(RingErrc code, const std::string& what, int err = 0) : std::runtime_error(what), code(code), err(err) {}
+  RingError(RingErrc c, const std::string& what, int e = 0) : std::runtime_error(what), code(c), err(e) {}
   RingErrc code;
   int err;
 };
