@@ -47,7 +47,7 @@ from aiospec.openai import (
 from aiospec.server._backend import Backend, ServerSettings
 from aiospec.server._metrics import Metrics
 from aiospec.server._pacer import Pacer
-from aiospec.server._ready import ready_turn
+from aiospec.server._ready import paced_get
 from aiospec.server._requests import ApiError, Parsed, parse_chat, parse_completion
 
 __all__ = ("create_app",)
@@ -290,13 +290,12 @@ class _Generation(Response):
         while True:
             if pieces:
                 await pacer.turn()
-            else:
-                # wait for data and for this iteration's budget, then take all that arrived
-                await ready_turn(stream, pacer)
             t0 = time.perf_counter()
             if not pieces:
                 try:
-                    got = stream.get_nowait()
+                    # wait for data and for this iteration's budget, then take all that arrived
+                    got = await paced_get(stream, pacer)
+                    t0 = time.perf_counter()
                 except (StreamClosed, EndOfStream):
                     return False
                 except StreamError as exc:

@@ -1,11 +1,13 @@
-"""Waiting until a request stream has something to read, without reading it.
+"""Taking a request stream's next delta at a paced moment.
 
 The server paces its work per event-loop iteration (``_pacer``); the piece of work to pace
 starts with taking the stream's pending delta (merging every record buffered since the last
-read), so the wait for data and the take must be separate steps. ``RequestStream`` and the
-baseline streams only offer ``get()`` (wait and take); until they offer a public readiness
-wait, this module waits on their internal wake-up primitives, read-only except for the
-waiter slot that ``get()`` itself uses.
+read), so waiting for data and taking it should be separate steps. ``RequestStream`` offers
+``get()`` (wait, then take) and a public ``statistics()``; until it offers a public wait that
+does not take, ``paced_get`` chains the stream's waiter future (the slot ``get()`` itself
+uses) into the pacer, so a ready stream costs a callback until its turn comes, not a task
+wake-up. Streams without that slot (the baselines, or a changed ``RequestStream``) fall
+back to ``get()`` and then the pacer.
 """
 
 from __future__ import annotations
@@ -15,56 +17,39 @@ from typing import Any
 
 from aiospec.server._pacer import Pacer
 
-__all__ = ("ready_turn", "wait_ready")
+__all__ = ("paced_get",)
 
 
-async def ready_turn(stream: Any, pacer: Pacer) -> None:
-    """Wait until the stream has something to read and this loop iteration has budget left.
-
-    For ``aiospec.RequestStream`` the collector's single waiter future is chained into the
-    pacer's queue (a callback, no task wake-up until the turn); other streams wait, then queue.
-    """
+def _collector(stream: Any) -> Any:
     c = getattr(stream, "_c", None)
-    if c is None or c._nsteps or c._ended or c._closed or c._waiter is not None:
-        await wait_ready(stream)
+    if c is None or not hasattr(c, "_waiter") or not hasattr(c, "_wake_queued") or not hasattr(stream, "statistics"):
+        return None
+    return c
+
+
+def _has_news(stream: Any) -> bool:
+    st = stream.statistics()
+    return bool(st.buffered_steps or st.ended or st.closed)
+
+
+async def paced_get(stream: Any, pacer: Pacer) -> Any:
+    """The stream's next delta (None if a wake-up brought nothing), taken during a paced turn;
+    raises what ``get_nowait()`` raises (end of stream, stream errors)."""
+    c = _collector(stream)
+    if c is None or c._waiter is not None:
+        d = stream.get_nowait() or await stream.get()
         await pacer.turn()
-        return
-    fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-    c._waiter = fut
-    try:
-        await pacer.after(fut)
-    finally:
-        c._waiter = None
-        c._wake_queued = False
-        if not fut.done():
-            fut.cancel()
-
-
-async def wait_ready(stream: Any) -> None:
-    """Return once ``stream.get_nowait()`` would return a delta or raise (end, error, closed)."""
-    c = getattr(stream, "_c", None)
-    if c is not None:  # aiospec.RequestStream: its collector
-        if c._nsteps or c._ended or c._closed:
-            return
-        if c._waiter is not None:
-            await stream.get()  # raises StreamBusy, as a second reader would
-            return
+        return d
+    if not _has_news(stream):
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         c._waiter = fut
         try:
-            await fut
+            await pacer.after(fut)
         finally:
             c._waiter = None
             c._wake_queued = False
-        return
-    if stream._ended or stream._closed:
-        return
-    if hasattr(stream, "_out"):  # the vLLM-style collector: a slot and an Event
-        if stream._out is None:
-            await stream._wait()
-        return
-    if hasattr(stream, "_head"):  # the FastDeploy-style queue: _wait() moves its head aside
-        if stream._head is None and stream._q.empty():
-            await stream._wait()
-        return
-    raise TypeError(f"{type(stream).__name__}: no known way to wait for data")
+            if not fut.done():
+                fut.cancel()
+    else:
+        await pacer.turn()
+    return stream.get_nowait()
