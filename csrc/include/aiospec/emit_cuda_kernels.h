@@ -18,7 +18,8 @@
 //     area, the msgpack header, the position word and every padding word; each block writes
 //     its rows' columns and checks their int64 ids;
 //   * the last block to finish (threadfence reduction on a device counter) publishes: zero
-//     the next header, release-store the 8-byte commit word, then head and counters.
+//     the next header, release-store the 8-byte commit word at system scope, then head and
+//     counters.
 // An error (the first in emit.h's order: smallest aiospec_error_order key, details recomputed
 // with aiospec_check_row) or a ring that stayed full means no commit: the error goes to a
 // word in mapped host memory and frames_lost rises, in the control page too.
@@ -39,19 +40,20 @@
 #include "aiospec/emit_cuda.h"
 #include "aiospec/layout.h"
 
-// Measurement switch (scripts/gpu_check.sh "variants"; docs/benchmarks.md has the numbers):
-// where the system-scope ordering is paid.
-//   1 (default) every block, after its barrier, fences at system scope once (cumulative over
-//     the block's stores) before it counts itself done; the last block release-stores the
-//     commit word. The PAD frame has its own fence before its commit.
-//   0 strict: every thread fences after its stores, the last block fences before and after
-//     the commit as well.
-//   2 gpu: the blocks fence at gpu scope only; the commit's release at system scope carries
-//     their stores (cumulativity of the PTX memory model).
+// Measurement switches (scripts/gpu_check.sh "variants"; docs/benchmarks.md has the numbers).
+// AIOSPEC_FENCE_MODE, where the system-scope ordering is paid:
+//   2 (default) the threadfence-reduction pattern: each block, after its barrier, fences at
+//     gpu scope and counts itself done; the last block's commit is a release store at system
+//     scope, which carries every block's stores with it (release cumulativity of the PTX
+//     memory model: they precede it in causality order through the barrier and the counter).
+//     The PAD frame has its own system fence before its commit.
+//   1 block: as 2, with a system-scope fence per block before it counts itself done.
+//   0 strict: every thread fences at system scope after its stores, and the last block
+//     fences before and after the commit as well.
 //   3 none: no fences and a plain commit store; a lower bound, not a correct protocol.
 // AIOSPEC_THREADS: threads per block.
 #ifndef AIOSPEC_FENCE_MODE
-#define AIOSPEC_FENCE_MODE 1
+#define AIOSPEC_FENCE_MODE 2
 #endif
 #ifndef AIOSPEC_THREADS
 #define AIOSPEC_THREADS 256
@@ -509,7 +511,7 @@ __global__ void __launch_bounds__(kThreads)
 #if AIOSPEC_FENCE_MODE >= 2
     __threadfence();
 #else
-    __threadfence_system();  // the block's stores (ordered by the barrier) before it counts
+    __threadfence_system();  // the block's stores (ordered by the barrier) at system scope
 #endif
     s_last = atomicAdd(&st->blocks_done, 1u) == gridDim.x - 1;
   }
