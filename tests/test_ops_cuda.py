@@ -353,10 +353,10 @@ def test_reader_in_another_process_sees_every_frame(torch: Any) -> None:
     rng = np.random.default_rng(13)
     steps = [
         make_step(rng, int(rows), mode="speculative", k_max=int(k), step=i)
-        for i, (rows, k) in enumerate(zip(rng.integers(0, 300, 60), rng.choice([0, 5, 20], 60), strict=True))
+        for i, (rows, k) in enumerate(zip(rng.integers(0, 300, 200), rng.choice([0, 5, 20], 200), strict=True))
     ]
     ctx = multiprocessing.get_context("spawn")
-    with shm.Ring.create(capacity=8 << 20, max_record=2 << 20) as ring:
+    with shm.Ring.create(capacity=16 << 20, max_record=2 << 20) as ring:
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=read_frames, args=(ring.name, len(steps), child, 60.0))
         proc.start()
