@@ -308,7 +308,9 @@ class Ring:
         size = L.align(L.FRAME_HEADER + n, L.FRAME_ALIGN)
         if size > self._max_record:
             raise ValueError(f"reserve: n = {n}: a frame of {size} bytes exceeds max_record = {self._max_record}")
-        head = self._head
+        head = self._q[L.OFF_HEAD // 8]
+        if head != self._head:
+            self._adopt_head(head)
         off = head & self._mask
         pad = self._capacity - off if size > self._capacity - off else 0
         need = pad + size + L.FRAME_HEADER  # + the next frame's header, zeroed at commit
@@ -320,6 +322,16 @@ class Ring:
         self._reserved = (head, n)
         start = L.CONTROL_SIZE + (head & self._mask) + L.FRAME_HEADER
         return self._buf[start : start + n]
+
+    def _adopt_head(self, head: int) -> None:
+        # A native producer (the C++/CUDA emit op) wrote frames through its own mapping since
+        # our last commit: continue after them instead of overwriting them.
+        q = self._q
+        self._head = head
+        self._frames_written = q[L.OFF_FRAMES_WRITTEN // 8]
+        self._bytes_written = q[L.OFF_BYTES_WRITTEN // 8]
+        self._w[L.OFF_PRODUCER_PID // 4] = os.getpid()
+        self._w[L.OFF_PRODUCER_STATE // 4] = L.PRODUCER_LIVE
 
     def commit(self, n: int | None = None) -> int:
         """Publish the reserved frame (its first ``n`` bytes, default all); returns its position."""
@@ -679,6 +691,9 @@ class Reader:
         self._cap = ring._capacity
         self._mask = ring._mask
         self._max_record = ring._max_record
+        self._poller = select.poll()
+        self._poller.register(bell, select.POLLIN)
+        self._pid_check_due = 0.0  # monotonic time of wait()'s next look at the producer's pid
 
     @property
     def slot(self) -> int:
@@ -780,11 +795,10 @@ class Reader:
         ring = self._ring
         ring._w[ring._sl[self._slot]] = 0
         ring._q[ring._hb[self._slot]] = time.monotonic_ns()
-        try:
-            while os.read(self._bell, 4096):
+        # one read empties the FIFO unless more than 4096 rings piled up
+        with suppress(BlockingIOError):
+            while len(os.read(self._bell, 4096)) == 4096:
                 pass
-        except BlockingIOError:
-            pass
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until a frame is readable (True) or ``timeout`` seconds pass (False).
@@ -801,11 +815,15 @@ class Reader:
         while time.monotonic() < spin_until:
             if self.pending():
                 return True
-        poller = select.poll()
-        poller.register(self._bell, select.POLLIN)
         while True:
             self._check_slot()
-            self.check_producer()
+            # the pid check reads /proc (tens of microseconds): at most once per recheck
+            # interval, which also bounds how late a dead producer is noticed
+            now = time.monotonic()
+            check_pid = now >= self._pid_check_due
+            if check_pid:
+                self._pid_check_due = now + self._recheck
+            self._check_producer(check_pid)
             left = self._recheck
             if deadline is not None:
                 left = min(left, deadline - time.monotonic())
@@ -814,7 +832,7 @@ class Reader:
             if not self.sleep_begin():
                 return True
             try:
-                poller.poll(max(0.0, left) * 1000.0)
+                self._poller.poll(max(0.0, left) * 1000.0)
             finally:
                 self.sleep_end()
             if self.pending():
@@ -822,6 +840,9 @@ class Reader:
 
     def check_producer(self) -> None:
         """Raise ``ProducerGone`` if the producer is gone and no frame is left to read."""
+        self._check_producer(True)
+
+    def _check_producer(self, check_pid: bool) -> None:
         c32 = self._ring._w
         state = int(c32[L.OFF_PRODUCER_STATE // 4])
         reason = None
@@ -829,7 +850,7 @@ class Reader:
             reason = "closed the ring"
         else:
             pid = int(c32[L.OFF_PRODUCER_PID // 4])
-            if state == L.PRODUCER_LIVE and self._ring._check_pids and not _pid_alive(pid):
+            if state == L.PRODUCER_LIVE and check_pid and self._ring._check_pids and not _pid_alive(pid):
                 reason = f"(pid {pid}) exited"
             elif self._producer_timeout is not None:
                 age = (time.monotonic_ns() - int(self._ring._q[L.OFF_HEARTBEAT_NS // 8])) / 1e9

@@ -309,6 +309,7 @@ class RingProducer {
       throw RingError(RingErrc::invalid, "reserve: n = " + std::to_string(n) + ": a frame of " + std::to_string(size) +
                                              " bytes exceeds max_record = " + std::to_string(map_.max_record));
     }
+    adopt_head();
     const uint64_t off = head_ & map_.mask;
     const uint64_t pad = size > map_.capacity - off ? map_.capacity - off : 0;
     const uint64_t need = pad + size + AIOSPEC_FRAME_HEADER;  // + the next header, zeroed at commit
@@ -317,6 +318,17 @@ class RingProducer {
     reserved_ = true;
     reserved_n_ = n;
     return map_.data() + (head_ & map_.mask) + AIOSPEC_FRAME_HEADER;
+  }
+
+  // Another writer of this ring (a Python Ring.write between two emits) may have committed
+  // frames since our last commit: continue after them instead of overwriting them.
+  void adopt_head() {
+    const uint64_t head = load_acquire(map_.ctl64(AIOSPEC_OFF_HEAD));
+    if (head == head_) return;
+    head_ = head;
+    frames_written_ = load_relaxed(map_.ctl64(AIOSPEC_OFF_FRAMES_WRITTEN));
+    bytes_written_ = load_relaxed(map_.ctl64(AIOSPEC_OFF_BYTES_WRITTEN));
+    store_relaxed(map_.ctl32(AIOSPEC_OFF_PRODUCER_PID), uint32_t(getpid()));
   }
 
   // Drops a reservation without publishing it (the space is simply reused).
