@@ -230,6 +230,7 @@ def _reader_main(kind: str, endpoint: Any, seen_path: str, conn: Any, cpu: int |
     if cpu is not None:
         os.sched_setaffinity(0, {cpu})
     seen = np.memmap(seen_path, dtype=np.int64, mode="r+")
+    half = seen.shape[0] // 2  # seen[step]: when it was decoded; seen[half + step]: step done
     rbuf = ctypes.create_string_buffer(8 + FD_MSGSZ)
     libc = _libc() if kind == "sysv" else None
     fifo = os.open(endpoint, os.O_RDONLY) if kind == "pipe" else -1
@@ -255,10 +256,12 @@ def _reader_main(kind: str, endpoint: Any, seen_path: str, conn: Any, cpu: int |
                 if zero_copy:  # decoded in place; the copy-out follows the timestamp
                     f = decode_frame(frames[0])
                     _ = (f.token_ids, f.logprobs, f.topk_ids)  # the columns, as numpy views
-                    seen[f.step] = now_ns()
+                    step = f.step
+                    seen[step] = now_ns()
                     payload = bytes(frames[0])
                     del f
                     reader.release()
+                    seen[half + step] = 1
                     continue
                 payload = bytes(frames[0])
                 reader.release()
@@ -287,6 +290,7 @@ def _reader_main(kind: str, endpoint: Any, seen_path: str, conn: Any, cpu: int |
                          recs["ranks"][:bsz].copy())  # fmt: skip
                     step = int(meta[0]) - 1
             seen[step] = now_ns()
+            seen[half + step] = 1
         if reader is not None:
             reader.close()
         if ring is not None:
@@ -329,7 +333,7 @@ class ReaderProcess:
 @contextlib.contextmanager
 def seen_array(n: int) -> Iterator[tuple[str, np.memmap[Any, Any]]]:
     path = f"/dev/shm/aiospec-bench-seen-{os.getpid()}"
-    arr = np.memmap(path, dtype=np.int64, mode="w+", shape=(n,))
+    arr = np.memmap(path, dtype=np.int64, mode="w+", shape=(2 * n,))
     try:
         yield path, arr
     finally:
@@ -344,11 +348,12 @@ FEW_CORES = len(os.sched_getaffinity(0)) < 4
 
 
 def wait_seen(seen: np.memmap[Any, Any], step: int, timeout: float = 30.0) -> int:
+    """Wait until the reader is done with ``step`` (the next step then finds it idle)."""
     deadline = time.monotonic() + timeout
+    half = seen.shape[0] // 2
     while True:
-        v = int(seen[step])
-        if v:
-            return v
+        if int(seen[half + step]):
+            return int(seen[step])
         if time.monotonic() > deadline:
             raise TimeoutError(f"step {step} was never seen by the reader")
         if FEW_CORES:
