@@ -54,6 +54,8 @@ def _release_fence() -> None:
 _acquire_fence = _release_fence
 
 _DATA_TYPES = (L.FRAME_DATA, L.FRAME_PAD)
+_FRAME_HEADER = L.FRAME_HEADER
+_ALIGN_M1 = L.FRAME_ALIGN - 1
 _COMMIT_LEN_MASK = 0xFFFFFFFF
 
 
@@ -135,6 +137,8 @@ class Ring:
         # per-slot word indexes into _w (u32 fields) and _q (u64 fields)
         self._st = [_slot_word(i, L.RD_STATE, 4) for i in slots]
         self._sl = [_slot_word(i, L.RD_SLEEPING, 4) for i in slots]
+        # every slot's sleeping word as one strided view: any() scans them in C on each commit
+        self._sleepers = self._w[self._sl[0] :: L.READER_STRIDE // 4][: self._max_readers]
         self._gn = [_slot_word(i, L.RD_GENERATION, 4) for i in slots]
         self._pd = [_slot_word(i, L.RD_PID, 4) for i in slots]
         self._tl = [_slot_word(i, L.RD_TAIL, 8) for i in slots]
@@ -300,12 +304,13 @@ class Ring:
         Fill the view, then ``commit()``. Waits up to ``timeout`` seconds (``None``: forever)
         for the slowest reader, then raises ``RingFull`` naming the lagging readers.
         """
-        self._require_producer("reserve")
+        if self._closed or not self._producing:
+            self._require_producer("reserve")
         if self._reserved is not None:
             raise RingError("reserve: a reservation is pending; commit() it first")
         if not isinstance(n, int) or n < 0:
             raise ValueError(f"reserve: n = {n!r}: expected a non-negative int")
-        size = L.align(L.FRAME_HEADER + n, L.FRAME_ALIGN)
+        size = (_FRAME_HEADER + n + _ALIGN_M1) & ~_ALIGN_M1
         if size > self._max_record:
             raise ValueError(f"reserve: n = {n}: a frame of {size} bytes exceeds max_record = {self._max_record}")
         head = self._q[L.OFF_HEAD // 8]
@@ -335,7 +340,8 @@ class Ring:
 
     def commit(self, n: int | None = None) -> int:
         """Publish the reserved frame (its first ``n`` bytes, default all); returns its position."""
-        self._require_producer("commit")
+        if self._closed or not self._producing:
+            self._require_producer("commit")
         if self._reserved is None:
             raise RingError("commit: nothing reserved")
         pos, cap = self._reserved
@@ -352,11 +358,8 @@ class Ring:
         q[L.OFF_BYTES_WRITTEN // 8] = self._bytes_written
         q[L.OFF_HEARTBEAT_NS // 8] = time.monotonic_ns()
         _full_fence()  # store(commit) -> load(sleeping): pairs with the reader's sleep_begin()
-        w = self._w
-        for i in self._sl:
-            if w[i]:
-                self._ring_bells(sleepers_only=True)
-                break
+        if any(self._sleepers):
+            self._ring_bells(sleepers_only=True)
         return pos
 
     def write(self, payload: Any, *, timeout: float | None = 5.0) -> int:
@@ -389,7 +392,7 @@ class Ring:
         self._q[L.OFF_HEARTBEAT_NS // 8] = time.monotonic_ns()
 
     def _publish(self, pos: int, n: int, ftype: int) -> None:
-        size = L.align(L.FRAME_HEADER + n, L.FRAME_ALIGN)
+        size = (_FRAME_HEADER + n + _ALIGN_M1) & ~_ALIGN_M1
         word = (L.CONTROL_SIZE + (pos & self._mask)) >> 3
         q = self._q
         q[word] = pos
@@ -635,6 +638,7 @@ class Ring:
         self._closed = True
         if self._owner:
             self.unlink()
+        self._sleepers.release()
         self._q.release()
         self._w.release()
         # a caller may still hold a view of a frame: then the mapping goes with the last view
