@@ -11,12 +11,14 @@ from __future__ import annotations
 import glob
 import multiprocessing as mp
 import os
+import re
 import signal
 import struct
 import sys
 import time
 import zlib
 from collections.abc import Callable, Iterator, Sized
+from contextlib import suppress
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -103,27 +105,58 @@ class ShmTracker:
         return [p for name in self.names for p in segment_files(name)]
 
 
+_DEFAULT_NAME = re.compile(r"^aiospec-[0-9a-f]{32}$")
+_VALID_NAME = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}$")
+
+
 def _shm_names() -> set[str]:
     return set(os.listdir(shm.SHM_DIR))
+
+
+def _held_shm_files() -> set[str]:
+    """Names in /dev/shm that another process has open or mapped (other test runs' rings)."""
+    held: set[str] = set()
+    prefix = shm.SHM_DIR + "/"
+    me = str(os.getpid())
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        if pid == me:
+            continue
+        with suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with suppress(OSError):
+                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if target.startswith(prefix):
+                        held.add(target[len(prefix) :])
+        with suppress(OSError), open(f"/proc/{pid}/maps") as f:
+            for line in f:
+                i = line.find(prefix)
+                if i >= 0:
+                    held.add(line[i + len(prefix) :].split()[0])
+    return held
 
 
 @pytest.fixture(autouse=True, name="shm_tracker")
 def shm_tracker_fixture(monkeypatch: pytest.MonkeyPatch) -> Iterator[ShmTracker]:
     """Record every ring created in this process; fail the test if any file of them remains.
 
-    A create that fails must not leave files either: what appeared in /dev/shm during a
-    failed call is tracked too.
+    A create that fails must not leave files either: an explicit name is tracked as given; for
+    a default name, a new ``aiospec-<hex>`` file that appeared during the failed call and that
+    no process holds open is taken as ours (other processes may create rings meanwhile).
     """
     tracker = ShmTracker()
     create = shm.Ring.create.__func__  # type: ignore[attr-defined]
 
-    def tracking_create(cls: type[shm.Ring], *args: Any, **kw: Any) -> shm.Ring:
+    def tracking_create(cls: type[shm.Ring], /, name: str | None = None, **kw: Any) -> shm.Ring:
         before = _shm_names()
         try:
-            ring: shm.Ring = create(cls, *args, **kw)
+            ring: shm.Ring = create(cls, name, **kw)
         except BaseException:
-            for name in _shm_names() - before:
+            if isinstance(name, str) and _VALID_NAME.match(name) and name not in before:
                 tracker.track(name)
+            elif name is None:
+                new = {n for n in _shm_names() - before if _DEFAULT_NAME.match(n)}
+                for n in new - _held_shm_files() if new else ():
+                    tracker.track(n)
             raise
         tracker.track(ring.name)
         return ring
