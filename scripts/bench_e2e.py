@@ -128,8 +128,8 @@ def main() -> int:
     p.add_argument("--concurrency", type=int, nargs="+", default=[64, 256, 1024])
     p.add_argument("--paths", nargs="+", default=["ring", "vllm", "fastdeploy"],
                    choices=["ring", "vllm", "fastdeploy"])  # fmt: skip
-    p.add_argument("--requests-per-stream", type=float, default=1.0, help="requests = concurrency x this")
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--requests-per-stream", type=float, default=2.0, help="requests = concurrency x this")
+    p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--prompt-words", type=int, default=16)
     p.add_argument("--top-logprobs", type=int, default=5)
     p.add_argument("--max-batch", type=int, default=512, help="engine slots (the FastDeploy struct holds 512)")
@@ -143,6 +143,7 @@ def main() -> int:
     a = p.parse_args()
 
     runs = []
+    load_before = os.getloadavg()
     for c in a.concurrency:
         for path in a.paths:
             r = run_one(path, c, a)
@@ -178,7 +179,14 @@ def main() -> int:
         targets[str(c)] = t
     out = {
         "benchmark": "bench_e2e",
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            # other work on the machine competes with the three processes measured here
+            "loadavg_before": [round(x, 2) for x in load_before],
+            "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+        },
         "settings": {k: v for k, v in vars(a).items() if k != "json"},
         "runs": runs,
         "ratios": ratios,
