@@ -2,9 +2,10 @@
 
 The library (csrc/cuda/, C ABI in csrc/include/aiospec/emit_cuda.h) writes each frame from
 the GPU straight into the ring segment, which it registers with CUDA once. ``emit`` only
-enqueues kernels on a stream: it never synchronizes, so an error the kernels find (a count or
-offset out of range, an id that does not fit int32, a ring that stayed full) surfaces later,
-on the next ``emit`` or on ``check()``, with the same message the CPU path raises at once.
+enqueues one kernel on a stream: it never synchronizes, so an error the kernel finds (a
+count or offset out of range, an id that does not fit int32, a ring that stayed full)
+surfaces later, on the next ``emit`` (after that call's own frame is enqueued) or on
+``check()``, with the same message the CPU path raises at once.
 The frame of that step is then not in the ring and the ring's ``frames_lost`` counter rose,
 so readers report the loss on their streams.
 
@@ -207,12 +208,17 @@ class CudaProducer:
     """Writes frames into one ring from CUDA kernels (see the module docstring); the
     ``aiospec.ops`` backend for CUDA tensors (``_backend.Backend``).
 
-    ``device``: CUDA ordinal of the tensors; ``max_rows``: the largest batch (sizes the
-    device scratch once); ``timeout``: seconds a kernel waits for ring space before the frame
-    is dropped as lost with a ``RingFull`` error; ``reader_timeout``: evict readers silent
-    for longer (dead processes are always evicted when ``check_pids``); ``host_notify``: ring
-    sleeping readers' bells from a host callback after each emit (costs stream time; the
-    default is to call ``notify()`` at a step's synchronization).
+    ``device``: CUDA ordinal of the tensors; ``max_rows``: the largest batch an emit may
+    carry; ``timeout``: seconds the kernel waits for ring space before the frame is dropped
+    as lost with a ``RingFull`` error; ``reader_timeout``: evict readers silent for longer
+    (dead processes are always evicted when ``check_pids``); ``host_notify``: ring sleeping
+    readers' bells from a host callback after each emit (costs stream time; the default is to
+    call ``notify()`` at a step's synchronization); ``rows_per_block``: rows per thread block
+    (8 measured best on the H200); ``liveness_interval``: period of the producer's liveness
+    thread (heartbeat, evicting dead readers that block the ring; 0 = no thread).
+
+    The producer keeps the ring's head in device memory: while it exists nothing else may
+    write into the ring. Emits must be ordered on the GPU (one stream, or ordered streams).
     """
 
     def __init__(
