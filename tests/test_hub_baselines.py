@@ -220,8 +220,15 @@ async def test_fastdeploy_format_limits() -> None:
     async with FastDeployStyleHub() as hub:
         em = FastDeployStyleEmitter(hub.key)
         tok = np.zeros((300, 7), np.int64)
-        with pytest.raises(shm.AiospecError, match=r"^bsz = 300: speculate_save_output holds 256 slots \(MAX_BSZ\)$"):
+        msg = r"^300 live requests: FastDeploy's speculate_save_output struct holds 256 slots \(MAX_BSZ\)$"
+        with pytest.raises(shm.AiospecError, match=msg):
             em.encode(gather(np.arange(300), tok, np.ones(300, np.int32)))
+        lp = {"lp_ids": np.zeros((600, 1)), "lp_values": np.zeros((600, 1)), "lp_ranks": np.ones(600)}
+        msg = r"^600 live requests: FastDeploy's speculate_save_output_topk struct holds 512 slots \(MAX_BSZ\)$"
+        with pytest.raises(shm.AiospecError, match=msg):
+            em.encode(
+                gather(np.arange(600), tok[:1].repeat(600, 0), np.ones(600, np.int32), lp_offsets=np.arange(601), **lp)
+            )
         with pytest.raises(shm.AiospecError, match=r"^cur_token_num\[0\] = 7: the struct holds 6 tokens per slot$"):
             em.encode(gather([1000], tok[:1], [7]))
         em.close()

@@ -124,14 +124,18 @@ class FastDeployStyleEmitter:
         flags = g.flags.tolist()
         counts = np.diff(g.token_offsets).astype(np.int64)
         dcounts = np.diff(g.draft_offsets).astype(np.int64)
+        topk = g.lp_ids is not None
+        live = len(self._slot_of) + sum(h not in self._slot_of for h in dict.fromkeys(handles))
+        cap = MAX_BSZ if topk else SPEC_MAX_BSZ
+        if live > cap:
+            op = "speculate_save_output_topk" if topk else "speculate_save_output"
+            raise AiospecError(f"{live} live requests: FastDeploy's {op} struct holds {cap} slots (MAX_BSZ)")
         slots = []
         control: list[int] = []
         for h, fl, nd in zip(handles, flags, dcounts.tolist(), strict=True):
             s = self._slot_of.get(h)
             if s is None:
-                if not self._free:
-                    raise AiospecError(f"FastDeploy-style: more than {MAX_BSZ} live requests (MAX_BSZ)")
-                s = self._slot_of[h] = self._free.pop()
+                s = self._slot_of[h] = self._free.pop()  # the lowest free slot
                 control += [s, h, 0, 0]
             if fl or nd:
                 control += [s, h, fl, nd]
