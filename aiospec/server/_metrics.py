@@ -52,13 +52,12 @@ class LoopLag:
     The oversleep is the time other callbacks held the loop: the latency any stream sees on
     top of its own work. Samples since the last ``reset()`` give the percentiles.
 
-    The same task schedules garbage collection when ``manage_gc`` is set: the automatic
-    collector runs whenever allocations pass a threshold, wherever the loop is, and a full
-    collection over thousands of live requests holds the loop for tens of milliseconds while
-    it finds nothing (their objects are freed by reference counting). So the young
-    generation is collected on every tick (small: only what the last tick allocated), the
-    middle one every ``gen1_every`` seconds and a full collection every ``gen2_every``
-    seconds, each pause measured.
+    The same task schedules garbage collection when ``manage_gc`` is set: an automatic
+    collection of the older generations, over thousands of live requests, holds the loop for
+    tens of milliseconds wherever it happens to start, and finds nothing (request objects are
+    freed by reference counting). So only the young generation stays automatic (small and
+    frequent: a few hundred objects each); the middle generation is collected every
+    ``gen1_every`` seconds and the full heap every ``gen2_every`` seconds, each pause measured.
     """
 
     def __init__(
@@ -74,10 +73,12 @@ class LoopLag:
         self._samples = np.zeros(keep, dtype=np.float64)
         self._n = 0
         self._task: asyncio.Task[None] | None = None
+        self._thresholds = (700, 10, 10)
 
     def start(self) -> None:
         if self.manage_gc:
-            gc.disable()
+            self._thresholds = gc.get_threshold()
+            gc.set_threshold(self._thresholds[0], 1 << 30, 1 << 30)
         self._task = asyncio.get_running_loop().create_task(self._run(), name="aiospec-loop-lag")
 
     async def stop(self) -> None:
@@ -87,7 +88,7 @@ class LoopLag:
                 await self._task
             self._task = None
         if self.manage_gc:
-            gc.enable()
+            gc.set_threshold(*self._thresholds)
 
     async def _run(self) -> None:
         iv = self.interval
@@ -103,12 +104,11 @@ class LoopLag:
             self.hist.observe(lag)
             samples[self._n % keep] = lag
             self._n += 1
-            if self.manage_gc:
-                gen = 0
+            if self.manage_gc and now >= next1:
+                gen = 1
                 if now >= next2:
-                    gen, next2, next1 = 2, now + self.gen2_every, now + self.gen1_every
-                elif now >= next1:
-                    gen, next1 = 1, now + self.gen1_every
+                    gen, next2 = 2, now + self.gen2_every
+                next1 = now + self.gen1_every
                 gc.collect(gen)
                 self.gc_pause.observe(time.perf_counter() - now)
 

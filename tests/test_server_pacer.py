@@ -1,0 +1,141 @@
+"""The server's per-iteration work budget and the paced take of a stream's delta."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+
+from aiospec import encode_frame
+from aiospec._codec import decode_frame
+from aiospec.server._pacer import Pacer
+from aiospec.server._ready import paced_get
+
+
+async def _iterations_until(fut: asyncio.Future[None], limit: int = 1000) -> int:
+    """Loop iterations (one sleep(0) each) until ``fut`` is done."""
+    n = 0
+    while not fut.done():
+        await asyncio.sleep(0)
+        n += 1
+        assert n < limit
+    return n
+
+
+@pytest.mark.asyncio
+async def test_turns_within_the_budget_are_immediate() -> None:
+    p = Pacer(budget=0.010)
+    p.charge(0.001)  # pieces cost about a millisecond
+    for _ in range(5):
+        await p.turn()
+    assert p.deferred == 0 and p.granted == 5
+
+
+@pytest.mark.asyncio
+async def test_work_beyond_the_budget_waits_for_later_iterations_in_order() -> None:
+    p = Pacer(budget=0.004)
+    for _ in range(200):
+        p.charge(0.001)  # the moving average settles at one millisecond per piece
+    order: list[int] = []
+    runs: list[int] = []
+    iteration = 0
+
+    async def ticker() -> None:
+        nonlocal iteration
+        while True:
+            await asyncio.sleep(0)
+            iteration += 1
+
+    async def piece(i: int) -> None:
+        await p.turn()
+        order.append(i)
+        runs.append(iteration)
+
+    t = asyncio.ensure_future(ticker())
+    await asyncio.gather(*(piece(i) for i in range(20)))
+    t.cancel()
+    assert order == list(range(20))
+    assert p.deferred > 0
+    # about four pieces (4 ms / 1 ms) per loop iteration, never all at once
+    per_iteration = np.bincount(runs)
+    assert per_iteration.max() <= 5 and np.count_nonzero(per_iteration) >= 4
+
+
+@pytest.mark.asyncio
+async def test_a_cancelled_waiter_does_not_block_the_queue() -> None:
+    p = Pacer(budget=0.001)
+    for _ in range(100):
+        p.charge(0.002)  # one piece per window
+    tasks = [asyncio.ensure_future(p.turn()) for _ in range(5)]
+    await asyncio.sleep(0)  # the first gets the window, the other four queue
+    assert tasks[0].done() and not any(t.done() for t in tasks[1:])
+    tasks[2].cancel()
+    await asyncio.wait_for(asyncio.gather(tasks[1], tasks[3], tasks[4]), 60)
+    assert tasks[2].cancelled() and p.deferred == 4
+
+
+@pytest.mark.asyncio
+async def test_after_queues_a_turn_once_the_future_is_done() -> None:
+    p = Pacer(budget=0.001)
+    for _ in range(100):
+        p.charge(0.002)
+    await p.turn()  # the current window is spent
+    data = asyncio.get_running_loop().create_future()
+    turn = p.after(data)
+    await asyncio.sleep(0)
+    assert not turn.done()
+    data.set_result(None)
+    await _iterations_until(turn)
+
+
+def test_budget_is_validated() -> None:
+    with pytest.raises(ValueError, match=r"^budget = 0: expected a positive number of seconds$"):
+        Pacer(budget=0)
+
+
+def _frame(handle: int, tokens: list[int], flags: int = 0) -> bytes:
+    return encode_frame([handle], [0, len(tokens)], tokens, flags=[flags])
+
+
+@pytest.mark.asyncio
+async def test_paced_get_takes_everything_that_arrived_while_waiting() -> None:
+    from aiospec._hub import Hub  # the router used directly: no ring needed
+
+    hub = Hub([])
+    stream = hub.open(7)
+    p = Pacer(budget=0.001)
+    for _ in range(100):
+        p.charge(0.002)
+    await p.turn()  # the window is spent: the stream's turn comes in a later iteration
+    task = asyncio.ensure_future(paced_get(stream, p))
+    await asyncio.sleep(0)
+    for i, toks in enumerate(([1, 2], [3], [4, 5, 6])):
+        f = decode_frame(_frame(7, toks, 2 if i == 2 else 0))
+        hub.route(f, 0, 1)
+        hub.flush()
+    d = await asyncio.wait_for(task, 60)
+    assert d.token_ids.tolist() == [1, 2, 3, 4, 5, 6] and d.finished
+    with pytest.raises(Exception, match=r"finished$"):
+        stream.get_nowait()
+    stream.close()
+    await hub.aclose()
+
+
+@pytest.mark.asyncio
+async def test_paced_get_returns_promptly_when_idle() -> None:
+    from aiospec._hub import Hub
+
+    hub = Hub([])
+    stream = hub.open(9)
+    p = Pacer()
+    task = asyncio.ensure_future(paced_get(stream, p))
+    await asyncio.sleep(0)
+    t0 = time.perf_counter()
+    hub.route(decode_frame(_frame(9, [5])), 0, 1)
+    hub.flush()
+    d = await asyncio.wait_for(task, 60)
+    assert d.token_ids.tolist() == [5] and time.perf_counter() - t0 < 5
+    stream.close()
+    await hub.aclose()
