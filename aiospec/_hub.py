@@ -16,7 +16,7 @@ import msgspec
 
 from aiospec._codec import Frame
 from aiospec._reader import read_ring
-from aiospec._routing import RingFeed, Router
+from aiospec._routing import RingFeed, Router, Unit
 from aiospec._stream import HubClosed, ProducerLost, RequestStream, StreamError, StreamFramesLost
 from shm._errors import AiospecError, ProducerGone, ReaderEvicted
 
@@ -56,7 +56,7 @@ class Hub:
     """Attach rings, route their records to per-request streams.
 
     ``async with Hub(["ring-a", "ring-b"]) as hub: stream = hub.open(handle)``.
-    ``yield_every``: records routed between two yields to the event loop; ``max_frames``:
+    ``yield_every``: requests routed between two yields to the event loop; ``max_frames``:
     frames drained per poll; ``spin``: seconds a reader polls before sleeping on the bell;
     ``recheck``: the longest sleep before the ring is looked at again (bounds a lost wake-up);
     ``producer_timeout``: declare a producer gone when its heartbeat is older than this
@@ -166,8 +166,8 @@ class Hub:
         ``rings``: the rings this request's records come from; their failure ends the stream
         (default: any ring of the hub). Opening a handle that is open already is an error.
         """
-        if self._state == "closed":
-            raise AiospecError("Hub.open: the hub is closed")
+        if self._state != "running":
+            raise AiospecError(f"Hub.open: the hub is {self._state} (use 'async with Hub(...)')")
         deps: frozenset[str] | None = None
         if rings is not None:
             deps = frozenset([rings] if isinstance(rings, str) else rings)
@@ -214,8 +214,11 @@ class Hub:
 
     # -- RingSink (called by the reader tasks) ---------------------------------------------------
 
-    def route(self, frame: Frame, start: int, stop: int) -> None:
-        self._router.route(frame, start, stop)
+    def plan(self, frames: list[Frame]) -> list[Unit]:
+        return self._router.plan(frames)
+
+    def route(self, unit: Unit, start: int, stop: int) -> None:
+        self._router.route(unit, start, stop)
 
     def flush(self) -> None:
         self._router.flush()

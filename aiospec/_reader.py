@@ -5,8 +5,10 @@ reader announces that it sleeps (``sleep_begin``), registers the bell FIFO with
 ``loop.add_reader`` and awaits it, with a ``recheck`` timer as a bound so that a lost wake-up
 costs latency, never a hang (vLLM #45224). Every wake-up drains all committed frames; each
 frame is copied out once and the ring space released before routing, so a slow client never
-holds ring space. Routing yields to the loop every ``yield_every`` records (vLLM #12287), so a
-huge frame cannot stall other tasks, and wakes each stream once per batch (SGLang #22658).
+holds ring space. A batch of several frames is regrouped by handle with numpy, so that routing
+costs one Python step per request and batch; it yields to the loop every ``yield_every`` such
+steps (vLLM #12287), so a huge frame cannot stall other tasks, and wakes each stream once per
+batch (SGLang #22658).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import time
 from typing import Protocol
 
 from aiospec._codec import Frame
-from aiospec._routing import RingFeed
+from aiospec._routing import RingFeed, Unit
 from shm._errors import ReaderEvicted
 
 __all__ = ("RingSink", "read_ring")
@@ -25,7 +27,9 @@ __all__ = ("RingSink", "read_ring")
 class RingSink(Protocol):
     """What the reader feeds (the Hub)."""
 
-    def route(self, frame: Frame, start: int, stop: int) -> None: ...
+    def plan(self, frames: list[Frame]) -> list[Unit]: ...
+
+    def route(self, unit: Unit, start: int, stop: int) -> None: ...
 
     def flush(self) -> None: ...
 
@@ -84,12 +88,12 @@ async def read_ring(
                 sink.frames_lost(feed, 0, exc)
                 feed.retake_slot()
                 continue
-            for f in frames:
-                r = f.num_records
+            for unit in sink.plan(frames) if frames else ():
+                n = len(unit)
                 start = 0
-                while start < r:
-                    stop = min(r, start + budget)
-                    sink.route(f, start, stop)
+                while start < n:
+                    stop = min(n, start + budget)
+                    sink.route(unit, start, stop)
                     budget -= stop - start
                     start = stop
                     if budget <= 0:

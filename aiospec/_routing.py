@@ -8,14 +8,17 @@ the copies; ``Router`` hands each record to the collector of its handle. The asy
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
 
 import shm
 from aiospec._codec import Frame, FrameError, decode_frame
 from aiospec._stream import Collector, StreamError
 from shm import _layout as L
 
-__all__ = ("RingFeed", "Router", "check_handle")
+__all__ = ("RingFeed", "Router", "Unit", "check_handle")
 
 _U64 = 1 << 64
 
@@ -115,9 +118,125 @@ class RingFeed:
             self.ring.close()
 
 
-class Router:
-    """Handle -> collector table and the per-record routing loop (shared by every ring).
+class _Merged:
+    """The records of several frames regrouped by handle: every column copied once, so that the
+    records of each handle are contiguous. Collectors read it like a ``Frame``."""
 
+    __slots__ = (
+        "token_ids", "logprobs", "ranks", "topk_ids", "topk_logprobs", "has_logprobs", "k", "step",
+        "draft_ids", "draft_offsets",
+    )  # fmt: skip
+
+    token_ids: np.ndarray
+    logprobs: np.ndarray | None
+    ranks: np.ndarray | None
+    topk_ids: np.ndarray | None
+    topk_logprobs: np.ndarray | None
+    has_logprobs: bool
+    k: int
+    step: int
+    draft_ids: np.ndarray | None
+    draft_offsets: np.ndarray | None
+
+
+class Unit:
+    """Routing work over one source: ``handles[i]`` owns records ``groups[i]:groups[i+1]``,
+    whose tokens are ``roffs[r]:roffs[r+1]``; ``gflags[i]`` ORs the flags of group ``i``."""
+
+    __slots__ = ("src", "weight", "handles", "groups", "roffs", "rflags", "gflags")
+
+    def __init__(
+        self,
+        src: Any,
+        weight: int,
+        handles: list[int],
+        groups: Sequence[int],
+        roffs: list[int],
+        rflags: list[int],
+        gflags: list[int],
+    ) -> None:
+        self.src, self.weight, self.handles, self.groups = src, weight, handles, groups
+        self.roffs, self.rflags, self.gflags = roffs, rflags, gflags
+
+    def __len__(self) -> int:
+        return len(self.handles)
+
+
+def _frame_unit(f: Frame) -> Unit:
+    flags = f.flags.tolist()
+    return Unit(f, 1, f.handles.tolist(), range(f.num_records + 1), f.token_offsets.tolist(), flags, flags)
+
+
+def _merged_unit(frames: list[Frame]) -> Unit:
+    """Regroup the records of ``frames`` (same columns) by handle, keeping their order per
+    handle: one stable argsort, one scatter per column and frame (each element copied once)."""
+    first = frames[0]
+    m = _Merged()
+    m.has_logprobs, m.k, m.step = first.has_logprobs, first.k, frames[-1].step
+    handles = np.concatenate([f.handles for f in frames])
+    n = handles.shape[0]
+    order = np.argsort(handles, kind="stable")
+    sorted_handles = handles[order]
+
+    def plan(counts: np.ndarray, starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Sorted record offsets, and where each source element (in frame order) goes."""
+        offs = np.zeros(n + 1, np.int64)
+        np.cumsum(counts[order], out=offs[1:])
+        dstart = np.empty(n, np.int64)
+        dstart[order] = offs[:-1]
+        return offs, np.repeat(dstart - starts, counts) + np.arange(int(offs[-1]))
+
+    tcounts = np.concatenate([np.diff(f.token_offsets) for f in frames]).astype(np.int64)
+    tbase = np.cumsum([0] + [f.num_tokens for f in frames])
+    tstarts = np.concatenate([f.token_offsets[:-1] + b for f, b in zip(frames, tbase.tolist(), strict=False)])
+    roffs, dest = plan(tcounts, tstarts.astype(np.int64))
+    total = int(roffs[-1])
+    cols = ["token_ids"]
+    if m.has_logprobs:
+        cols += ["logprobs", "ranks"]
+        if m.k:
+            cols += ["topk_ids", "topk_logprobs"]
+    for name in ("token_ids", "logprobs", "ranks", "topk_ids", "topk_logprobs"):
+        setattr(m, name, None)
+    for name in cols:
+        col = getattr(first, name)
+        out = np.empty((total, *col.shape[1:]), col.dtype)
+        for f, lo, hi in zip(frames, tbase[:-1].tolist(), tbase[1:].tolist(), strict=True):
+            out[dest[lo:hi]] = getattr(f, name)
+        setattr(m, name, out)
+    m.draft_ids = m.draft_offsets = None
+    if any(f.draft_offsets is not None for f in frames):
+        zero = np.zeros(1, np.int32)
+        doffs = [zero.repeat(f.num_records + 1) if f.draft_offsets is None else f.draft_offsets for f in frames]
+        dcounts = np.concatenate([np.diff(d) for d in doffs]).astype(np.int64)
+        dbase = np.cumsum([0] + [int(d[-1]) for d in doffs])
+        dstarts = np.concatenate([d[:-1] + b for d, b in zip(doffs, dbase.tolist(), strict=False)])
+        m.draft_offsets, ddest = plan(dcounts, dstarts.astype(np.int64))
+        m.draft_ids = np.empty(int(dbase[-1]), np.int32)
+        for f, lo, hi in zip(frames, dbase[:-1].tolist(), dbase[1:].tolist(), strict=True):
+            if f.draft_ids is not None:
+                m.draft_ids[ddest[lo:hi]] = f.draft_ids
+    starts = np.flatnonzero(sorted_handles[1:] != sorted_handles[:-1]) + 1
+    groups = np.concatenate([[0], starts, [n]]).astype(np.int64)
+    rflags = np.concatenate([f.flags for f in frames])[order]
+    gflags = np.bitwise_or.reduceat(rflags, groups[:-1])
+    return Unit(
+        m,
+        len(frames),
+        sorted_handles[groups[:-1]].tolist(),
+        groups.tolist(),
+        roffs.tolist(),
+        rflags.tolist() if gflags.any() else [],
+        gflags.tolist(),
+    )
+
+
+class Router:
+    """Handle -> collector table and the routing loop (shared by every ring).
+
+    ``plan(frames)`` turns a batch into units: a single frame as it is, several frames with the
+    same columns regrouped by handle with numpy, so that the Python work is one step per handle
+    and batch, not per record. ``route(unit, start, stop)`` hands groups to their collectors.
     Wake-ups are batched: ``route`` only queues the streams whose consumer waits, ``flush``
     wakes each of them once (SGLang #22658: one ``set()`` per record is a wake-up storm).
     """
@@ -143,32 +262,63 @@ class Router:
         if self.table.get(c.handle) is c:
             del self.table[c.handle]
 
-    def route(self, f: Frame, start: int, stop: int) -> None:
-        """Route records ``start:stop`` of ``f``; unknown handles are counted and dropped."""
+    def plan(self, frames: list[Frame]) -> list[Unit]:
+        """Units for a batch of frames; draft-kind frames are counted, not routed (they are
+        input for the engine, never a request's output)."""
+        units: list[Unit] = []
+        run: list[Frame] = []
+        for f in frames:
+            if f.kind != L.KIND_TARGET:
+                self.records_draft += f.num_records
+                continue
+            if not f.num_records:
+                continue
+            if run and (f.has_logprobs != run[0].has_logprobs or f.k != run[0].k):
+                units.append(_frame_unit(run[0]) if len(run) == 1 else _merged_unit(run))
+                run = []
+            run.append(f)
+        if run:
+            units.append(_frame_unit(run[0]) if len(run) == 1 else _merged_unit(run))
+        return units
+
+    def route(self, u: Unit, start: int, stop: int) -> None:
+        """Route groups ``start:stop`` of ``u``; unknown handles are counted and dropped."""
         if stop <= start:
             return
-        if f.kind != L.KIND_TARGET:
-            # draft-model proposals are engine input, never a request's output
-            self.records_draft += stop - start
-            return
-        handles = f.handles[start:stop].tolist()
-        offs = f.token_offsets[start : stop + 1].tolist()
-        flags = f.flags[start:stop].tolist()
         get = self.table.get
         wake = self._wake
+        src, w, handles, groups, ro, gflags = u.src, u.weight, u.handles, u.groups, u.roffs, u.gflags
         dropped = dropped_tokens = 0
-        row = start
-        for j, h in enumerate(handles):
-            c = get(h)
+        for i in range(start, stop):
+            c = get(handles[i])
+            r0 = groups[i]
+            r1 = groups[i + 1]
             if c is None:
-                dropped += 1
-                dropped_tokens += offs[j + 1] - offs[j]
-            elif c.put(f, row + j, offs[j], offs[j + 1], flags[j]):
-                wake.append(c)
-        n = stop - start
-        self.records_routed += n - dropped
+                dropped += r1 - r0
+                dropped_tokens += ro[r1] - ro[r0]
+            elif not gflags[i]:
+                if c.put(src, r0, r1, ro[r0], ro[r1], w):
+                    wake.append(c)
+            else:
+                rflags = u.rflags
+                j = r0
+                while not rflags[j]:  # the records before the first flag go as one segment
+                    j += 1
+                if j > r0 and c.put(src, r0, j, ro[r0], ro[j], w):
+                    wake.append(c)
+                for r in range(j, r1):
+                    if c._ended:  # records after the one that ended the request
+                        dropped += 1
+                        dropped_tokens += ro[r + 1] - ro[r]
+                    elif rflags[r]:
+                        if c.put_flagged(src, r, ro[r], ro[r + 1], rflags[r], w):
+                            wake.append(c)
+                    elif c.put(src, r, r + 1, ro[r], ro[r + 1], w):
+                        wake.append(c)
+        records = groups[stop] - groups[start]
+        self.records_routed += records - dropped
         self.records_dropped += dropped
-        self.tokens_routed += offs[-1] - offs[0] - dropped_tokens
+        self.tokens_routed += ro[groups[stop]] - ro[groups[start]] - dropped_tokens
         self.tokens_dropped += dropped_tokens
 
     def flush(self) -> None:

@@ -1,16 +1,17 @@
 """Per-request streams: the collector the router fills and the async iterator a request reads.
 
 The split follows trio's memory channels and vLLM's ``RequestOutputCollector``: all logic lives
-in synchronous ``*_nowait``/``_put`` methods, the async methods only wait. A collector holds at
-most one pending delta: records are merged on put, so a slow consumer gets one multi-token
-delta instead of a queue of single steps, and what a stream holds is bounded by the tokens it
-has not read yet (never by the number of steps).
+in synchronous ``*_nowait``/``put`` methods, the async methods only wait. A collector holds at
+most one pending delta: every record since the last read is merged into it, so a slow consumer
+gets one multi-token delta instead of a queue of single steps, and what a stream holds is
+bounded by the tokens it has not read yet (never by the number of steps).
 
-Merging copies nothing while few records are pending: a record is kept as (frame, row, token
-range), a view into the frame copy the reader made, and a read concatenates them (one numpy call
-per column). Once more than ``_MAX_SEGMENTS`` records wait, they are copied into a chunk of the
-stream's own, and chunks merge geometrically (O(log n) copies per token), so a stalled stream
-pins at most that many frames.
+What a collector keeps are segments: a source (a decoded frame, or the router's regrouping of
+several frames, both shared by every stream of the batch) and a range of its records and
+tokens. A read returns views when one segment is pending and concatenates otherwise (one numpy
+call per column). Once the segments pin more than ``_MAX_PINNED`` frames' worth of shared
+memory they are copied into a chunk of the stream's own, and chunks merge geometrically (each
+token is copied O(log n) times), so a stalled stream holds its own tokens and few frames.
 """
 
 from __future__ import annotations
@@ -18,16 +19,13 @@ from __future__ import annotations
 import asyncio
 import warnings
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 import numpy as np
 
 from shm import _layout as L
 from shm._errors import AiospecError
-
-if TYPE_CHECKING:
-    from aiospec._codec import Frame
 
 __all__ = (
     "Delta",
@@ -45,7 +43,7 @@ __all__ = (
     "StreamStatistics",
 )
 
-_MAX_SEGMENTS = 64  # records kept as frame views before they are copied into a chunk
+_MAX_PINNED = 64  # frames' worth of shared sources a stream refers to before it copies its records out
 
 _ERROR_FLAGS = L.FLAG_PREEMPTED | L.FLAG_RECOVERY_STOP | L.FLAG_ABORTED
 
@@ -166,7 +164,7 @@ class StreamStatistics(msgspec.Struct, frozen=True, gc=False):
     handle: int
     buffered_tokens: int  # tokens received and not yet read
     buffered_steps: int  # records merged into the pending delta
-    pinned_frames: int  # frame copies the pending delta still refers to (at most 64)
+    pinned_frames: int  # frames' worth of shared memory the pending delta still refers to (at most 64)
     waiting: bool  # a task is waiting in get()
     routed: bool  # the Hub still routes records to it
     ended: bool  # finished, failed or closed (more deltas may still be buffered)
@@ -177,12 +175,12 @@ class StreamStatistics(msgspec.Struct, frozen=True, gc=False):
 
 
 class _Chunk:
-    """Tokens copied out of frames into the stream's own arrays; quacks like a ``Frame``
-    (the columns a segment reads), so frames and chunks are gathered the same way."""
+    """Records copied out of their shared sources into arrays of the stream's own; it has the
+    attributes a segment reads from a ``Frame``, so frames, regroupings and chunks are gathered
+    the same way."""
 
     __slots__ = (
         "token_ids", "logprobs", "ranks", "topk_ids", "topk_logprobs", "has_logprobs", "k", "drafts", "step",
-        "records",
     )  # fmt: skip
 
     draft_offsets = None  # drafts are kept whole in ``drafts``
@@ -192,10 +190,10 @@ class _Chunk:
         self.token_ids, self.logprobs, self.ranks, self.topk_ids, self.topk_logprobs = _gather(segs, has_lp, k)
         self.drafts = _drafts(segs, copy=True)
         self.step = segs[-1][0].step
-        self.records = _records(segs)
 
 
-_Seg = tuple[Any, int, int, int]  # (Frame or _Chunk, row, first token, end token)
+# (source, first record, end record, first token, end token); a chunk's records are 0..n
+_Seg = tuple[Any, int, int, int, int]
 
 
 def _columns(segs: list[_Seg]) -> tuple[bool, int]:
@@ -207,32 +205,32 @@ def _columns(segs: list[_Seg]) -> tuple[bool, int]:
 
 
 def _records(segs: list[_Seg]) -> int:
-    return sum(s[0].records if type(s[0]) is _Chunk else 1 for s in segs)
+    return sum(s[2] - s[1] for s in segs)
 
 
 def _gather(segs: list[_Seg], has_lp: bool, k: int) -> tuple[Any, Any, Any, Any, Any]:
     """The columns of ``segs`` concatenated: one copy, one numpy call per column."""
-    tok = np.concatenate([f.token_ids[a:b] for f, _, a, b in segs])
+    tok = np.concatenate([f.token_ids[a:b] for f, _, _, a, b in segs])
     if not has_lp:
         return tok, None, None, None, None
-    lp = np.concatenate([f.logprobs[a:b] for f, _, a, b in segs])
-    rank = np.concatenate([f.ranks[a:b] for f, _, a, b in segs])
+    lp = np.concatenate([f.logprobs[a:b] for f, _, _, a, b in segs])
+    rank = np.concatenate([f.ranks[a:b] for f, _, _, a, b in segs])
     if not k:
         return tok, lp, rank, None, None
-    tki = np.concatenate([f.topk_ids[a:b, :k] for f, _, a, b in segs])
-    tkl = np.concatenate([f.topk_logprobs[a:b, :k] for f, _, a, b in segs])
+    tki = np.concatenate([f.topk_ids[a:b, :k] for f, _, _, a, b in segs])
+    tkl = np.concatenate([f.topk_logprobs[a:b, :k] for f, _, _, a, b in segs])
     return tok, lp, rank, tki, tkl
 
 
 def _drafts(segs: list[_Seg], copy: bool = False) -> list[np.ndarray] | None:
-    """The draft ids of ``segs``, in order (copied out of frames for a chunk)."""
+    """The draft ids of ``segs``, in order (copied out of shared sources for a chunk)."""
     out: list[np.ndarray] | None = None
-    for f, row, _, _ in segs:
+    for f, r0, r1, _, _ in segs:
         if f.draft_offsets is not None:
-            d = f.draft_ids[f.draft_offsets[row] : f.draft_offsets[row + 1]]
+            d = f.draft_ids[f.draft_offsets[r0] : f.draft_offsets[r1]]
             if d.shape[0]:
                 out = (out or []) + [d.copy() if copy else d]
-        elif isinstance(f, _Chunk) and f.drafts:
+        elif type(f) is _Chunk and f.drafts:
             out = (out or []) + f.drafts
     return out
 
@@ -251,17 +249,17 @@ class Collector:
     """
 
     __slots__ = (
-        "handle", "rings", "_segs", "_limit", "_first", "_finished", "_error", "_ended", "_closed",
+        "handle", "rings", "_segs", "_pinned", "_first", "_finished", "_error", "_ended", "_closed",
         "_end_read", "_routed", "_waiter", "_wake_queued", "_forget",
     )  # fmt: skip
 
     def __init__(self, handle: int, rings: frozenset[str] | None, forget: Callable[[Collector], None]) -> None:
         self.handle = handle
         self.rings = rings  # rings whose failure ends this stream (None: every ring)
-        # pending records: chunks first, then (frame, row, a, b) of records still in their
-        # frame; step, columns and counts are derived when read, so that put stays minimal
+        # pending records: chunks first, then segments of shared sources; step, columns and
+        # counts are derived when read, so that put stays minimal
         self._segs: list[_Seg] = []
-        self._limit = _MAX_SEGMENTS  # compact when more segments than this (chunks + frames)
+        self._pinned = 0  # frames' worth of shared sources the segments refer to
         self._first = False
         self._finished = False
         self._error: StreamError | None = None
@@ -275,25 +273,25 @@ class Collector:
 
     # -- router side (synchronous) ----------------------------------------------------------
 
-    def put(self, frame: Frame, row: int, a: int, b: int, flags: int) -> bool:
-        """Merge record ``row`` of ``frame`` (tokens ``a:b``) into the pending delta."""
-        if flags:
-            self._flags(flags, frame, row, a, b)
-        else:
-            segs = self._segs
-            segs.append((frame, row, a, b))
-            if len(segs) > self._limit:
-                self._compact()
+    def put(self, src: Any, r0: int, r1: int, a: int, b: int, weight: int) -> bool:
+        """Merge records ``r0:r1`` (tokens ``a:b``) of ``src`` (a frame, or a regrouping of
+        ``weight`` frames) into the pending delta; none of them carries a flag."""
+        segs = self._segs
+        if not segs or segs[-1][0] is not src:  # a source is pinned once, however many segments
+            self._pin(weight)
+        segs.append((src, r0, r1, a, b))
         if self._waiter is not None and not self._wake_queued:
             self._wake_queued = True
             return True
         return False
 
-    def _flags(self, flags: int, frame: Frame, row: int, a: int, b: int) -> None:
+    def put_flagged(self, src: Any, r: int, a: int, b: int, flags: int, weight: int) -> bool:
+        """Merge record ``r`` of ``src``, which carries ``flags`` (it may end the request)."""
         if b > a or not flags & _ERROR_FLAGS:  # an error with no token adds no delta
-            self._segs.append((frame, row, a, b))
-            if len(self._segs) > self._limit:
-                self._compact()
+            segs = self._segs
+            if not segs or segs[-1][0] is not src:
+                self._pin(weight)
+            segs.append((src, r, r + 1, a, b))
         if flags & L.FLAG_FIRST_TOKEN:
             self._first = True
         if flags & _ERROR_FLAGS:
@@ -301,6 +299,15 @@ class Collector:
         elif flags & L.FLAG_FINISHED:
             self._finished = True
             self._end(None)
+        if self._waiter is not None and not self._wake_queued:
+            self._wake_queued = True
+            return True
+        return False
+
+    def _pin(self, weight: int) -> None:
+        if self._pinned + weight > _MAX_PINNED and self._segs:
+            self._compact()
+        self._pinned += weight
 
     def fail(self, error: StreamError) -> bool:
         """End the stream with ``error`` after whatever is buffered."""
@@ -345,18 +352,15 @@ class Collector:
         segs = self._segs
         lp = rank = tki = tkl = draft = None
         if len(segs) == 1:  # views of the frame copy (or of the chunk): nothing is copied
-            f, _, a, b = segs[0]
+            f, r0, r1, a, b = segs[0]
             tok = f.token_ids[a:b]
             if f.has_logprobs:
                 lp, rank = f.logprobs[a:b], f.ranks[a:b]
                 if f.k:
                     tki, tkl = f.topk_ids[a:b], f.topk_logprobs[a:b]
-            steps = 1
-            if type(f) is _Chunk:
-                steps = f.records
-                draft = _join(f.drafts)
-            elif f.draft_offsets is not None:
+            if f.draft_offsets is not None or type(f) is _Chunk:
                 draft = _join(_drafts(segs))
+            steps = r1 - r0
         else:
             has_lp, k = _columns(segs)
             tok, lp, rank, tki, tkl = _gather(segs, has_lp, k)
@@ -377,25 +381,28 @@ class Collector:
         if self._finished:
             self._end_read = True
         self._segs = []
-        self._limit = _MAX_SEGMENTS
+        self._pinned = 0
         self._first = False
         return delta
 
     def _compact(self) -> None:
-        """Copy the records still in frames into a chunk, so few frames stay pinned; merge it
-        with earlier chunks that are not much larger (each token is copied O(log n) times)."""
+        """Copy the records of shared sources into a chunk; merge it with earlier chunks that
+        are not much larger (so each token is copied O(log n) times)."""
         segs = self._segs
         i = len(segs)
         while i and type(segs[i - 1][0]) is not _Chunk:
             i -= 1
         chunk = _Chunk(segs[i:])
+        records = _records(segs[i:])
         del segs[i:]
         size = chunk.token_ids.shape[0]
-        while segs and segs[-1][3] <= 2 * size:
-            chunk = _Chunk([segs.pop(), (chunk, 0, 0, size)])
+        while segs and segs[-1][4] <= 2 * size:
+            prev = segs.pop()
+            records += prev[2]
+            chunk = _Chunk([prev, (chunk, 0, 0, 0, size)])
             size = chunk.token_ids.shape[0]
-        segs.append((chunk, 0, 0, size))
-        self._limit = len(segs) + _MAX_SEGMENTS
+        segs.append((chunk, 0, records, 0, size))
+        self._pinned = 0
 
     def close(self) -> None:
         """Consumer-side close: forget the handle, fail a waiter with StreamClosed."""
@@ -413,9 +420,9 @@ class Collector:
     def statistics(self) -> StreamStatistics:
         return StreamStatistics(
             handle=self.handle,
-            buffered_tokens=sum(s[3] - s[2] for s in self._segs),
+            buffered_tokens=sum(s[4] - s[3] for s in self._segs),
             buffered_steps=_records(self._segs),
-            pinned_frames=len({id(s[0]) for s in self._segs if type(s[0]) is not _Chunk}),
+            pinned_frames=self._pinned,
             waiting=self._waiter is not None,
             routed=self._routed,
             ended=self._ended,

@@ -25,7 +25,7 @@ import shm
 from aiospec._codec import Flag, FrameError, Kind, encode_frame
 from aiospec._hub import Hub
 from aiospec._stream import (
-    _MAX_SEGMENTS,
+    _MAX_PINNED,
     Delta,
     HubClosed,
     ProducerLost,
@@ -356,8 +356,10 @@ async def test_hub_close_ends_open_streams(ring: shm.Ring) -> None:
         await until(lambda: s.statistics().waiting, "the consumer to wait")
     with pytest.raises(HubClosed, match=r"^request 0x1: the hub was closed$"):
         await asyncio.wait_for(waiter, T)
-    with pytest.raises(shm.AiospecError, match=r"^Hub.open: the hub is closed$"):
+    with pytest.raises(shm.AiospecError, match=r"^Hub.open: the hub is closed \(use 'async with Hub\(...\)'\)$"):
         hub.open(2)
+    with pytest.raises(shm.AiospecError, match=r"^Hub.open: the hub is new \(use 'async with Hub\(...\)'\)$"):
+        Hub(ring.name).open(1)
 
 
 # -- close ---------------------------------------------------------------------------------------
@@ -449,11 +451,11 @@ async def test_stalled_consumer_gets_one_coalesced_delta(ring: shm.Ring) -> None
             ring.write(enc([(2, [i], 0), (1, toks, 0)], step=i, k=3))
             st = s.statistics()
             # memory is bounded by the tokens not yet read, and few frames are pinned
-            assert st.buffered_tokens <= len(want) and st.pinned_frames <= _MAX_SEGMENTS
+            assert st.buffered_tokens <= len(want) and st.pinned_frames <= _MAX_PINNED
         await until(lambda: hub.stats().records_routed == 2 * steps, "every record")
         st = s.statistics()
         assert (st.buffered_tokens, st.buffered_steps) == (len(want), steps)
-        assert st.pinned_frames <= _MAX_SEGMENTS
+        assert st.pinned_frames <= _MAX_PINNED
         d = s.get_nowait()
         assert d is not None
         assert d.token_list() == want and d.num_steps == steps and d.step == steps - 1

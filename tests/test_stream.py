@@ -9,14 +9,15 @@ import numpy as np
 import pytest
 from test_hub import check_logprobs, enc
 
-from aiospec._codec import Flag, decode_frame
+from aiospec._codec import Flag, Kind, decode_frame
 from aiospec._routing import Router
-from aiospec._stream import _MAX_SEGMENTS, EndOfStream, ProducerLost, RequestStream, StreamError, StreamFramesLost
+from aiospec._stream import _MAX_PINNED, EndOfStream, ProducerLost, RequestStream, StreamError, StreamFramesLost
 
 
-def route(router: Router, payload: bytes) -> None:
-    f = decode_frame(payload)
-    router.route(f, 0, f.num_records)
+def route(router: Router, *payloads: bytes) -> None:
+    """Route one batch of frames (several frames are regrouped by handle)."""
+    for u in router.plan([decode_frame(p) for p in payloads]):
+        router.route(u, 0, len(u))
     router.flush()
 
 
@@ -94,7 +95,7 @@ def test_buffer_grows_past_many_records_and_keeps_everything() -> None:
         route(router, enc([(1, toks, 0), (2, [0], 0)], step=step, k=4, drafts=d))
         steps += 1
         st = s.statistics()
-        assert st.pinned_frames <= _MAX_SEGMENTS and st.buffered_tokens == len(want) and st.buffered_steps == steps
+        assert st.pinned_frames <= _MAX_PINNED and st.buffered_tokens == len(want) and st.buffered_steps == steps
         if step in (20, 150):  # reading in between starts a fresh buffer
             got = s.get_nowait()
             assert got is not None and got.token_list() == want
@@ -174,11 +175,82 @@ def test_delta_views_alias_the_frame_copy_until_merged() -> None:
     route(router, enc([(1, [8], 0)]))
     d = s.get_nowait()  # several records: concatenated, one copy
     assert d is not None and d.token_ids.flags.writeable and d.token_list() == [7, 8]
-    for _ in range(_MAX_SEGMENTS + 1):  # past the segment limit: copied into a chunk
+    for _ in range(_MAX_PINNED + 1):  # past the limit: the first 64 are copied into a chunk
         route(router, enc([(1, [9], 0)]))
-    assert s.statistics().pinned_frames == 0
-    route(router, enc([(1, [10], 0)]))
     assert s.statistics().pinned_frames == 1
+    route(router, enc([(1, [10], 0)]))
+    assert s.statistics().pinned_frames == 2
     d = s.get_nowait()
-    assert d is not None and np.array_equal(d.token_ids, [9] * (_MAX_SEGMENTS + 1) + [10])
+    assert d is not None and np.array_equal(d.token_ids, [9] * (_MAX_PINNED + 1) + [10])
+    s.close()
+
+
+def delta_fields(d: object) -> dict[str, object]:
+    out = d.to_dict()  # type: ignore[attr-defined]
+    out.pop("step")  # a regrouped batch reports the newest frame's step
+    return out
+
+
+def outcome(s: RequestStream) -> list[object]:
+    """Everything a consumer reads from ``s`` now: deltas, then the end or error, if any."""
+    out: list[object] = []
+    while True:
+        try:
+            d = s.get_nowait()
+        except (EndOfStream, StreamError) as exc:
+            return [*out, type(exc).__name__]
+        if d is None:
+            return out
+        out.append(delta_fields(d))
+
+
+@pytest.mark.parametrize("seed", range(25))
+def test_a_regrouped_batch_delivers_what_frame_by_frame_routing_does(seed: int) -> None:
+    """The numpy regrouping of a batch (one step per handle) against routing each frame alone:
+    random handles (repeated, unknown, absent), token counts, drafts, flags that end requests
+    mid-batch, top-k that narrows between frames, draft-kind frames."""
+    rng = np.random.default_rng(seed)
+    n_handles = int(rng.integers(1, 12))
+    frames = []
+    for step in range(int(rng.integers(2, 9))):
+        recs = []
+        drafts = {}
+        for _ in range(int(rng.integers(0, 2 * n_handles))):
+            h = int(rng.integers(0, n_handles + 2))  # the last two are never opened
+            toks = rng.integers(0, 1000, int(rng.integers(0, 5))).tolist()
+            flag = int(rng.choice([0] * 12 + [Flag.FIRST_TOKEN, Flag.FINISHED, Flag.ABORTED, Flag.PREEMPTED]))
+            if not toks and not flag:
+                toks = [7]
+            recs.append((h, toks, flag))
+            if rng.random() < 0.2:
+                drafts[h] = rng.integers(0, 1000, int(rng.integers(1, 3))).tolist()
+        kind = Kind.DRAFT if rng.random() < 0.1 else Kind.TARGET
+        k = [None, 0, 3, 3, 2][int(rng.integers(0, 5))]
+        frames.append(enc(recs, step=step, k=k, kind=kind, drafts=drafts or None))
+    one, batch = Router(), Router()
+    s1 = [opened(one, h) for h in range(n_handles)]
+    s2 = [opened(batch, h) for h in range(n_handles)]
+    for f in frames:
+        route(one, f)
+    route(batch, *frames)
+    for a, b in zip(s1, s2, strict=True):
+        assert outcome(b) == outcome(a)
+    for name in ("records_routed", "tokens_routed", "records_dropped", "tokens_dropped", "records_draft"):
+        assert getattr(batch, name) == getattr(one, name), name
+    assert set(batch.table) == set(one.table)
+    for st in s1 + s2:
+        st.close()
+
+
+def test_a_batch_is_one_step_per_request() -> None:
+    router = Router()
+    s = opened(router, 5)
+    frames = [enc([(h, [h * 100 + i], 0) for h in range(8)], step=i, k=2) for i in range(10)]
+    units = router.plan([decode_frame(f) for f in frames])
+    assert len(units) == 1 and len(units[0]) == 8  # 80 records, 8 requests: 8 routing steps
+    router.route(units[0], 0, 8)
+    d = s.get_nowait()
+    assert d is not None and d.token_list() == [500 + i for i in range(10)] and d.num_steps == 10
+    check_logprobs(d, 2)
+    assert s.statistics().pinned_frames == 0  # taken
     s.close()
