@@ -14,6 +14,8 @@ batch (SGLang #22658).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import time
 from typing import Protocol
 
@@ -43,7 +45,38 @@ def _resolve(fut: asyncio.Future[None]) -> None:
         fut.set_result(None)
 
 
-async def _wait(feed: RingFeed, spin: float) -> None:
+class _Bell:
+    """A reader's bell, registered with the loop once (not per wait: two system calls fewer
+    per wake-up). A ring while nobody waits is drained here, or the level-triggered loop would
+    call back until the reader's next ``sleep_end``."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._fd = -1
+        self.waiter: asyncio.Future[None] | None = None
+
+    def watch(self, fd: int) -> None:
+        if fd != self._fd:
+            self.close()
+            self._loop.add_reader(fd, self._rung)
+            self._fd = fd
+
+    def _rung(self) -> None:
+        w = self.waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+            return
+        with contextlib.suppress(BlockingIOError):
+            while os.read(self._fd, 4096):
+                pass
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            self._loop.remove_reader(self._fd)
+            self._fd = -1
+
+
+async def _wait(feed: RingFeed, bell: _Bell, spin: float) -> None:
     """Return when a frame may be readable (or after ``feed.recheck`` seconds)."""
     reader = feed.reader
     if spin > 0:
@@ -51,18 +84,17 @@ async def _wait(feed: RingFeed, spin: float) -> None:
         while time.perf_counter() < end:
             if reader.pending():
                 return
+    bell.watch(reader.fileno())
     if not reader.sleep_begin():
         return
     loop = asyncio.get_running_loop()
-    fut = loop.create_future()
-    fd = reader.fileno()
-    loop.add_reader(fd, _resolve, fut)
+    fut = bell.waiter = loop.create_future()
     timer = loop.call_later(feed.recheck, _resolve, fut)
     try:
         await fut
     finally:
+        bell.waiter = None
         timer.cancel()
-        loop.remove_reader(fd)
         reader.sleep_end()
 
 
@@ -79,43 +111,52 @@ async def read_ring(
     Losses (the ring's ``frames_lost`` rising, an eviction, an undecodable payload) end the
     affected streams and reading goes on; a gone producer or a broken ring ends it.
     """
-    budget = yield_every
+    bell = _Bell(asyncio.get_running_loop())
     try:
-        while True:
-            try:
-                frames, bad = feed.read(max_frames)
-            except ReaderEvicted as exc:
-                sink.frames_lost(feed, 0, exc)
-                feed.retake_slot()
-                continue
-            for unit in sink.plan(frames) if frames else ():
-                n = len(unit)
-                start = 0
-                while start < n:
-                    stop = min(n, start + budget)
-                    sink.route(unit, start, stop)
-                    budget -= stop - start
-                    start = stop
-                    if budget <= 0:
-                        # let other tasks run; the streams are woken once, after the batch,
-                        # so a backlog reaches each consumer as one coalesced delta
-                        await asyncio.sleep(0)
-                        budget = yield_every
-            for err in bad:
-                sink.frames_lost(feed, 1, err)
-            lost = feed.new_losses()
-            if lost:
-                sink.frames_lost(feed, lost, None)
-            if frames or bad:
-                sink.flush()
-                # let the woken consumers run; frames that arrive meanwhile are read next
-                await asyncio.sleep(0)
-                budget = yield_every
-                continue
-            await _wait(feed, spin)
-            if not feed.reader.pending():
-                feed.reader.check_producer()
+        try:
+            await _read(feed, sink, bell, yield_every, max_frames, spin)
+        finally:
+            bell.close()  # before anyone closes the reader's descriptor
     except asyncio.CancelledError:
         raise
     except Exception as exc:  # ProducerGone, CorruptFrame, or a bug: the ring is done either way
         sink.ring_failed(feed, exc)
+
+
+async def _read(feed: RingFeed, sink: RingSink, bell: _Bell, yield_every: int, max_frames: int, spin: float) -> None:
+    budget = yield_every
+    while True:
+        try:
+            frames, bad = feed.read(max_frames)
+        except ReaderEvicted as exc:
+            sink.frames_lost(feed, 0, exc)
+            bell.close()
+            feed.retake_slot()
+            continue
+        for unit in sink.plan(frames) if frames else ():
+            n = len(unit)
+            start = 0
+            while start < n:
+                stop = min(n, start + budget)
+                sink.route(unit, start, stop)
+                budget -= stop - start
+                start = stop
+                if budget <= 0:
+                    # let other tasks run; the streams are woken once, after the batch,
+                    # so a backlog reaches each consumer as one coalesced delta
+                    await asyncio.sleep(0)
+                    budget = yield_every
+        for err in bad:
+            sink.frames_lost(feed, 1, err)
+        lost = feed.new_losses()
+        if lost:
+            sink.frames_lost(feed, lost, None)
+        if frames or bad:
+            sink.flush()
+            # let the woken consumers run; frames that arrive meanwhile are read next
+            await asyncio.sleep(0)
+            budget = yield_every
+            continue
+        await _wait(feed, bell, spin)
+        if not feed.reader.pending():
+            feed.reader.check_producer()

@@ -323,6 +323,27 @@ async def test_frames_lost_end_the_streams_of_that_ring(ring: shm.Ring) -> None:
 
 
 @pytest.mark.asyncio
+async def test_an_evicted_reader_ends_the_streams_and_takes_a_new_slot(ring: shm.Ring) -> None:
+    async with Hub(ring.name, recheck=0.01) as hub:
+        s = hub.open(1)
+        slot = ring.stats().readers[0].slot
+        raw = RawSegment(ring.name)  # what a producer does to a reader it declared dead
+        try:
+            raw.set_u64(L.READERS_BASE + slot * L.READER_STRIDE + L.RD_STATE, L.READER_EVICTED)
+        finally:
+            raw.close()
+        msg = rf"^request 0x1: this hub's reader of ring {ring.name} was evicted and missed frames; its records may"
+        with pytest.raises(StreamFramesLost, match=msg) as info:
+            await get(s)
+        assert isinstance(info.value.__cause__, shm.ReaderEvicted)
+        await until(lambda: any(r.state == "active" for r in ring.stats().readers), "a new reader slot")
+        s2 = hub.open(2)
+        ring.write(enc([(2, [5], Flag.FINISHED)]))
+        assert [d.token_list() for d in await drain(s2)] == [[5]]
+        assert hub.stats().rings[0].evictions == 1 and hub.stats().rings[0].state == "live"
+
+
+@pytest.mark.asyncio
 async def test_undecodable_frame_counts_as_lost(ring: shm.Ring) -> None:
     async with Hub(ring.name) as hub:
         s = hub.open(1)
