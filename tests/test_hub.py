@@ -332,7 +332,10 @@ async def test_an_evicted_reader_ends_the_streams_and_takes_a_new_slot(ring: shm
             raw.set_u64(L.READERS_BASE + slot * L.READER_STRIDE + L.RD_STATE, L.READER_EVICTED)
         finally:
             raw.close()
-        msg = rf"^request 0x1: this hub's reader of ring {ring.name} was evicted and missed frames; its records may"
+        msg = (
+            rf"^request 0x1: this hub's reader of ring {ring.name} was evicted and missed frames; "
+            r"its records may be missing$"
+        )
         with pytest.raises(StreamFramesLost, match=msg) as info:
             await get(s)
         assert isinstance(info.value.__cause__, shm.ReaderEvicted)
