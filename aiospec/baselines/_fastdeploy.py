@@ -291,20 +291,25 @@ class FastDeployStyleHub:
                 msg, mtype = self._mq.receive(block=True)
                 if mtype == _MT_STOP:
                     return
-                if mtype == _MT_CONTROL:
-                    c = np.frombuffer(msg, np.int64).reshape(-1, 4).tolist()
-                    for slot, h, fl, nd in c:
-                        self._handle_of[slot] = h
-                        if fl:
-                            self._flags_of[slot] = self._flags_of.get(slot, 0) | fl
-                        if nd:
-                            self._drafts_of[slot] = nd
-                    continue
-                results = self._decode(msg, mtype)
-                self.messages += 1
-                loop.call_soon_threadsafe(self._deliver, results)
+                results = self.process(msg, mtype)
+                if results is not None:
+                    loop.call_soon_threadsafe(self._deliver, results)
         except BaseException as exc:  # surfaced by the benchmark; FastDeploy logs and goes on
             self.error = exc
+
+    def process(self, msg: bytes, mtype: int) -> list[tuple[int, Delta, int]] | None:
+        """One received message: a control message updates the slot table (None), a data
+        message becomes (handle, delta, flags) per slot that said something."""
+        if mtype == _MT_CONTROL:
+            for slot, h, fl, nd in np.frombuffer(msg, np.int64).reshape(-1, 4).tolist():
+                self._handle_of[slot] = h
+                if fl:
+                    self._flags_of[slot] = self._flags_of.get(slot, 0) | fl
+                if nd:
+                    self._drafts_of[slot] = nd
+            return None
+        self.messages += 1
+        return self._decode(msg, mtype)
 
     def _decode(self, msg: bytes, mtype: int) -> list[tuple[int, Delta, int]]:
         out: list[tuple[int, Delta, int]] = []
