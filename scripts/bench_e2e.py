@@ -33,6 +33,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -73,10 +74,13 @@ def _load(
                "-q", "--json", out.name]  # fmt: skip
         env = dict(os.environ, PYTHONPATH=_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
         before = os.times()
-        subprocess.run(cmd, env=env, check=True, timeout=a.time_cap * 3 + 120)
+        r = subprocess.run(cmd, env=env, timeout=a.time_cap * 3 + 120, stderr=subprocess.PIPE, text=True)
         after = os.times()
-        with open(out.name) as f:
-            summary: dict[str, Any] = json.load(f)
+        try:
+            with open(out.name) as f:
+                summary: dict[str, Any] = json.load(f)
+        except (OSError, ValueError):
+            raise RuntimeError(f"aiospec loadtest exited with {r.returncode}: {r.stderr[-2000:]}") from None
     return summary, (after.children_user + after.children_system) - (before.children_user + before.children_system)
 
 
@@ -123,6 +127,27 @@ def run_one(path: str, concurrency: int, a: argparse.Namespace) -> dict[str, Any
     }
 
 
+def _median(rs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Field-wise median of repeated runs of one configuration; the samples are kept."""
+
+    def med(vals: list[Any]) -> Any:
+        if isinstance(vals[0], dict):
+            return {k: med([v[k] for v in vals]) for k in vals[0]}
+        if isinstance(vals[0], (int, float)) and not isinstance(vals[0], bool):
+            return round(float(statistics.median(vals)), 3)
+        return vals[0]
+
+    out: dict[str, Any] = med(rs)
+    out["repeats"] = len(rs)
+    if len(rs) > 1:
+        out["samples"] = {
+            "tokens_per_s": [r["tokens_per_s"] for r in rs],
+            "server_cpu_us_per_token": [r["server_cpu_us_per_token"] for r in rs],
+            "loop_lag_p99_ms": [r["loop_lag_ms"]["p99_ms"] for r in rs],
+        }
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--concurrency", type=int, nargs="+", default=[64, 256, 1024])
@@ -139,20 +164,31 @@ def main() -> int:
     p.add_argument("--time-cap", type=float, default=60.0, help="seconds per run before no new request starts")
     p.add_argument("--ramp-up", type=float, default=1.0, help="seconds over which the streams start")
     p.add_argument("--client-nice", type=int, default=10, help="CPU priority of the load generator")
+    p.add_argument("--repeat", type=int, default=1, help="repetitions (interleaved); medians are reported")
     p.add_argument("--json", metavar="PATH", help="also write the JSON here")
     a = p.parse_args()
 
-    runs = []
+    samples: dict[tuple[int, str], list[dict[str, Any]]] = {}
+    failures: list[dict[str, Any]] = []
     load_before = os.getloadavg()
-    for c in a.concurrency:
-        for path in a.paths:
-            r = run_one(path, c, a)
-            runs.append(r)
-            line = (
-                f"# {path:10s} c={c:5d} {r['tokens_per_s']:9.0f} tok/s  cpu {r['server_cpu_us_per_token']:6.1f} "
-                f"us/tok  lag p99 {r['loop_lag_ms']['p99_ms']:6.2f} ms  errors {r['errors']}"
-            )
-            print(line, file=sys.stderr)
+    # repetitions interleave the paths, so slow phases of a shared machine hit all of them
+    for rep in range(a.repeat):
+        for c in a.concurrency:
+            for path in a.paths:
+                try:
+                    r = run_one(path, c, a)
+                except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+                    # one failed configuration is reported, the others still run
+                    failures.append({"path": path, "concurrency": c, "repeat": rep, "failed": str(exc)})
+                    print(f"# {path:10s} c={c:5d} FAILED: {exc}", file=sys.stderr)
+                    continue
+                samples.setdefault((c, path), []).append(r)
+                line = (
+                    f"# {path:10s} c={c:5d} {r['tokens_per_s']:9.0f} tok/s  cpu {r['server_cpu_us_per_token']:6.1f} "
+                    f"us/tok  lag p99 {r['loop_lag_ms']['p99_ms']:6.2f} ms  errors {r['errors']}"
+                )
+                print(line, file=sys.stderr)
+    runs = [_median(rs) for rs in samples.values()]
     ratios: dict[str, Any] = {}
     targets: dict[str, Any] = {}
     for c in a.concurrency:
@@ -189,6 +225,7 @@ def main() -> int:
         },
         "settings": {k: v for k, v in vars(a).items() if k != "json"},
         "runs": runs,
+        "failures": failures,
         "ratios": ratios,
         "targets": targets,
     }
