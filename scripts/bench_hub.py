@@ -76,8 +76,7 @@ class Side:
     """Publish timestamps by step, in a file both processes map (the latency side channel)."""
 
     def __init__(self, path: str, steps: int, create: bool = False) -> None:
-        mode = "w+" if create else "r+"
-        self.ns = np.memmap(path, dtype=np.int64, mode=mode, shape=(steps + 1,))
+        self.ns = np.memmap(path, dtype=np.int64, mode="w+" if create else "r+", shape=(steps + 1,))
 
 
 # -- the producer process ---------------------------------------------------------------------------
@@ -234,9 +233,9 @@ async def _consume(path: str, cfg: dict[str, Any], transport: str, side_path: st
                 out.append((time.monotonic_ns(), d.token_ids))
             return out
 
-        tasks = [asyncio.ensure_future(lat(s)) for s in streams]
+        lat_tasks = [asyncio.ensure_future(lat(s)) for s in streams]
         conn.send(("ready",))
-        res2 = await asyncio.gather(*tasks)
+        res2 = await asyncio.gather(*lat_tasks)
         all_lat = np.concatenate([now - pub[ids] for r in res2 for now, ids in r]) / 1e3
         conn.send(("latency", [float(np.percentile(all_lat, q)) for q in (50, 99, 99.9)], int(all_lat.size)))
 
@@ -312,8 +311,8 @@ def run_one(path: str, cfg: dict[str, Any]) -> dict[str, Any]:
             if f.startswith("/") and os.path.exists(f):
                 os.unlink(f)
         if path == "ring":
-            for f in Path("/dev/shm").glob(f"{transport}.bell*"):
-                f.unlink()
+            for bell in Path("/dev/shm").glob(f"{transport}.bell*"):
+                bell.unlink()
         if path == "fastdeploy":
             _remove_queue(int(transport))
 
@@ -323,6 +322,22 @@ def _remove_queue(key: int) -> None:
 
     with contextlib.suppress(sysv_ipc.ExistentialError):
         sysv_ipc.MessageQueue(key).remove()
+
+
+def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run with the median tokens/s, its latency percentiles replaced by the medians over
+    the runs, and every run's tokens/s (the spread)."""
+    ok = [r for r in runs if "error" not in r]
+    if not ok:
+        return runs[0]
+    ok.sort(key=lambda r: r["tokens_per_s"])
+    out = dict(ok[len(ok) // 2])
+    if len(runs) > 1:
+        out["consumer_cpu_us_per_token"] = float(np.median([r["consumer_cpu_us_per_token"] for r in ok]))
+        out["latency_us"] = {q: float(np.median([r["latency_us"][q] for r in ok])) for q in ("p50", "p99", "p999")}
+        out["runs_tokens_per_s"] = [r["tokens_per_s"] for r in runs if "error" not in r]
+        out["failed_runs"] = len(runs) - len(ok)
+    return out
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -344,6 +359,7 @@ def main() -> int:
     ap.add_argument("--latency-steps", type=int, default=100, help="paced steps in each latency phase")
     ap.add_argument("--step-rate", type=float, default=25.0, help="steps per second in the latency phase")
     ap.add_argument("--patterns", type=int, default=8, help="distinct pre-encoded steps in the throughput phase")
+    ap.add_argument("--repeat", type=int, default=1, help="runs per workload and path (medians are reported)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     paths = [p for p in args.paths.split(",") if p]
@@ -361,6 +377,7 @@ def main() -> int:
     out: dict[str, Any] = {
         "benchmark": "bench_hub",
         "machine": _machine(),
+        "load_average_before": os.getloadavg(),
         "settings": {
             "tokens_per_run": args.tokens_per_run,
             "latency_steps": args.latency_steps,
@@ -368,6 +385,7 @@ def main() -> int:
             "patterns": args.patterns,
             "loop": "uvloop",
             "seed": args.seed,
+            "repeat": args.repeat,
         },
         "sysv_limits": limits,
         "results": [],
@@ -385,9 +403,15 @@ def main() -> int:
             "seed": args.seed,
         }
         row: dict[str, Any] = {"requests": n_req, "tokens_per_step": tokens or "1..6", "k": k}
+        runs: dict[str, list[dict[str, Any]]] = {p: [] for p in paths}
+        for _ in range(args.repeat):  # interleaved, so that every path sees the same machine
+            for p in paths:
+                runs[p].append(run_one(p, cfg))
+                print(
+                    f"# {n_req} requests, {row['tokens_per_step']} tokens, k={k}: {p}: {runs[p][-1]}", file=sys.stderr
+                )
         for p in paths:
-            row[p] = run_one(p, cfg)
-            print(f"# {n_req} requests, {row['tokens_per_step']} tokens, k={k}: {p}: {row[p]}", file=sys.stderr)
+            row[p] = _median_run(runs[p])
         ring = row.get("ring", {})
         ratios: dict[str, Any] = {}
         for base in ("vllm", "fastdeploy"):
@@ -400,6 +424,7 @@ def main() -> int:
                 )
         row["ratios"] = ratios
         out["results"].append(row)
+    out["load_average_after"] = os.getloadavg()
     out["targets"] = _targets(out["results"])
     print(json.dumps(out, indent=1))
     return 0
@@ -439,18 +464,16 @@ def _targets(results: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _machine() -> dict[str, Any]:
-    import msgspec
-    import uvloop
-    import zmq
+    from importlib.metadata import version
 
     return {
         "cpus": os.cpu_count(),
         "platform": platform.platform(),
         "python": platform.python_version(),
         "numpy": np.__version__,
-        "msgspec": msgspec.__version__,
-        "uvloop": uvloop.__version__,
-        "pyzmq": zmq.__version__,
+        "msgspec": version("msgspec"),
+        "uvloop": version("uvloop"),
+        "pyzmq": version("pyzmq"),
     }
 
 
