@@ -333,8 +333,10 @@ def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
     ok.sort(key=lambda r: r["tokens_per_s"])
     out = dict(ok[len(ok) // 2])
     if len(runs) > 1:
-        out["consumer_cpu_us_per_token"] = float(np.median([r["consumer_cpu_us_per_token"] for r in ok]))
-        out["latency_us"] = {q: float(np.median([r["latency_us"][q] for r in ok])) for q in ("p50", "p99", "p999")}
+        out["consumer_cpu_us_per_token"] = round(float(np.median([r["consumer_cpu_us_per_token"] for r in ok])), 4)
+        out["latency_us"] = {
+            q: round(float(np.median([r["latency_us"][q] for r in ok])), 1) for q in ("p50", "p99", "p999")
+        }
         out["runs_tokens_per_s"] = [r["tokens_per_s"] for r in runs if "error" not in r]
         out["failed_runs"] = len(runs) - len(ok)
     return out
