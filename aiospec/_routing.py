@@ -2,8 +2,9 @@
 
 Nothing here waits or knows about asyncio (asyncpg's protocol/transport split): ``RingFeed``
 polls one ring, copies every committed frame out once, releases the space at once and decodes
-the copies; ``Router`` hands each record to the collector of its handle. The asyncio reader
-(``_reader``) and the blocking reader (``_sync``) only decide when to call them.
+the copies; ``Router`` regroups a batch of frames by handle and hands each request's records to
+its collector. The asyncio reader (``_reader``) and the blocking reader (``_sync``) only decide
+when to call them.
 """
 
 from __future__ import annotations
@@ -44,14 +45,15 @@ class RingFeed:
         if recheck <= 0:
             raise ValueError(f"recheck = {recheck!r}: expected a positive number of seconds")
         self.name = name
+        self.recheck = recheck
+        self._spin = spin
+        self._producer_timeout = producer_timeout
         self.ring = shm.Ring.attach(name)
-        self._reader_args = {"spin": spin, "recheck": recheck, "producer_timeout": producer_timeout}
         try:
-            self.reader = self.ring.reader(spin=spin, recheck=recheck, producer_timeout=producer_timeout)
+            self.reader = self._take_slot()
         except BaseException:
             self.ring.close()
             raise
-        self.recheck = recheck
         self._validate = validate_offsets
         self.frames_read = 0
         self.tokens_read = 0
@@ -96,7 +98,10 @@ class RingFeed:
         """After an eviction: give the dead slot back and start again at the current head."""
         self.evictions += 1
         self.reader.close()
-        self.reader = self.ring.reader(**self._reader_args)  # type: ignore[arg-type]
+        self.reader = self._take_slot()
+
+    def _take_slot(self) -> shm.Reader:
+        return self.ring.reader(spin=self._spin, recheck=self.recheck, producer_timeout=self._producer_timeout)
 
     def lag(self) -> int | None:
         """Bytes between this reader's tail and the ring head (None once closed)."""
