@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import stat
+import subprocess
+import sys
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
+from pathlib import Path
 
 import pytest
 from _ringhelpers import (  # noqa: F401  (shm_tracker is an autouse fixture)
@@ -27,6 +31,7 @@ from _ringhelpers import (  # noqa: F401  (shm_tracker is an autouse fixture)
 
 import shm
 
+ROOT = Path(__file__).resolve().parent.parent
 CAP = 1 << 18  # small enough to wrap many times, with frames up to max_record
 
 
@@ -216,3 +221,53 @@ def test_reader_process_sees_exactly_what_was_written_before_close(shm_tracker: 
             assert r.exitcode == 0
         finally:
             reap(r)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_bench_ring_quick_prints_the_expected_json(tmp_path: Path) -> None:
+    # the benchmark's shape, not its numbers: timing belongs to scripts/, never to tests
+    out = tmp_path / "bench.json"
+    before = set(os.listdir("/dev/shm"))
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_ring.py"), "--quick", "--keep-sysctls", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=550,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    doc = json.loads(proc.stdout)
+    assert json.loads(out.read_text()) == doc
+    assert doc["benchmark"] == "ring"
+    assert {"cpu_count", "python", "numpy", "kernel", "loadavg_at_start", "loadavg_at_end"} <= set(doc["machine"])
+    assert doc["config"]["quick"] is True and doc["config"]["sizes"] == [1024, 65536, 524288]
+    assert set(doc["sysv_limits"]) == {"msgmax", "msgmnb"}
+    assert set(doc["results"]) == {"1024", "65536", "524288"}
+    for size, row in doc["results"].items():
+        assert set(row) == {"ring", "ring_view", "mp_queue", "sysv"}, size
+        for transport, modes in row.items():
+            assert set(modes) == {"throughput", "latency_spin", "latency_woken"}, (size, transport)
+            for mode, res in modes.items():
+                where = (size, transport, mode)
+                if res.get("possible") is False:  # SysV above kernel.msgmax: said, with the reason
+                    assert transport == "sysv" and res["reason"].startswith(f"a {size}-byte message exceeds"), where
+                    continue
+                assert "error" not in res, (where, res)
+                assert res["frames"] > 0 and res["producer_cpu_us_per_frame"] >= 0, where
+                if mode == "throughput":
+                    assert res["frames_per_s"] > 0 and res["gb_per_s"] > 0, where
+                else:
+                    assert res["frames"] == 200, where
+                    assert set(res["latency_us"]) == {"p50", "p99", "p99.9", "mean", "max"}, where
+    for size in ("1024", "65536", "524288"):
+        assert set(doc["ratios"][size]) == {"ring/mp_queue", "ring/sysv", "ring_view/mp_queue", "ring_view/sysv"}
+        assert doc["ratios"][size]["ring/mp_queue"]["throughput"] > 0
+    assert set(doc["targets"]) == {
+        "64KiB throughput ring/mp_queue >= 5",
+        "64KiB throughput ring/sysv >= 3",
+        "64KiB latency_spin p50 <= 10 us",
+        "64KiB latency_woken p50 <= 50 us",
+    }
+    # the benchmark's rings are gone (other processes' segments may come and go meanwhile)
+    assert not [n for n in set(os.listdir("/dev/shm")) - before if n.startswith("aiospec-bench-")]
