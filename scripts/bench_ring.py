@@ -510,7 +510,7 @@ def run_one(transport: str, size: int, modes: list[str], args: Any, ctx: Any, do
     elif transport == "mp_queue":
         spec["queue"] = ctx.Queue(maxsize=max(2, args.capacity // size))
     else:
-        spec["name"] = f"aiospec-bench-{os.getpid()}-{size}-{transport}"
+        spec["name"] = f"aiospec-benchring-{os.getpid()}-{size}-{transport}"
     try:
         return run_pair(transport, spec, ctx)
     finally:

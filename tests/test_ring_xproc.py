@@ -270,4 +270,4 @@ def test_bench_ring_quick_prints_the_expected_json(tmp_path: Path) -> None:
         "64KiB latency_woken p50 <= 50 us",
     }
     # the benchmark's rings are gone (other processes' segments may come and go meanwhile)
-    assert not [n for n in set(os.listdir("/dev/shm")) - before if n.startswith("aiospec-bench-")]
+    assert not [n for n in set(os.listdir("/dev/shm")) - before if n.startswith("aiospec-benchring-")]
