@@ -133,6 +133,8 @@ def _median(rs: list[dict[str, Any]]) -> dict[str, Any]:
     def med(vals: list[Any]) -> Any:
         if isinstance(vals[0], dict):
             return {k: med([v[k] for v in vals]) for k in vals[0]}
+        if all(v == vals[0] for v in vals):
+            return vals[0]
         if isinstance(vals[0], (int, float)) and not isinstance(vals[0], bool):
             return round(float(statistics.median(vals)), 3)
         return vals[0]
