@@ -197,7 +197,9 @@ def _ring_demo(args: argparse.Namespace) -> int:
         "frames_per_s": round(frames / elapsed, 1),
         "tokens_per_s": round(tokens / elapsed, 1),
         "mb_per_s": round(nbytes / elapsed / 1e6, 2),
-        "latency_us": {q: round(float(np.percentile(lat_us, p)), 1) for q, p in (("p50", 50), ("p99", 99), ("p999", 99.9))},
+        "latency_us": {
+            q: round(float(np.percentile(lat_us, p)), 1) for q, p in (("p50", 50), ("p99", 99), ("p999", 99.9))
+        },
         "requests": args.requests,
         "topk": args.topk,
         "pid": os.getpid(),
