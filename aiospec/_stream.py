@@ -45,7 +45,8 @@ __all__ = (
 
 _MAX_PINNED = 64  # frames' worth of shared sources a stream refers to before it copies its records out
 
-_ERROR_FLAGS = L.FLAG_PREEMPTED | L.FLAG_RECOVERY_STOP | L.FLAG_ABORTED
+ERROR_FLAGS = L.FLAG_PREEMPTED | L.FLAG_RECOVERY_STOP | L.FLAG_ABORTED  # end a request with an error
+TERMINAL_FLAGS = ERROR_FLAGS | L.FLAG_FINISHED  # end a request
 
 
 # -- errors ------------------------------------------------------------------------------------
@@ -287,14 +288,14 @@ class Collector:
 
     def put_flagged(self, src: Any, r: int, a: int, b: int, flags: int, weight: int) -> bool:
         """Merge record ``r`` of ``src``, which carries ``flags`` (it may end the request)."""
-        if b > a or not flags & _ERROR_FLAGS:  # an error with no token adds no delta
+        if b > a or not flags & ERROR_FLAGS:  # an error with no token adds no delta
             segs = self._segs
             if not segs or segs[-1][0] is not src:
                 self._pin(weight)
             segs.append((src, r, r + 1, a, b))
         if flags & L.FLAG_FIRST_TOKEN:
             self._first = True
-        if flags & _ERROR_FLAGS:
+        if flags & ERROR_FLAGS:
             self._end(request_error(flags, self.handle))
         elif flags & L.FLAG_FINISHED:
             self._finished = True

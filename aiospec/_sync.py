@@ -18,12 +18,11 @@ import numpy as np
 
 from aiospec._codec import Frame
 from aiospec._routing import RingFeed, check_handle
+from aiospec._stream import TERMINAL_FLAGS
 from shm import _layout as L
 from shm._errors import AiospecError, FramesLost, ReaderEvicted, RingError
 
 __all__ = ("Record", "SyncReader", "SyncReaderStats")
-
-_TERMINAL = L.FLAG_FINISHED | L.FLAG_PREEMPTED | L.FLAG_RECOVERY_STOP | L.FLAG_ABORTED
 
 
 class Record(msgspec.Struct, kw_only=True, gc=False):
@@ -53,7 +52,7 @@ class Record(msgspec.Struct, kw_only=True, gc=False):
     @property
     def ends_request(self) -> bool:
         """Finished, preempted, stopped for recovery or aborted."""
-        return bool(self.flags & _TERMINAL)
+        return bool(self.flags & TERMINAL_FLAGS)
 
 
 class SyncReaderStats(msgspec.Struct, frozen=True, gc=False):
@@ -131,9 +130,7 @@ class SyncReader:
         except BaseException:
             self.close()
             raise
-        self._poller = select.poll()
-        for f in self._feeds.values():
-            self._poller.register(f.reader.fileno(), select.POLLIN)
+        self._poller = self._make_poller()
         self._tracked: set[int] = set()
         self._errors: list[AiospecError] = []
         self._records_read = 0
@@ -202,7 +199,7 @@ class SyncReader:
                         if rec.handle not in self._tracked:
                             self._records_dropped += 1
                             continue
-                        if rec.flags & _TERMINAL and rec.kind == L.KIND_TARGET:
+                        if rec.flags & TERMINAL_FLAGS and rec.kind == L.KIND_TARGET:
                             self._tracked.discard(rec.handle)
                     out.append(rec)
             for e in bad:

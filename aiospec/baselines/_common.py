@@ -15,12 +15,10 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from aiospec._stream import Delta, EndOfStream, StreamBusy, StreamClosed, StreamError, request_error
+from aiospec._stream import ERROR_FLAGS, Delta, EndOfStream, StreamBusy, StreamClosed, StreamError, request_error
 from shm import _layout as L
 
 __all__ = ("BaselineStream", "Gathered", "gather", "make_delta")
-
-_ERROR_FLAGS = L.FLAG_PREEMPTED | L.FLAG_RECOVERY_STOP | L.FLAG_ABORTED
 
 
 class Gathered(msgspec.Struct, gc=False):
@@ -190,7 +188,7 @@ class BaselineStream(abc.ABC):
 
     def _finish(self, flags: int) -> None:
         """Apply a record's terminal flags (the request leaves the routing table)."""
-        if flags & _ERROR_FLAGS:
+        if flags & ERROR_FLAGS:
             self._error = request_error(flags, self.handle)
         elif not flags & L.FLAG_FINISHED:
             return

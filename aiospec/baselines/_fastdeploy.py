@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import sysv_ipc
 
-from aiospec._stream import Delta, HubClosed
+from aiospec._stream import TERMINAL_FLAGS, Delta, HubClosed
 from aiospec.baselines._common import BaselineStream, Gathered, gather, make_delta
 from shm import _layout as L
 from shm._errors import AiospecError
@@ -66,7 +66,6 @@ _MT_CONTROL = 2  # slot table: int64 rows (slot, handle, flags, draft ids in the
 _MT_TOPK = 3  # speculate_save_output_topk data
 _MT_STOP = 9  # wakes the receiving thread to exit
 
-_TERMINAL = L.FLAG_FINISHED | L.FLAG_PREEMPTED | L.FLAG_RECOVERY_STOP | L.FLAG_ABORTED
 _MSGMAX = "/proc/sys/kernel/msgmax"
 _MSGMNB = "/proc/sys/kernel/msgmnb"
 
@@ -185,7 +184,7 @@ class FastDeployStyleEmitter:
             m2[base + d_slot * MAX_DRAFT + d_col] = g.draft_ids
             msgs.append((_MT_SPEC, m2.tobytes()))
         for h, fl in zip(handles, flags, strict=True):
-            if fl & _TERMINAL:
+            if fl & TERMINAL_FLAGS:
                 self._free.append(self._slot_of.pop(h))
         return msgs
 
@@ -380,5 +379,5 @@ class FastDeployStyleHub:
                 continue
             s._q.put_nowait(d)
             self.records_routed += 1
-            if fl & _TERMINAL:
+            if fl & TERMINAL_FLAGS:
                 s._finish(fl)

@@ -27,14 +27,13 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
-from aiospec._stream import Delta, HubClosed
+from aiospec._stream import TERMINAL_FLAGS, Delta, HubClosed
 from aiospec.baselines._common import BaselineStream, Gathered, gather, make_delta
 from shm import _layout as L
 from shm._errors import AiospecError
 
 __all__ = ("EngineCoreOutput", "EngineCoreOutputs", "LogprobsLists", "VllmStyleEmitter", "VllmStyleHub")
 
-_TERMINAL = L.FLAG_FINISHED | L.FLAG_PREEMPTED | L.FLAG_RECOVERY_STOP | L.FLAG_ABORTED
 _RAW_VIEW = 3  # vLLM's CUSTOM_TYPE_RAW_VIEW ext code
 _INLINE_MAX = 256  # vLLM's VLLM_MSGPACK_ZERO_COPY_THRESHOLD: smaller arrays go inline
 
@@ -216,7 +215,7 @@ class VllmStyleStream(BaselineStream):
             self._out = _Pending()
         self._out.add(o)
         self._ready.set()
-        if o.flags & _TERMINAL:
+        if o.flags & TERMINAL_FLAGS:
             self._finish(o.flags)
 
     def _take(self) -> Delta | None:
