@@ -16,6 +16,7 @@ token is copied O(log n) times), so a stalled stream holds its own tokens and fe
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import warnings
 from collections.abc import Callable
@@ -29,6 +30,7 @@ from shm._errors import AiospecError
 
 __all__ = (
     "Delta",
+    "DeltaStream",
     "EndOfStream",
     "HubClosed",
     "ProducerLost",
@@ -431,7 +433,38 @@ class Collector:
         )
 
 
-class RequestStream:
+class DeltaStream(abc.ABC):
+    """The protocol of a stream of deltas over ``get()`` and ``close()``: ``async for``,
+    ``aclose()``, ``async with`` (shared by ``RequestStream`` and the baselines' streams)."""
+
+    __slots__ = ()
+
+    @abc.abstractmethod
+    async def get(self) -> Delta: ...
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+    def __aiter__(self) -> DeltaStream:
+        return self
+
+    async def __anext__(self) -> Delta:
+        try:
+            return await self.get()
+        except EndOfStream:
+            raise StopAsyncIteration from None
+
+    async def aclose(self) -> None:
+        self.close()
+
+    async def __aenter__(self) -> DeltaStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+
+
+class RequestStream(DeltaStream):
     """Async iterator of the ``Delta``s of one request; made by ``Hub.open(handle)``.
 
     ``async for delta in stream`` ends after the delta with ``finished=True``; a request that
@@ -474,29 +507,11 @@ class RequestStream:
                 c._waiter = None
                 c._wake_queued = False
 
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> Delta:
-        try:
-            return await self.get()
-        except EndOfStream:
-            raise StopAsyncIteration from None
-
     def statistics(self) -> StreamStatistics:
         return self._c.statistics()
 
     def close(self) -> None:
         """Close now (synchronous twin of ``aclose``); idempotent."""
-        self._c.close()
-
-    async def aclose(self) -> None:
-        self._c.close()
-
-    async def __aenter__(self) -> RequestStream:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
         self._c.close()
 
     def __repr__(self) -> str:

@@ -115,6 +115,23 @@ async def until(cond: Callable[[], bool], what: str, timeout: float = T) -> None
         await asyncio.sleep(0.001)
 
 
+async def waiting_get(s: RequestStream) -> asyncio.Future[Delta]:
+    """Start a ``get()`` and return once it waits on the stream."""
+    fut = asyncio.ensure_future(s.get())
+    await until(lambda: s.statistics().waiting, "the consumer to wait")
+    return fut
+
+
+def poke(name: str, offset: int, value: int) -> None:
+    """Store a u64 in a ring's control page from a mapping of its own, as another process
+    (a GPU producer's host side, a producer evicting a reader) would."""
+    raw = RawSegment(name)
+    try:
+        raw.set_u64(offset, value)
+    finally:
+        raw.close()
+
+
 async def get(s: RequestStream) -> Delta:
     return await asyncio.wait_for(s.get(), T)
 
@@ -264,8 +281,7 @@ async def test_request_errors_come_after_the_tokens(
 async def test_error_wakes_a_waiting_consumer(ring: shm.Ring) -> None:
     async with Hub(ring.name) as hub:
         s = hub.open(3)
-        waiter = asyncio.ensure_future(s.get())
-        await until(lambda: s.statistics().waiting, "the consumer to wait")
+        waiter = await waiting_get(s)
         ring.write(enc([(3, [], Flag.PREEMPTED)]))
         with pytest.raises(RequestPreempted, match=r"^request 0x3 was preempted by the engine$"):
             await asyncio.wait_for(waiter, T)
@@ -301,11 +317,7 @@ async def test_frames_lost_end_the_streams_of_that_ring(ring: shm.Ring) -> None:
         a, b = hub.open(1), hub.open(2)
         ring.write(enc([(1, [1], 0), (2, [2], 0)]))
         await until(lambda: hub.stats().records_routed == 2, "the first records")
-        raw = RawSegment(ring.name)  # what a GPU producer does when it drops frames
-        try:
-            raw.set_u64(L.OFF_FRAMES_LOST, 3)
-        finally:
-            raw.close()
+        poke(ring.name, L.OFF_FRAMES_LOST, 3)  # what a GPU producer does when it drops frames
         msg = rf"^request 0x1: 3 frame\(s\) of ring {ring.name} were lost by the producer; its records may be missing$"
         assert (await get(a)).token_list() == [1]
         with pytest.raises(StreamFramesLost, match=msg) as info:
@@ -327,11 +339,8 @@ async def test_an_evicted_reader_ends_the_streams_and_takes_a_new_slot(ring: shm
     async with Hub(ring.name, recheck=0.01) as hub:
         s = hub.open(1)
         slot = ring.stats().readers[0].slot
-        raw = RawSegment(ring.name)  # what a producer does to a reader it declared dead
-        try:
-            raw.set_u64(L.READERS_BASE + slot * L.READER_STRIDE + L.RD_STATE, L.READER_EVICTED)
-        finally:
-            raw.close()
+        # what a producer does to a reader it declared dead
+        poke(ring.name, L.READERS_BASE + slot * L.READER_STRIDE + L.RD_STATE, L.READER_EVICTED)
         msg = (
             rf"^request 0x1: this hub's reader of ring {ring.name} was evicted and missed frames; "
             r"its records may be missing$"
@@ -365,11 +374,8 @@ async def test_undecodable_frame_counts_as_lost(ring: shm.Ring) -> None:
 async def test_corrupt_ring_fails_its_streams(ring: shm.Ring) -> None:
     async with Hub(ring.name) as hub:
         s = hub.open(1)
-        raw = RawSegment(ring.name)
-        try:  # a commit word at the head whose length runs past the data area
-            raw.set_data_u64(8, (1 << 31) | (L.FRAME_DATA << 32))
-        finally:
-            raw.close()
+        # a commit word at the head whose length runs past the data area
+        poke(ring.name, L.CONTROL_SIZE + L.FH_COMMIT, (1 << 31) | (L.FRAME_DATA << 32))
         with pytest.raises(
             StreamError, match=rf"^request 0x1: ring {ring.name} cannot be read any more \(CorruptFrame\(.*\)\)$"
         ) as info:
@@ -382,8 +388,7 @@ async def test_corrupt_ring_fails_its_streams(ring: shm.Ring) -> None:
 async def test_hub_close_ends_open_streams(ring: shm.Ring) -> None:
     async with Hub(ring.name) as hub:
         s = hub.open(1)
-        waiter = asyncio.ensure_future(s.get())
-        await until(lambda: s.statistics().waiting, "the consumer to wait")
+        waiter = await waiting_get(s)
     with pytest.raises(HubClosed, match=r"^request 0x1: the hub was closed$"):
         await asyncio.wait_for(waiter, T)
     with pytest.raises(shm.AiospecError, match=r"^Hub.open: the hub is closed \(use 'async with Hub\(...\)'\)$"):
@@ -420,8 +425,7 @@ async def test_consumer_close_forgets_the_handle(ring: shm.Ring) -> None:
 async def test_close_wakes_a_waiting_consumer(ring: shm.Ring) -> None:
     async with Hub(ring.name) as hub:
         s = hub.open(1)
-        waiter = asyncio.ensure_future(s.get())
-        await until(lambda: s.statistics().waiting, "the consumer to wait")
+        waiter = await waiting_get(s)
         s.close()
         with pytest.raises(StreamClosed, match=r"^stream of request 0x1 is closed$"):
             await asyncio.wait_for(waiter, T)
@@ -453,8 +457,7 @@ async def test_open_errors(ring: shm.Ring) -> None:
         ):
             hub.open(2, rings=["nope"])
         with pytest.raises(StreamBusy, match=r"^stream of request 0x1: another task is already waiting on it$"):
-            first = asyncio.ensure_future(s.get())
-            await until(lambda: s.statistics().waiting, "the first consumer")
+            first = await waiting_get(s)
             try:
                 await s.get()
             finally:
@@ -520,8 +523,7 @@ async def test_merge_keeps_the_columns_every_record_has(ring: shm.Ring) -> None:
 async def test_one_wake_up_per_batch(ring: shm.Ring) -> None:
     async with Hub(ring.name) as hub:
         s = hub.open(1)
-        waiter = asyncio.ensure_future(s.get())
-        await until(lambda: s.statistics().waiting, "the consumer to wait")
+        waiter = await waiting_get(s)
         # three frames (and a record twice in one) committed before the hub's task runs again:
         # one batch, one wake-up, one delta
         ring.write(enc([(1, [1], 0), (1, [2], 0)], step=1))

@@ -6,8 +6,8 @@ import threading
 from collections.abc import Iterator
 
 import pytest
-from _ringhelpers import XPROC_TIMEOUT, RawSegment, wait_for
-from test_hub import check_logprobs, enc, no_segment_left  # noqa: F401  (autouse fixture)
+from _ringhelpers import XPROC_TIMEOUT, wait_for
+from test_hub import check_logprobs, enc, no_segment_left, poke  # noqa: F401  (autouse fixture)
 
 import shm
 from aiospec._codec import Flag, FrameError, Kind
@@ -125,11 +125,7 @@ def test_frames_lost_and_undecodable_frames(rings: tuple[shm.Ring, shm.Ring]) ->
     a, _ = rings
     with SyncReader(a.name) as rd:
         a.write(enc([(1, [1], 0)]))
-        raw = RawSegment(a.name)
-        try:
-            raw.set_u64(L.OFF_FRAMES_LOST, 2)
-        finally:
-            raw.close()
+        poke(a.name, L.OFF_FRAMES_LOST, 2)
         assert [r.handle for r in rd.read(timeout=XPROC_TIMEOUT)] == [1]
         with pytest.raises(
             shm.FramesLost, match=rf"^ring {a.name}: the producer lost frames; records may be missing$"

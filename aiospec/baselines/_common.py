@@ -15,7 +15,16 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from aiospec._stream import ERROR_FLAGS, Delta, EndOfStream, StreamBusy, StreamClosed, StreamError, request_error
+from aiospec._stream import (
+    ERROR_FLAGS,
+    Delta,
+    DeltaStream,
+    EndOfStream,
+    StreamBusy,
+    StreamClosed,
+    StreamError,
+    request_error,
+)
 from shm import _layout as L
 
 __all__ = ("BaselineStream", "Gathered", "gather", "make_delta")
@@ -162,7 +171,7 @@ def gather(
     )
 
 
-class BaselineStream(abc.ABC):
+class BaselineStream(DeltaStream):
     """``RequestStream``'s interface over a baseline's per-request state.
 
     Subclasses implement ``_take()`` (a delta, None when empty), ``_wait()`` and ``_wake()``;
@@ -220,30 +229,12 @@ class BaselineStream(abc.ABC):
             finally:
                 self._waiting = False
 
-    def __aiter__(self) -> BaselineStream:
-        return self
-
-    async def __anext__(self) -> Delta:
-        try:
-            return await self.get()
-        except EndOfStream:
-            raise StopAsyncIteration from None
-
     def close(self) -> None:
         if not self._closed:
             self._closed = True
             if not self._ended:
                 self._forget(self.handle)
             self._wake()
-
-    async def aclose(self) -> None:
-        self.close()
-
-    async def __aenter__(self) -> BaselineStream:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.close()
 
 
 def make_delta(
