@@ -280,8 +280,12 @@ class Collector:
         """Merge records ``r0:r1`` (tokens ``a:b``) of ``src`` (a frame, or a regrouping of
         ``weight`` frames) into the pending delta; none of them carries a flag."""
         segs = self._segs
-        if not segs or segs[-1][0] is not src:  # a source is pinned once, however many segments
-            self._pin(weight)
+        if not segs or segs[-1][0] is not src:  # a source is pinned once (``_pin``, inlined: hot)
+            pinned = self._pinned + weight
+            if pinned > _MAX_PINNED and segs:
+                self._compact()
+                pinned = weight
+            self._pinned = pinned
         segs.append((src, r0, r1, a, b))
         if self._waiter is not None and not self._wake_queued:
             self._wake_queued = True
