@@ -438,13 +438,26 @@ class Collector:
 
 
 class DeltaStream(abc.ABC):
-    """The protocol of a stream of deltas over ``get()`` and ``close()``: ``async for``,
-    ``aclose()``, ``async with`` (shared by ``RequestStream`` and the baselines' streams)."""
+    """The protocol of a stream of deltas: ``get_nowait()``, ``get()``, ``ready()``, ``wait()``,
+    ``close()``, and over them ``async for``, ``aclose()``, ``async with`` (shared by
+    ``RequestStream`` and the baselines' streams, so that a server can swap them)."""
 
     __slots__ = ()
 
     @abc.abstractmethod
+    def get_nowait(self) -> Delta | None: ...
+
+    @abc.abstractmethod
     async def get(self) -> Delta: ...
+
+    @abc.abstractmethod
+    def ready(self) -> bool:
+        """True when ``get_nowait()`` would return a delta or raise (end, error, closed)."""
+
+    @abc.abstractmethod
+    async def wait(self) -> None:
+        """Wait until ``ready()``, taking nothing: the caller takes the delta when it chooses.
+        Cancelling it changes nothing."""
 
     @abc.abstractmethod
     def close(self) -> None: ...
@@ -501,15 +514,28 @@ class RequestStream(DeltaStream):
             d = c.get_nowait()
             if d is not None:
                 return d
-            if c._waiter is not None:
-                raise StreamBusy(f"stream of request {c.handle:#x}: another task is already waiting on it", c.handle)
-            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            c._waiter = fut
-            try:
-                await fut
-            finally:
-                c._waiter = None
-                c._wake_queued = False
+            await self._wake_up()
+
+    def ready(self) -> bool:
+        c = self._c
+        return bool(c._segs) or c._ended or c._closed
+
+    async def wait(self) -> None:
+        while not self.ready():
+            await self._wake_up()
+
+    async def _wake_up(self) -> None:
+        """Wait for the router's next wake-up of this stream (or its close)."""
+        c = self._c
+        if c._waiter is not None:
+            raise StreamBusy(f"stream of request {c.handle:#x}: another task is already waiting on it", c.handle)
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        c._waiter = fut
+        try:
+            await fut
+        finally:
+            c._waiter = None
+            c._wake_queued = False
 
     def statistics(self) -> StreamStatistics:
         return self._c.statistics()

@@ -19,7 +19,7 @@ from test_hub import no_segment_left  # noqa: F401  (autouse fixture)
 import shm
 from aiospec._codec import Flag, encode_frame
 from aiospec._hub import Hub
-from aiospec._stream import RequestAborted, StreamError
+from aiospec._stream import EndOfStream, RequestAborted, StreamError
 from aiospec.baselines import (
     FastDeployStyleEmitter,
     FastDeployStyleHub,
@@ -182,9 +182,25 @@ async def test_every_path_delivers_the_same_streams(path: str, k: int | None) ->
         endings: dict[int, str] = {}
         drafts: dict[int, list[int]] = {}
 
+        async def deltas(s: Any) -> AsyncIterator[Any]:
+            """Half the consumers iterate, half wait and then take (the paced servers' way)."""
+            if s.handle % 2:
+                async for d in s:
+                    yield d
+                return
+            while True:
+                await s.wait()
+                assert s.ready()
+                try:
+                    d = s.get_nowait()
+                except EndOfStream:
+                    return
+                assert d is not None
+                yield d
+
         async def consume(h: int) -> None:
             try:
-                async for d in streams[h]:
+                async for d in deltas(streams[h]):
                     got_tokens[h] += d.token_list()
                     if d.draft_ids is not None:
                         assert d.first_token

@@ -67,6 +67,37 @@ async def test_cancel_during_receive_buffered() -> None:
 
 
 @pytest.mark.asyncio
+async def test_wait_takes_nothing() -> None:
+    router = Router()
+    s = opened(router, 1)
+    assert not s.ready()
+    w = asyncio.ensure_future(s.wait())
+    await asyncio.sleep(0)
+    assert s.statistics().waiting
+    route(router, enc([(1, [1], 0)]))
+    await asyncio.wait_for(w, 5)
+    assert s.ready() and s.statistics().buffered_tokens == 1  # woken, nothing taken
+    await s.wait()  # ready: returns at once
+    route(router, enc([(1, [2], Flag.FINISHED)]))
+    d = s.get_nowait()
+    assert d is not None and d.token_list() == [1, 2] and d.finished
+    assert s.ready()  # the end is there to read
+    with pytest.raises(EndOfStream):
+        s.get_nowait()
+    s2 = opened(router, 2)
+    w2 = asyncio.ensure_future(s2.wait())
+    await asyncio.sleep(0)
+    w2.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await w2
+    assert not s2.statistics().waiting and not s2.ready()
+    route(router, enc([(2, [5], 0)]))
+    assert s2.ready() and s2.statistics().buffered_tokens == 1
+    s2.close()
+    assert s2.ready()  # closed: get_nowait() raises StreamClosed
+
+
+@pytest.mark.asyncio
 async def test_receive_completes_when_the_data_was_already_there() -> None:
     router = Router()
     s = opened(router, 1)

@@ -195,6 +195,23 @@ class BaselineStream(DeltaStream):
     @abc.abstractmethod
     def _wake(self) -> None: ...
 
+    @abc.abstractmethod
+    def _pending(self) -> bool:
+        """A delta is waiting to be taken."""
+
+    def ready(self) -> bool:
+        return self._closed or self._ended or self._pending()
+
+    async def wait(self) -> None:
+        while not self.ready():
+            if self._waiting:
+                raise StreamBusy(f"stream of request {self.handle:#x}: another task is already waiting", self.handle)
+            self._waiting = True
+            try:
+                await self._wait()
+            finally:
+                self._waiting = False
+
     def _finish(self, flags: int) -> None:
         """Apply a record's terminal flags (the request leaves the routing table)."""
         if flags & ERROR_FLAGS:
@@ -221,13 +238,7 @@ class BaselineStream(DeltaStream):
             d = self.get_nowait()
             if d is not None:
                 return d
-            if self._waiting:
-                raise StreamBusy(f"stream of request {self.handle:#x}: another task is already waiting", self.handle)
-            self._waiting = True
-            try:
-                await self._wait()
-            finally:
-                self._waiting = False
+            await self.wait()
 
     def close(self) -> None:
         if not self._closed:

@@ -224,6 +224,14 @@ class FastDeployStyleStream(BaselineStream):
     async def _wait(self) -> None:
         self._head = await self._q.get()
 
+    def _pending(self) -> bool:
+        if self._head is None:
+            while not self._q.empty():  # a None in the queue only wakes a waiter
+                self._head = self._q.get_nowait()
+                if self._head is not None:
+                    break
+        return self._head is not None
+
     def _wake(self) -> None:
         self._q.put_nowait(None)
 

@@ -229,6 +229,9 @@ class VllmStyleStream(BaselineStream):
     async def _wait(self) -> None:
         await self._ready.wait()
 
+    def _pending(self) -> bool:
+        return self._out is not None
+
     def _wake(self) -> None:
         self._ready.set()
 
