@@ -13,6 +13,7 @@ from aiospec._codec import Flag, Frame, FrameError, Kind, decode_frame, encode_f
 from aiospec._hub import Hub, HubStats, RingInfo
 from aiospec._stream import (
     Delta,
+    DeltaStream,
     EndOfStream,
     HubClosed,
     ProducerLost,
@@ -46,6 +47,7 @@ __all__ = (
     "BadSegment",
     "CorruptFrame",
     "Delta",
+    "DeltaStream",
     "EndOfStream",
     "Flag",
     "Frame",
