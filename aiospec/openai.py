@@ -165,6 +165,10 @@ class _TokenCache:
 
 
 _caches: weakref.WeakKeyDictionary[Tokenizer, _TokenCache] = weakref.WeakKeyDictionary()
+# Tokenizers that cannot be weakly referenced (``__slots__`` without ``__weakref__``) or hashed:
+# by identity, holding the tokenizer so that its id is never reused. Tokenizers live as long as
+# the server, so this stays as small as the number of tokenizers.
+_pinned: dict[int, tuple[Tokenizer, _TokenCache]] = {}
 
 
 def _cache_for(tokenizer: Tokenizer) -> _TokenCache:
@@ -174,8 +178,11 @@ def _cache_for(tokenizer: Tokenizer) -> _TokenCache:
         if cache is None:
             cache = _caches[tokenizer] = _TokenCache(tokenizer)
         return cache
-    except TypeError:  # not hashable or not weak-referenceable: a cache for this formatter only
-        return _TokenCache(tokenizer)
+    except TypeError:
+        entry = _pinned.get(id(tokenizer))
+        if entry is None:
+            entry = _pinned[id(tokenizer)] = (tokenizer, _TokenCache(tokenizer))
+        return entry[1]
 
 
 def _floats(a: np.ndarray) -> list[float]:
