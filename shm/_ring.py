@@ -722,12 +722,15 @@ class Reader:
     def poll(self, max_frames: int = 64) -> list[memoryview]:
         """Return up to ``max_frames`` committed payloads, oldest first, without waiting.
 
-        The views stay valid until ``release()``; copy what must outlive it.
+        The views stay valid until ``release()``; copy what must outlive it. A corrupt frame
+        raises ``CorruptFrame``; the good frames before it are returned first (the next call
+        raises).
         """
         self._check_slot()
         q, mask, cap = self._q, self._mask, self._cap
         pos = self._cursor
         frames: list[memoryview] = []
+        bad = None
         while len(frames) < max_frames:
             off = pos & mask
             w = (L.CONTROL_SIZE + off) >> 3
@@ -739,17 +742,22 @@ class Reader:
             ftype = commit >> 32
             size = (length + L.FRAME_ALIGN - 1) & ~(L.FRAME_ALIGN - 1)
             if ftype not in _DATA_TYPES or length < L.FRAME_HEADER or size > cap - off:
-                raise self._corrupt(pos, f"commit word 0x{commit:016x} (length {length}, type {ftype})")
+                bad = f"commit word 0x{commit:016x} (length {length}, type {ftype})"
+                break
             if ftype == L.FRAME_DATA and size > self._max_record:
-                raise self._corrupt(pos, f"length {length} exceeds max_record {self._max_record}")
+                bad = f"length {length} exceeds max_record {self._max_record}"
+                break
             stamp = q[w]
             if stamp != pos:
-                raise self._corrupt(pos, f"position field {stamp} (stale or torn frame)")
+                bad = f"position field {stamp} (stale or torn frame)"
+                break
             if ftype == L.FRAME_DATA:
                 start = L.CONTROL_SIZE + off
                 frames.append(self._buf[start + L.FRAME_HEADER : start + length])
             pos += size
         self._cursor = pos
+        if bad is not None and not frames:
+            raise self._corrupt(pos, bad)
         self._polled += len(frames)
         if frames:
             self._ring._q[self._ring._hb[self._slot]] = time.monotonic_ns()

@@ -1002,12 +1002,12 @@ def test_corrupt_frame(what: str) -> None:
             ring.write(b"good")
             pos, expected = _corrupt_case(ring, raw, what)
             msg = rf"^ring {ring.name}: frame at position {pos}: {expected}$"
+            assert reader.read() == [b"good"]  # the good frame before it comes first
             with pytest.raises(shm.CorruptFrame, match=msg) as info:
                 reader.poll()
             assert isinstance(info.value, ValueError)
             with pytest.raises(shm.CorruptFrame, match=msg):
                 reader.read()  # the error repeats
-            assert reader.read(max_frames=1) == [b"good"]  # frames before it are readable
             assert reader.wait(0) is True  # never a hang: the bad frame reads as pending
             with pytest.raises(shm.CorruptFrame, match=msg):
                 reader.poll()
@@ -1036,3 +1036,20 @@ def test_pad_frame_may_exceed_max_record() -> None:
             raw.close()
         assert reader.read() == [b"xyz"]
         assert reader.tail == CAP + 64
+
+
+def test_poll_returns_the_good_frames_before_a_corrupt_one() -> None:
+    with shm.Ring.create(capacity=1 << 16) as ring, ring.reader() as reader:
+        ring.write(b"first")
+        ring.write(b"second")
+        pos = ring.write(b"third")
+        # tear the third frame's position field
+        q = memoryview(ring._buf).cast("Q")
+        q[(4096 + (pos & (ring.capacity - 1))) // 8] = pos + 64
+        q.release()
+        assert [bytes(v) for v in reader.poll()] == [b"first", b"second"]
+        reader.release()
+        with pytest.raises(
+            shm.CorruptFrame, match=r"^ring .*: frame at position \d+: position field \d+ \(stale or torn frame\)$"
+        ):
+            reader.poll()
