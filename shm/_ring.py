@@ -434,35 +434,30 @@ class Ring:
 
     def _scan_min_tail(self) -> int:
         _acquire_fence()
-        w, q, low = self._w, self._q, self._head
-        for slot in range(self._max_readers):
-            if w[self._st[slot]] == L.READER_ACTIVE:
-                low = min(low, q[self._tl[slot]])
-        return low
+        q = self._q
+        return min([self._head, *(q[self._tl[slot]] for slot in self._active_slots())])
 
     def _evict_blocking(self, needed_tail: int) -> None:
         """Evict readers that hold the tail below ``needed_tail`` and are dead or silent."""
         now = time.monotonic_ns()
         for slot in self._active_slots():
-            if int(self._q[self._tl[slot]]) >= needed_tail:
+            if self._q[self._tl[slot]] >= needed_tail:
                 continue
-            pid = int(self._w[self._pd[slot]])
+            pid = self._w[self._pd[slot]]
             dead = self._check_pids and not _pid_alive(pid)
-            silent = (
-                self._reader_timeout is not None and now - int(self._q[self._hb[slot]]) > self._reader_timeout * 1e9
-            )
+            silent = self._reader_timeout is not None and now - self._q[self._hb[slot]] > self._reader_timeout * 1e9
             if dead or silent:
-                gen = int(self._w[self._gn[slot]])
+                gen = self._w[self._gn[slot]]
                 with self._slot_lock():
-                    if int(self._w[self._st[slot]]) == L.READER_ACTIVE and int(self._w[self._gn[slot]]) == gen:
+                    if self._w[self._st[slot]] == L.READER_ACTIVE and self._w[self._gn[slot]] == gen:
                         self._w[self._st[slot]] = L.READER_EVICTED
 
     def _describe_laggards(self, needed_tail: int) -> str:
         parts = []
         for slot in self._active_slots():
-            tail = int(self._q[self._tl[slot]])
+            tail = self._q[self._tl[slot]]
             if tail < needed_tail:
-                parts.append(f"slot {slot} (pid {int(self._w[self._pd[slot]])}, lag {self._head - tail} bytes)")
+                parts.append(f"slot {slot} (pid {self._w[self._pd[slot]]}, lag {self._head - tail} bytes)")
         return ", ".join(parts) or "none (they caught up)"
 
     def _active_slots(self) -> list[int]:
@@ -471,7 +466,7 @@ class Ring:
     def _ring_bells(self, *, sleepers_only: bool) -> int:
         rung = 0
         for slot in range(self._max_readers):
-            if int(self._w[self._st[slot]]) != L.READER_ACTIVE:
+            if self._w[self._st[slot]] != L.READER_ACTIVE:
                 continue
             if sleepers_only and not self._w[self._sl[slot]]:
                 continue
@@ -488,7 +483,7 @@ class Ring:
         return rung
 
     def _bell_fd(self, slot: int) -> int:
-        gen = int(self._w[self._gn[slot]])
+        gen = self._w[self._gn[slot]]
         cached = self._bells.get(slot)
         if cached is not None:
             if cached[0] == gen:
@@ -553,17 +548,17 @@ class Ring:
             with suppress(FileExistsError):
                 os.mkfifo(path, 0o600)
             bell = os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
-            gen = (int(self._w[self._gn[slot]]) + 1) & 0xFFFFFFFF
+            gen = (self._w[self._gn[slot]] + 1) & 0xFFFFFFFF
             self._w[self._gn[slot]] = gen
             self._w[self._pd[slot]] = os.getpid()
             self._w[self._sl[slot]] = 0
             self._q[self._fr[slot]] = 0
             self._q[self._hb[slot]] = time.monotonic_ns()
-            self._q[self._tl[slot]] = int(self._q[L.OFF_HEAD // 8])
+            self._q[self._tl[slot]] = self._q[L.OFF_HEAD // 8]
             _release_fence()
             self._w[self._st[slot]] = L.READER_ACTIVE
             _full_fence()  # store(state) -> load(head): pairs with the producer's commit fence
-            tail = int(self._q[L.OFF_HEAD // 8])
+            tail = self._q[L.OFF_HEAD // 8]
             self._q[self._tl[slot]] = tail
         r = Reader(_PRIVATE, self, slot, gen, bell, tail, spin, recheck, producer_timeout)
         self._readers.append(r)
@@ -581,25 +576,25 @@ class Ring:
 
     def stats(self) -> RingStats:
         self._require_open("stats")
-        c64, c32 = self._q, self._w
+        q, w = self._q, self._w
         now = time.monotonic_ns()
-        head = int(c64[L.OFF_HEAD // 8])
+        head = q[L.OFF_HEAD // 8]
         readers = []
         for slot in range(self._max_readers):
-            state = int(self._w[self._st[slot]])
+            state = self._w[self._st[slot]]
             if state not in _READER_STATES:
                 continue
-            tail = int(self._q[self._tl[slot]])
+            tail = self._q[self._tl[slot]]
             readers.append(
                 ReaderStats(
                     slot=slot,
-                    pid=int(self._w[self._pd[slot]]),
+                    pid=self._w[self._pd[slot]],
                     state=_READER_STATES[state],
                     tail=tail,
                     lag=max(0, head - tail),
                     sleeping=bool(self._w[self._sl[slot]]),
-                    frames_read=int(self._q[self._fr[slot]]),
-                    heartbeat_age_s=max(0, now - int(self._q[self._hb[slot]])) / 1e9,
+                    frames_read=self._q[self._fr[slot]],
+                    heartbeat_age_s=max(0, now - self._q[self._hb[slot]]) / 1e9,
                 )
             )
         return RingStats(
@@ -607,12 +602,12 @@ class Ring:
             capacity=self._capacity,
             max_record=self._max_record,
             head=head,
-            frames_written=int(c64[L.OFF_FRAMES_WRITTEN // 8]),
-            bytes_written=int(c64[L.OFF_BYTES_WRITTEN // 8]),
-            frames_lost=int(c64[L.OFF_FRAMES_LOST // 8]),
-            producer_pid=int(c32[L.OFF_PRODUCER_PID // 4]),
-            producer_state=_PRODUCER_STATES.get(int(c32[L.OFF_PRODUCER_STATE // 4]), "unknown"),
-            heartbeat_age_s=max(0, now - int(c64[L.OFF_HEARTBEAT_NS // 8])) / 1e9,
+            frames_written=q[L.OFF_FRAMES_WRITTEN // 8],
+            bytes_written=q[L.OFF_BYTES_WRITTEN // 8],
+            frames_lost=q[L.OFF_FRAMES_LOST // 8],
+            producer_pid=w[L.OFF_PRODUCER_PID // 4],
+            producer_state=_PRODUCER_STATES.get(w[L.OFF_PRODUCER_STATE // 4], "unknown"),
+            heartbeat_age_s=max(0, now - q[L.OFF_HEARTBEAT_NS // 8]) / 1e9,
             readers=tuple(readers),
         )
 
@@ -687,7 +682,7 @@ class Reader:
         self._spin = spin
         self._recheck = recheck
         self._producer_timeout = producer_timeout
-        self._lost_seen = int(ring._q[L.OFF_FRAMES_LOST // 8])
+        self._lost_seen = ring._q[L.OFF_FRAMES_LOST // 8]
         self._frames_read = 0
         self._closed = False
         self._buf = ring._buf
@@ -784,7 +779,7 @@ class Reader:
 
     def new_losses(self) -> int:
         """How much the ring's frames_lost counter rose since the last call."""
-        lost = int(self._ring._q[L.OFF_FRAMES_LOST // 8])
+        lost = self._ring._q[L.OFF_FRAMES_LOST // 8]
         delta = lost - self._lost_seen
         self._lost_seen = lost
         return delta
@@ -855,17 +850,17 @@ class Reader:
         self._check_producer(True)
 
     def _check_producer(self, check_pid: bool) -> None:
-        c32 = self._ring._w
-        state = int(c32[L.OFF_PRODUCER_STATE // 4])
+        w = self._ring._w
+        state = w[L.OFF_PRODUCER_STATE // 4]
         reason = None
         if state == L.PRODUCER_CLOSED:
             reason = "closed the ring"
         else:
-            pid = int(c32[L.OFF_PRODUCER_PID // 4])
+            pid = w[L.OFF_PRODUCER_PID // 4]
             if state == L.PRODUCER_LIVE and check_pid and self._ring._check_pids and not _pid_alive(pid):
                 reason = f"(pid {pid}) exited"
             elif self._producer_timeout is not None:
-                age = (time.monotonic_ns() - int(self._ring._q[L.OFF_HEARTBEAT_NS // 8])) / 1e9
+                age = (time.monotonic_ns() - self._ring._q[L.OFF_HEARTBEAT_NS // 8]) / 1e9
                 if age > self._producer_timeout:
                     reason = f"sent no heartbeat for {age:.1f} s (timeout {self._producer_timeout} s)"
         if reason is not None and not self.pending():
@@ -875,7 +870,7 @@ class Reader:
         if self._closed:
             raise RingError(f"reader slot {self._slot} of ring {self._ring.name} is closed")
         ring = self._ring
-        if int(ring._w[ring._st[self._slot]]) != L.READER_ACTIVE or int(ring._w[ring._gn[self._slot]]) != self._gen:
+        if ring._w[ring._st[self._slot]] != L.READER_ACTIVE or ring._w[ring._gn[self._slot]] != self._gen:
             raise ReaderEvicted(
                 f"ring {ring.name}: reader slot {self._slot} was evicted by the producer; "
                 f"frames after position {self._tail} may be lost"
@@ -891,7 +886,7 @@ class Reader:
         ring = self._ring
         if not ring._closed:
             with ring._slot_lock():
-                if int(ring._w[ring._gn[self._slot]]) == self._gen:
+                if ring._w[ring._gn[self._slot]] == self._gen:
                     ring._w[ring._sl[self._slot]] = 0
                     ring._w[ring._st[self._slot]] = L.READER_FREE
                     # only while the slot is still ours: after an eviction a new reader may
