@@ -80,44 +80,39 @@ assert _HEADER_STRUCT.size == L.HEADER_LEN
 _U32_MAX = 0xFFFFFFFF
 _I32_MAX = 0x7FFFFFFF
 
-# (column, element size) in canonical order
-_ITEMSIZE = {
-    "handles": 8,
-    "flags": 4,
-    "token_offsets": 4,
-    "token_ids": 4,
-    "draft_offsets": 4,
-    "draft_ids": 4,
-    "logprobs": 4,
-    "ranks": 4,
-    "topk_ids": 4,
-    "topk_logprobs": 4,
+# the wire type of each column (docs/wire-format.md, section 4)
+_DTYPES: dict[str, np.dtype[Any]] = {
+    "handles": np.dtype("<u8"),
+    "flags": np.dtype("<u4"),
+    "token_offsets": np.dtype("<i4"),
+    "token_ids": np.dtype("<i4"),
+    "draft_offsets": np.dtype("<i4"),
+    "draft_ids": np.dtype("<i4"),
+    "logprobs": np.dtype("<f4"),
+    "ranks": np.dtype("<i4"),
+    "topk_ids": np.dtype("<i4"),
+    "topk_logprobs": np.dtype("<f4"),
 }
+_SIZES = tuple(_DTYPES[c].itemsize for c in L.COLUMNS)
+
+
+def _column_counts(r: int, t: int, d: int, k: int, has_logprobs: bool) -> tuple[int, ...]:
+    """Elements of each column, in ``COLUMNS`` order; -1 = absent."""
+    lp = t if has_logprobs else -1
+    topk = t * k if k > 0 else -1
+    return (r, r, r + 1, t, r + 1 if d > 0 else -1, d if d > 0 else -1, lp, lp, topk, topk)
 
 
 def frame_layout(r: int, t: int, d: int, k: int, has_logprobs: bool) -> tuple[list[int], int]:
     """Canonical column offsets (0 = absent, in ``COLUMNS`` order) and the payload length."""
-    counts = {
-        "handles": r,
-        "flags": r,
-        "token_offsets": r + 1,
-        "token_ids": t,
-        "draft_offsets": r + 1 if d > 0 else -1,
-        "draft_ids": d if d > 0 else -1,
-        "logprobs": t if has_logprobs else -1,
-        "ranks": t if has_logprobs else -1,
-        "topk_ids": t * k if k > 0 else -1,
-        "topk_logprobs": t * k if k > 0 else -1,
-    }
     offsets = []
     pos = L.HEADER_SPACE
-    for name in L.COLUMNS:
-        n = counts[name]
+    for n, size in zip(_column_counts(r, t, d, k, has_logprobs), _SIZES, strict=True):
         if n < 0:
             offsets.append(0)
             continue
         offsets.append(pos)
-        pos = L.align(pos + n * _ITEMSIZE[name], L.COLUMN_ALIGN)
+        pos = L.align(pos + n * size, L.COLUMN_ALIGN)
     return offsets, pos
 
 
@@ -312,20 +307,6 @@ class Frame:
         )
 
 
-_DTYPES: dict[str, np.dtype[Any]] = {
-    "handles": np.dtype("<u8"),
-    "flags": np.dtype("<u4"),
-    "token_offsets": np.dtype("<i4"),
-    "token_ids": np.dtype("<i4"),
-    "draft_offsets": np.dtype("<i4"),
-    "draft_ids": np.dtype("<i4"),
-    "logprobs": np.dtype("<f4"),
-    "ranks": np.dtype("<i4"),
-    "topk_ids": np.dtype("<i4"),
-    "topk_logprobs": np.dtype("<f4"),
-}
-
-
 def decode_frame(buffer: Any, *, validate_offsets: bool = True) -> Frame:
     """Decode a frame payload; raises ``FrameError`` naming the first field that is wrong.
 
@@ -377,7 +358,7 @@ def decode_frame(buffer: Any, *, validate_offsets: bool = True) -> Frame:
     f = Frame()
     f.version, f.producer, f.step, f.kind = hd.version, hd.producer, hd.step, Kind(hd.kind)
     f.k, f.has_logprobs, f.nbytes = hd.k, has_lp, n
-    counts = (hd.r, hd.r, hd.r + 1, hd.t, hd.r + 1, hd.d, hd.t, hd.t, hd.t * hd.k, hd.t * hd.k)
+    counts = _column_counts(hd.r, hd.t, hd.d, hd.k, has_lp)
     for name, off, cnt in zip(L.COLUMNS, offsets, counts, strict=True):
         if off == 0:
             setattr(f, name, None)
