@@ -8,7 +8,9 @@ so that clients can join the pieces of a character split over tokens. A token wh
 not valid UTF-8 on their own is shown as ``"bytes:\\xNN..."``.
 
 Everything is a ``msgspec.Struct`` encoded by one reused JSON encoder; ``sse(chunk)`` gives the
-``data: ...`` event bytes.
+``data: ...`` event bytes. For streaming chat, ``ChatLogprobsFormatter.format_json`` and
+``ChatChunkEncoder`` write the same bytes without building Structs: per token id the JSON
+pieces of its entries are encoded once and a chunk is a join of them and the floats.
 
     fmt = ChatLogprobsFormatter(tokenizer, top_logprobs=5)
     async for delta in stream:
@@ -22,7 +24,7 @@ from __future__ import annotations
 import codecs
 import json
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
 import msgspec
@@ -34,6 +36,7 @@ __all__ = (
     "SSE_DONE",
     "ByteLevelTokenizer",
     "ChatChunkChoice",
+    "ChatChunkEncoder",
     "ChatCompletionChunk",
     "ChatDelta",
     "ChatLogprobs",
@@ -55,6 +58,8 @@ __all__ = (
 )
 
 LOGPROB_FLOOR = -9999.0  # what -inf and NaN become (JSON has neither)
+SSE_DONE = b"data: [DONE]\n\n"
+_encoder = msgspec.json.Encoder()
 
 
 # -- tokenizers ----------------------------------------------------------------------------------
@@ -143,19 +148,47 @@ class _ByteLevelWithSpecials(ByteLevelTokenizer):
                 self._vocab[int(i)] = t.encode("utf-8")
 
 
-class _TokenCache:
-    """Per token id: the display string and the byte list, computed once."""
+class _Fragments(dict[int, bytes]):
+    """Token id -> a piece of JSON, made by ``make`` on first use."""
 
-    __slots__ = ("_tok", "_cache")
+    __slots__ = ("_make",)
+
+    def __init__(self, make: Callable[[int], bytes]) -> None:
+        super().__init__()
+        self._make = make
+
+    def __missing__(self, token_id: int) -> bytes:
+        v = self[token_id] = self._make(token_id)
+        return v
+
+
+class _TokenCache:
+    """Per token id: the display string and the byte list, computed once; and the pre-encoded
+    JSON pieces of its logprobs entries, so that a chunk is joined from bytes (the floats go
+    between ``head`` and the piece after it)."""
+
+    __slots__ = ("_tok", "_cache", "raw", "head", "top", "top_last", "main", "main_bare")
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self._tok = tokenizer
         self._cache: dict[int, tuple[str, list[int]]] = {}
+        self.raw = _Fragments(tokenizer.token_bytes)
+        # '{"token":"...","logprob":'
+        self.head = _Fragments(lambda t: b'{"token":' + _encoder.encode(self.get(t)[0]) + b',"logprob":')
+        # ',"bytes":[...]},': an entry of top_logprobs; top_last also closes the list and its entry
+        self.top = _Fragments(lambda t: self._bytes(t) + b"},")
+        self.top_last = _Fragments(lambda t: self._bytes(t) + b"}]},")
+        # ',"bytes":[...],"top_logprobs":[': a position's entry, its alternatives follow
+        self.main = _Fragments(lambda t: self._bytes(t) + b',"top_logprobs":[')
+        self.main_bare = _Fragments(lambda t: self._bytes(t) + b',"top_logprobs":[]},')
+
+    def _bytes(self, token_id: int) -> bytes:
+        return b',"bytes":' + _encoder.encode(self.get(token_id)[1])
 
     def get(self, token_id: int) -> tuple[str, list[int]]:
         e = self._cache.get(token_id)
         if e is None:
-            raw = self._tok.token_bytes(token_id)
+            raw = self.raw[token_id]
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError:
@@ -191,6 +224,27 @@ def _floats(a: np.ndarray) -> list[float]:
     if bad.any():
         f[bad] = LOGPROB_FLOOR
     return f.tolist()  # type: ignore[no-any-return]
+
+
+def _float_json(a: np.ndarray) -> list[bytes]:
+    """The JSON of each value of ``a`` (flattened), as ``msgspec`` writes the floats of
+    ``_floats(a)``: one encoder call for all of them."""
+    b = _encoder.encode(a.ravel().tolist())  # float32 -> Python float is exact
+    if b"null" in b:  # NaN or an infinity (msgspec writes null): clamp them
+        b = _encoder.encode(_floats(a.ravel()))
+    return b[1:-1].split(b",")
+
+
+def _head(d: Delta, n: int) -> Delta:
+    """The first ``n`` positions of ``d`` (views)."""
+    return msgspec.structs.replace(
+        d,
+        token_ids=d.token_ids[:n],
+        logprobs=None if d.logprobs is None else d.logprobs[:n],
+        ranks=None if d.ranks is None else d.ranks[:n],
+        topk_ids=None if d.topk_ids is None else d.topk_ids[:n],
+        topk_logprobs=None if d.topk_logprobs is None else d.topk_logprobs[:n],
+    )
 
 
 def _check_top(n: int, delta: Delta) -> None:
@@ -260,6 +314,54 @@ class ChatLogprobsFormatter:
             s, b = get(t)
             content.append(ChatTokenLogprob(s, lp, b, top))
         return ChatLogprobs(content)
+
+    def format_json(self, delta: Delta, limit: int | None = None) -> bytes | None:
+        """The JSON of ``format(delta)``, byte for byte, built without Structs; ``limit`` keeps
+        only the first ``limit`` positions (a stop sequence cut the delta)."""
+        if delta.logprobs is None or delta.num_tokens == 0:
+            return None
+        n = self._n
+        if n:
+            _check_top(n, delta)
+        if limit is not None and limit < delta.num_tokens:
+            if limit <= 0:
+                return b'{"content":[]}'
+            delta = _head(delta, limit)
+        c = self._cache
+        ids = delta.token_ids.tolist()
+        lps = delta.logprobs
+        assert lps is not None
+        m = len(ids)
+        head = c.head.__getitem__
+        if not n:
+            parts = [b""] * (3 * m + 1)
+            parts[0:-1:3] = map(head, ids)
+            parts[1:-1:3] = _float_json(lps)
+            parts[2:-1:3] = map(c.main_bare.__getitem__, ids)
+            parts[-2] = parts[-2][:-1]  # no comma after the last entry
+            parts[-1] = b"]}"
+            return b'{"content":[' + b"".join(parts)
+        assert delta.topk_ids is not None and delta.topk_logprobs is not None
+        # every piece of the content list in one flat list, filled column by column: each
+        # position is [head, logprob, main] then [head, logprob, top] per alternative
+        stride = 3 + 3 * n
+        end = stride * m
+        parts = [b""] * (end + 1)
+        parts[0:end:stride] = map(head, ids)
+        parts[1:end:stride] = _float_json(lps)
+        parts[2:end:stride] = map(c.main.__getitem__, ids)
+        tids = delta.topk_ids[:, :n].ravel().tolist()
+        tlps = _float_json(delta.topk_logprobs[:, :n])
+        top = c.top.__getitem__
+        for j in range(n):
+            o = 3 + 3 * j
+            col = tids[j::n]
+            parts[o:end:stride] = map(head, col)
+            parts[o + 1 : end : stride] = tlps[j::n]
+            parts[o + 2 : end : stride] = map(c.top_last.__getitem__ if j == n - 1 else top, col)
+        parts[-2] = parts[-2][:-1]
+        parts[-1] = b"]}"
+        return b'{"content":[' + b"".join(parts)
 
 
 # -- (legacy) completions ------------------------------------------------------------------------
@@ -333,15 +435,15 @@ class IncrementalText:
     """
 
     def __init__(self, tokenizer: Tokenizer) -> None:
-        self._tok = tokenizer
+        self._raw = _cache_for(tokenizer).raw
         self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def push(self, token_id: int) -> str:
-        return self._dec.decode(self._tok.token_bytes(token_id))
+        return self._dec.decode(self._raw[token_id])
 
     def decode(self, token_ids: np.ndarray | Sequence[int]) -> str:
         ids = token_ids.tolist() if isinstance(token_ids, np.ndarray) else token_ids
-        return self._dec.decode(b"".join(self._tok.token_bytes(t) for t in ids))
+        return self._dec.decode(b"".join(map(self._raw.__getitem__, ids)))
 
     def flush(self) -> str:
         """The end of the text: an unfinished character becomes U+FFFD."""
@@ -436,13 +538,48 @@ def usage_chunk(
     return CompletionChunk(id, created, model, [], usage)
 
 
-_encoder = msgspec.json.Encoder()
-SSE_DONE = b"data: [DONE]\n\n"
-
-
 def sse(chunk: msgspec.Struct) -> bytes:
     """One server-sent event: ``b"data: <json>\\n\\n"``."""
     buf = bytearray(b"data: ")
     _encoder.encode_into(chunk, buf, 6)
     buf += b"\n\n"
     return bytes(buf)
+
+
+class ChatChunkEncoder:
+    """The SSE events of one chat completion stream, written as bytes: ``chunk(...)`` gives the
+    same bytes as ``sse(chat_chunk(id, model, created, ...))``, with the logprobs as the JSON
+    of ``ChatLogprobsFormatter.format_json``. The request's constant fields are encoded once.
+    """
+
+    __slots__ = ("_head",)
+
+    def __init__(self, id: str, model: str, created: int, *, index: int = 0) -> None:
+        enc = _encoder.encode
+        self._head = b"".join(
+            (b'data: {"object":"chat.completion.chunk","id":', enc(id), b',"created":', enc(created),
+             b',"model":', enc(model), b',"choices":[{"index":', enc(index), b',"delta":{')
+        )  # fmt: skip
+
+    def chunk(
+        self,
+        *,
+        content: str | None = None,
+        role: str | None = None,
+        logprobs: bytes | None = None,
+        finish_reason: str | None = None,
+    ) -> bytes:
+        enc = _encoder.encode
+        parts = [self._head]
+        if role is not None:
+            parts += (b'"role":', enc(role), b"," if content is not None else b"")
+        if content is not None:
+            parts += (b'"content":', enc(content))
+        parts += (
+            b'},"logprobs":',
+            b"null" if logprobs is None else logprobs,
+            b',"finish_reason":',
+            b"null" if finish_reason is None else enc(finish_reason),
+            b"}]}\n\n",
+        )
+        return b"".join(parts)

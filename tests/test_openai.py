@@ -14,6 +14,8 @@ from aiospec._stream import Delta
 from aiospec.openai import (
     SSE_DONE,
     ByteLevelTokenizer,
+    ChatChunkEncoder,
+    ChatLogprobs,
     ChatLogprobsFormatter,
     CompletionLogprobsFormatter,
     IncrementalText,
@@ -189,6 +191,53 @@ def test_sse_chunks_exact_bytes() -> None:
         b'"usage":{"prompt_tokens":1,"completion_tokens":1,"total_tokens":2}}\n\n'
     )
     assert SSE_DONE == b"data: [DONE]\n\n"
+
+
+def test_chat_json_is_the_structs_encoded() -> None:
+    """format_json writes the bytes msgspec writes for format(), also cut to a prefix."""
+    vocab = {**VOCAB, 6: '"q\\\n\t\x01', 7: "😀"}
+    rng = np.random.default_rng(7)
+    special = [math.nan, -math.inf, math.inf, -0.0, 1e-30, -1e20]
+    for _ in range(300):
+        m, k = int(rng.integers(1, 20)), int(rng.integers(0, 5))
+        lp = -rng.random(m).astype(np.float32) * 10
+        tl = -rng.random((m, k)).astype(np.float32) * 10
+        for a in (lp, tl.reshape(-1)):
+            if a.size and rng.random() < 0.5:
+                a[rng.integers(0, a.size)] = rng.choice(special)
+        d = Delta(
+            token_ids=rng.integers(0, 8, m).astype(np.int32),
+            logprobs=lp,
+            ranks=np.ones(m, np.int32),
+            topk_ids=rng.integers(0, 8, (m, k)).astype(np.int32) if k else None,
+            topk_logprobs=tl if k else None,
+        )
+        fmt = ChatLogprobsFormatter(SimpleTokenizer(vocab), top_logprobs=int(rng.integers(0, k + 1)))
+        full = fmt.format(d)
+        assert full is not None and full.content is not None
+        assert fmt.format_json(d) == msgspec.json.encode(full)
+        limit = int(rng.integers(0, m + 2))
+        assert fmt.format_json(d, limit) == msgspec.json.encode(ChatLogprobs(full.content[:limit]))
+    fmt = ChatLogprobsFormatter(tok(), top_logprobs=1)
+    assert fmt.format_json(delta([5])) is None  # no logprobs
+    assert fmt.format_json(delta([], [])) is None  # no tokens
+    with pytest.raises(ValueError, match="top_logprobs = 1"):
+        fmt.format_json(delta([5], [-1.0]))
+
+
+def test_chat_chunk_encoder_writes_the_sse_of_chat_chunk() -> None:
+    fmt = ChatLogprobsFormatter(tok(), top_logprobs=2)
+    for rid, model, created in (("chatcmpl-1", "m", 123), ('a"\\é', "😀", 1 << 40)):
+        enc = ChatChunkEncoder(rid, model, created)
+        for content in (None, "", 'Hi "there"\n é'):
+            for role in (None, "assistant"):
+                for d in (None, MTP_DELTA):
+                    for fr in (None, "stop", "length"):
+                        lp, lpj = (None, None) if d is None else (fmt.format(d), fmt.format_json(d))
+                        want = sse(
+                            chat_chunk(rid, model, created, content=content, role=role, logprobs=lp, finish_reason=fr)
+                        )
+                        assert enc.chunk(content=content, role=role, logprobs=lpj, finish_reason=fr) == want
 
 
 def test_incremental_text_joins_split_characters() -> None:

@@ -2,8 +2,9 @@
 
 Per-token work is incremental and allocation-light: each delta from the request's stream (the
 Hub coalesces everything that arrived since the last read, so a slow client gets multi-token
-deltas rather than a backlog) becomes one SSE chunk, built from msgspec Structs by
-``aiospec.openai`` and encoded once. The streaming loop runs in the request's own task and
+deltas rather than a backlog) becomes one SSE chunk: a chat chunk is joined from pre-encoded
+JSON pieces (``ChatChunkEncoder``, ``ChatLogprobsFormatter.format_json``), a completion chunk
+is built from msgspec Structs and encoded once. The streaming loop runs in the request's own task and
 yields to the loop while it waits for the next delta; a second small task watches for the
 client's disconnect, which closes the stream and aborts the request in the engine.
 """
@@ -32,6 +33,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from aiospec._stream import Delta, EndOfStream, RequestStream, StreamClosed, StreamError
 from aiospec.openai import (
     SSE_DONE,
+    ChatChunkEncoder,
     ChatLogprobs,
     ChatLogprobsFormatter,
     ChatTokenLogprob,
@@ -39,7 +41,6 @@ from aiospec.openai import (
     CompletionLogprobsFormatter,
     IncrementalText,
     Usage,
-    chat_chunk,
     completion_chunk,
     sse,
     usage_chunk,
@@ -134,8 +135,24 @@ class _Output:
 
     def consume(self, delta: Any) -> tuple[str, Any]:
         """Text and logprobs object of one delta (both cut at a stop sequence)."""
+        text, kept = self._text(delta)
+        lp = None
+        if self._fmt is not None:
+            lp = self._fmt.format(delta)
+            if kept < delta.num_tokens:
+                lp = _truncate(lp, kept)
+        return text, lp
+
+    def consume_chat(self, delta: Any) -> tuple[str, bytes | None]:
+        """Text and logprobs JSON of one delta of a chat stream (both cut at a stop sequence)."""
+        text, kept = self._text(delta)
+        fmt = self._fmt
+        assert fmt is None or isinstance(fmt, ChatLogprobsFormatter)
+        return text, None if fmt is None else fmt.format_json(delta, kept)
+
+    def _text(self, delta: Any) -> tuple[str, int]:
+        """Text of one delta and how many of its tokens it keeps (fewer after a stop sequence)."""
         ids = delta.token_ids.tolist()
-        lp = self._fmt.format(delta) if self._fmt is not None else None
         if not self._stops:
             text = self._dec.decode(ids)
             self.ntok += len(ids)
@@ -156,15 +173,13 @@ class _Output:
                         break
                     kept += 1
                     pos += len(p)
-                text = text[:cut]
-                lp = _truncate(lp, kept)
                 self.ntok += kept
                 self.finish_reason = "stop"
                 self.stopped = True
-                return text, lp
+                return text[:cut], kept
         if delta.finished:
             self.finish_reason = "length" if self.ntok >= self.max_tokens else "stop"
-        return text, lp
+        return text, len(ids)
 
 
 def _truncate(lp: Any, n: int) -> Any:
@@ -283,6 +298,7 @@ class _Generation(Response):
         model = st.settings.model
         rid, created = self.rid, self.created
         chat = self.chat
+        enc = ChatChunkEncoder(rid, model, created)
         first = True
         pacer = st.pacer
         await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
@@ -307,7 +323,11 @@ class _Generation(Response):
                     continue
                 pieces = _split(got, MAX_CHUNK_TOKENS)
             d = pieces.pop(0)
-            text, lp = out.consume(d)
+            lp: Any = None  # the logprobs JSON of a chat chunk, the Struct of a completion chunk
+            if chat:
+                text, lp = out.consume_chat(d)
+            else:
+                text, lp = out.consume(d)
             ntok = d.num_tokens
             fr = out.finish_reason
             if not text and lp is None and fr is None:
@@ -316,17 +336,7 @@ class _Generation(Response):
                 m.ttft.observe(time.perf_counter() - self.t_start)
             m.tokens += ntok
             if chat:
-                body = sse(
-                    chat_chunk(
-                        rid,
-                        model,
-                        created,
-                        content=text,
-                        role="assistant" if first else None,
-                        logprobs=lp,
-                        finish_reason=fr,
-                    )
-                )
+                body = enc.chunk(content=text, role="assistant" if first else None, logprobs=lp, finish_reason=fr)
             else:
                 body = sse(completion_chunk(rid, model, created, text=text, logprobs=lp, finish_reason=fr))
             first = False
