@@ -6,13 +6,19 @@ compile to single aligned 8-/4-byte loads and stores. Ordering: x86-64 keeps sto
 and loads in order (TSO), so only the store->load fences of the sleep/wake handshake need a
 real barrier there; on other architectures every release/acquire point takes one. The barrier
 is a lock round trip (an atomic read-modify-write, a full fence on every CPU Python runs on).
+
+``commit()``, a reader's ``poll()`` and the sleep inside ``wait()`` have C twins in
+shm/_native.c, used when the install built them: they run right after a core wakes from idle,
+where each interpreted step is a cache miss, and so decide the wake-up latency.
 """
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import errno
 import fcntl
+import math
 import mmap
 import os
 import platform
@@ -24,6 +30,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -52,6 +59,22 @@ def _release_fence() -> None:
 
 
 _acquire_fence = _release_fence
+
+# The C twin of commit() and of a reader's sleep (shm/_native.c), built at install time when a
+# compiler is there. SHM_PURE_PYTHON=1 keeps the Python paths; both implement the same protocol.
+_NATIVE_ABI = 1
+_native_mod: ModuleType | None
+try:
+    from shm import _native as _native_mod
+except ImportError:
+    _native_mod = None
+_native: ModuleType | None = (
+    _native_mod
+    if _native_mod is not None
+    and getattr(_native_mod, "ABI", None) == _NATIVE_ABI
+    and os.environ.get("SHM_PURE_PYTHON", "") in ("", "0")
+    else None
+)
 
 _DATA_TYPES = (L.FRAME_DATA, L.FRAME_PAD)
 _FRAME_HEADER = L.FRAME_HEADER
@@ -149,11 +172,11 @@ class Ring:
         self._head = self._q[L.OFF_HEAD // 8]
         self._min_tail = self._head  # a lower bound of every active reader's tail
         self._reserved: tuple[int, int] | None = None  # (position, payload capacity)
-        self._bells: dict[int, tuple[int, int]] = {}  # slot -> (generation, fd)
+        # (generation, fd) of each slot's open bell, fd -1 for none: the native commit reads it
+        self._bells = array.array("q", [0, -1] * self._max_readers)
+        self._native = _native
         self._reader_timeout: float | None = None
         self._check_pids = True
-        self._frames_written = self._q[L.OFF_FRAMES_WRITTEN // 8]
-        self._bytes_written = self._q[L.OFF_BYTES_WRITTEN // 8]
         self._hb_thread: threading.Thread | None = None
         self._hb_stop = threading.Event()
         self._readers: list[Reader] = []
@@ -331,10 +354,7 @@ class Ring:
     def _adopt_head(self, head: int) -> None:
         # A native producer (the C++/CUDA emit op) wrote frames through its own mapping since
         # our last commit: continue after them instead of overwriting them.
-        q = self._q
         self._head = head
-        self._frames_written = q[L.OFF_FRAMES_WRITTEN // 8]
-        self._bytes_written = q[L.OFF_BYTES_WRITTEN // 8]
         self._w[L.OFF_PRODUCER_PID // 4] = os.getpid()
         self._w[L.OFF_PRODUCER_STATE // 4] = L.PRODUCER_LIVE
 
@@ -350,12 +370,17 @@ class Ring:
         elif not isinstance(n, int) or not 0 <= n <= cap:
             raise ValueError(f"commit: n = {n!r}: expected 0..{cap} (the reserved size)")
         self._reserved = None
+        native = self._native
+        if native is not None:
+            unrung = native.commit(self._buf, pos, n, L.FRAME_DATA, self._bells)
+            self._head = self._q[L.OFF_HEAD // 8]
+            if unrung:
+                self._ring_bells(sleepers_only=True, slots=unrung)
+            return pos
         self._publish(pos, n, L.FRAME_DATA)
-        self._frames_written += 1
-        self._bytes_written += n
         q = self._q
-        q[L.OFF_FRAMES_WRITTEN // 8] = self._frames_written
-        q[L.OFF_BYTES_WRITTEN // 8] = self._bytes_written
+        q[L.OFF_FRAMES_WRITTEN // 8] += 1
+        q[L.OFF_BYTES_WRITTEN // 8] += n
         q[L.OFF_HEARTBEAT_NS // 8] = time.monotonic_ns()
         _full_fence()  # store(commit) -> load(sleeping): pairs with the reader's sleep_begin()
         if any(self._sleepers):
@@ -406,7 +431,11 @@ class Ring:
 
     def _write_pad(self, pos: int, pad: int) -> None:
         # a PAD frame's length is the whole tail of the data area; it carries no payload
-        self._publish(pos, pad - L.FRAME_HEADER, L.FRAME_PAD)
+        if self._native is not None:
+            self._native.commit(self._buf, pos, pad - L.FRAME_HEADER, L.FRAME_PAD, self._bells)
+            self._head = pos + pad
+        else:
+            self._publish(pos, pad - L.FRAME_HEADER, L.FRAME_PAD)
 
     def _wait_for_room(self, need: int, size: int, timeout: float | None) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -463,10 +492,12 @@ class Ring:
     def _active_slots(self) -> list[int]:
         return [i for i in range(self._max_readers) if self._w[self._st[i]] == L.READER_ACTIVE]
 
-    def _ring_bells(self, *, sleepers_only: bool) -> int:
+    def _ring_bells(self, *, sleepers_only: bool, slots: int = -1) -> int:
+        """Ring active readers' bells (only those asleep with ``sleepers_only``; only the slots
+        in the bitmask ``slots``); opens bells on first use and drops the ones that fail."""
         rung = 0
         for slot in range(self._max_readers):
-            if self._w[self._st[slot]] != L.READER_ACTIVE:
+            if not slots >> slot & 1 or self._w[self._st[slot]] != L.READER_ACTIVE:
                 continue
             if sleepers_only and not self._w[self._sl[slot]]:
                 continue
@@ -484,22 +515,23 @@ class Ring:
 
     def _bell_fd(self, slot: int) -> int:
         gen = self._w[self._gn[slot]]
-        cached = self._bells.get(slot)
-        if cached is not None:
-            if cached[0] == gen:
-                return cached[1]
+        bells = self._bells
+        if bells[2 * slot + 1] >= 0:
+            if bells[2 * slot] == gen:
+                return bells[2 * slot + 1]
             self._drop_bell(slot)
         try:
             fd = os.open(_bell_path(self._name, slot), os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError:
             return -1  # no reader has its bell open (it is leaving): nothing to wake
-        self._bells[slot] = (gen, fd)
+        bells[2 * slot], bells[2 * slot + 1] = gen, fd
         return fd
 
     def _drop_bell(self, slot: int) -> None:
-        cached = self._bells.pop(slot, None)
-        if cached is not None:
-            os.close(cached[1])
+        fd = self._bells[2 * slot + 1]
+        if fd >= 0:
+            self._bells[2 * slot + 1] = -1
+            os.close(fd)
 
     def _require_open(self, what: str) -> None:
         if self._closed:
@@ -628,7 +660,7 @@ class Ring:
             self.heartbeat()
             _full_fence()
             self._ring_bells(sleepers_only=False)  # wake every reader to notice the close
-            for slot in list(self._bells):
+            for slot in range(self._max_readers):
                 self._drop_bell(slot)
         self._closed = True
         if self._owner:
@@ -721,6 +753,17 @@ class Reader:
         raises ``CorruptFrame``; the good frames before it are returned first (the next call
         raises).
         """
+        native = self._ring._native
+        if native is not None and not self._closed:
+            views: list[memoryview]
+            views, pos, bad = native.poll(self._buf, self._cursor, max_frames, self._max_record, self._slot, self._gen)
+            if bad == 1:
+                self._check_slot()  # raises ReaderEvicted
+            self._cursor = pos
+            if bad is not None and not views:
+                raise self._corrupt(pos, str(bad))
+            self._polled += len(views)
+            return views
         self._check_slot()
         q, mask, cap = self._q, self._mask, self._cap
         pos = self._cursor
@@ -836,6 +879,11 @@ class Reader:
                 left = min(left, deadline - time.monotonic())
                 if left <= 0:
                     return self.pending()
+            native = self._ring._native
+            if native is not None:
+                if native.sleep(self._buf, self._slot, self._cursor, self._bell, math.ceil(max(0.0, left) * 1000.0)):
+                    return True
+                continue
             if not self.sleep_begin():
                 return True
             try:

@@ -31,6 +31,19 @@ import shm
 from shm import _layout as L
 
 CAP = L.MIN_CAPACITY  # 64 KiB: small rings wrap quickly
+
+
+@pytest.fixture(autouse=True, params=["native", "python"])
+def ring_paths(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test runs on both implementations of commit and sleep (shm/_native.c and Python);
+    a ring takes the module's choice when it is created or attached."""
+    if request.param == "python":
+        monkeypatch.setattr(shm._ring, "_native", None)
+    elif shm._ring._native is None:
+        pytest.skip("shm._native is not built here (no C compiler at install); test_native_is_built says why")
+    return str(request.param)
+
+
 MAX_REC = CAP // 8
 
 

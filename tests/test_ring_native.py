@@ -1,0 +1,151 @@
+"""The native commit/sleep paths (shm/_native.c): built, interchangeable with Python, strict."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import sysconfig
+import threading
+import time
+from collections.abc import Iterator
+from types import FrameType, ModuleType
+
+import pytest
+from _ringhelpers import shm_tracker_fixture  # noqa: F401  (an autouse fixture)
+
+import shm
+from shm import _layout as L
+
+CAP = L.MIN_CAPACITY
+
+
+def _native() -> ModuleType:
+    if shm._ring._native is None:
+        pytest.skip("shm._native is not built here; test_native_is_built says why")
+    return shm._ring._native
+
+
+def test_native_is_built() -> None:
+    """Where the install could compile it, the native module must be there and current: a
+    missing or stale build silently costs the latency it exists for."""
+    if os.environ.get("SHM_PURE_PYTHON", "") not in ("", "0"):
+        pytest.skip("SHM_PURE_PYTHON is set: the Python paths were asked for")
+    cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    headers = os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h"))
+    if shutil.which(cc) is None or not headers:
+        pytest.skip(f"no C compiler ({cc}) or no Python headers: the install builds no native module")
+    try:
+        from shm import _native as built
+    except ImportError as exc:
+        pytest.fail(f"shm._native is not built ({exc}): reinstall with `pip install -e .`")
+    assert built.ABI == shm._ring._NATIVE_ABI, "stale shm._native build: reinstall with `pip install -e .`"
+    assert shm._ring._native is built
+
+
+@pytest.fixture
+def mixed() -> Iterator[tuple[shm.Ring, shm.Ring]]:
+    """A producer on the Python paths and a reader handle on the native ones."""
+    native = _native()
+    shm._ring._native = None
+    try:
+        prod = shm.Ring.create(capacity=CAP)
+    finally:
+        shm._ring._native = native
+    with prod, shm.Ring.attach(prod.name) as other:
+        assert prod._native is None and other._native is native
+        yield prod, other
+
+
+def _wake_roundtrip(producer: shm.Ring, reader: shm.Reader, frames: int) -> list[bytes]:
+    """The reader sleeps (no spin) until each frame a thread writes after a pause arrives."""
+    got: list[bytes] = []
+
+    def write() -> None:
+        for i in range(frames):
+            time.sleep(0.01)  # long enough that the reader is asleep on its bell
+            producer.write(bytes([i]) * 100)
+
+    t = threading.Thread(target=write)
+    t.start()
+    try:
+        while len(got) < frames:
+            assert reader.wait(timeout=5.0), "the reader was not woken"
+            got += reader.read()
+    finally:
+        t.join()
+    return got
+
+
+def test_python_producer_wakes_native_reader(mixed: tuple[shm.Ring, shm.Ring]) -> None:
+    prod, other = mixed
+    with other.reader(spin=0) as rd:
+        assert _wake_roundtrip(prod, rd, 5) == [bytes([i]) * 100 for i in range(5)]
+
+
+def test_native_producer_wakes_python_reader(mixed: tuple[shm.Ring, shm.Ring]) -> None:
+    py_ring, native_ring = mixed
+    # the roles swapped: hand production to the native handle (it adopts the head)
+    native_ring._producing = True
+    py_ring._producing = False
+    with py_ring.reader(spin=0) as rd:
+        assert _wake_roundtrip(native_ring, rd, 5) == [bytes([i]) * 100 for i in range(5)]
+    st = native_ring.stats()
+    assert (st.frames_written, st.bytes_written) == (5, 500)
+
+
+def test_native_commit_counts_like_python() -> None:
+    _native()
+    with shm.Ring.create(capacity=CAP) as ring, ring.reader() as rd:
+        for i in range(40):  # several laps of the 64 KiB ring, PAD frames included
+            ring.write(bytes([i]) * 5000)
+            assert rd.read() == [bytes([i]) * 5000]
+        st = ring.stats()
+        assert (st.frames_written, st.bytes_written, st.head) == (40, 200_000, rd.tail)
+
+
+def test_native_commit_rejects_bad_arguments() -> None:
+    native = _native()
+    with shm.Ring.create(capacity=CAP) as ring:
+        seg, bells = ring._buf, ring._bells
+        with pytest.raises(ValueError, match=r"ftype = 7: expected 1 \(DATA\) or 2 \(PAD\)"):
+            native.commit(seg, 0, 10, 7, bells)
+        with pytest.raises(ValueError, match=r"n = 65536 at position 0: the frame does not fit"):
+            native.commit(seg, 0, CAP, 1, bells)
+        with pytest.raises(ValueError, match=r"n = 100 at position 65500: the frame does not fit"):
+            native.commit(seg, 65500, 100, 1, bells)
+        with pytest.raises(ValueError, match=r"pos = -1: expected a non-negative int"):
+            native.commit(seg, -1, 10, 1, bells)
+        with pytest.raises(ValueError, match=r"segment: 100 bytes: expected .* at least 4096 bytes"):
+            native.commit(bytearray(100), 0, 10, 1, bells)
+        with pytest.raises(TypeError, match=r"commit\(\) takes 5 arguments \(2 given\)"):
+            native.commit(seg, 0)
+        with pytest.raises(ValueError, match=r"sleep: slot 99, fd 3, timeout_ms 0: expected slot < 24"):
+            native.sleep(seg, 99, 0, 3, 0)
+        with pytest.raises(BufferError, match="not writable"):
+            native.commit(b"read-only" * 1000, 0, 10, 1, bells)  # not a writable buffer
+        assert ring.stats().frames_written == 0  # nothing was published by the refused calls
+
+
+def test_native_sleep_runs_signal_handlers() -> None:
+    """Ctrl-C (any signal with a raising handler) ends a sleeping wait() at once."""
+    _native()
+
+    class Interrupted(Exception):
+        pass
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        raise Interrupted
+
+    old = signal.signal(signal.SIGALRM, handler)
+    try:
+        with shm.Ring.create(capacity=CAP) as ring, ring.reader(spin=0) as rd:
+            signal.setitimer(signal.ITIMER_REAL, 0.05)
+            t0 = time.monotonic()
+            with pytest.raises(Interrupted):
+                rd.wait(timeout=10.0)
+            assert time.monotonic() - t0 < 2.0
+            assert ring.stats().readers[0].sleeping is False  # the flag was withdrawn
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
