@@ -8,7 +8,9 @@ in turn, synchronized by a barrier:
   seconds; the reader (ring ``wait()`` + ``poll()``, blocking ``get()`` / ``msgrcv``) counts what
   it receives (frames/s, GB/s, CPU per frame on each side). Every transport gets the same byte
   budget for frames in flight (``--capacity``: the ring's size, the Queue's maxsize, the SysV
-  queue's msg_qbytes).
+  queue's msg_qbytes). By default the budget is 32 frames (at least 1 MiB, a power of two:
+  2 MiB for 64 KiB frames), the way rings are sized to stay cache-resident; a budget far
+  beyond the caches measures the machine's memory bandwidth instead of the transport.
 - ``latency_spin``: the producer sleeps ``--pace-us`` between frames (longer for big frames,
   see ``pace_ns``), so the reader has a core and is idle when a frame comes; the reader polls
   without ever blocking (ring ``poll()``, ``Queue.get_nowait()``, ``msgrcv(IPC_NOWAIT)``).
@@ -70,6 +72,14 @@ STOP = (1 << 64) - 1  # the sequence number of the end-of-run frame
 MSGMAX = "/proc/sys/kernel/msgmax"
 MSGMNB = "/proc/sys/kernel/msgmnb"
 RING_SPIN_WOKEN = 5e-6  # the ring reader's spin before it sleeps, in latency_woken
+
+
+def budget(size: int, capacity: int | None) -> int:
+    """Bytes in flight for ``size``-byte frames: ``capacity``, or 32 frames (a power of two,
+    at least 1 MiB) when it is None."""
+    if capacity is not None:
+        return capacity
+    return max(1 << 20, 1 << (32 * size - 1).bit_length())
 
 
 def pace_ns(size: int, pace_us: float) -> int:
@@ -517,7 +527,7 @@ def targets(results: dict[str, Any], rat: dict[str, Any]) -> dict[str, Any]:
 
 def run_one(transport: str, size: int, modes: list[str], args: Any, ctx: Any, doc: dict[str, Any]) -> dict[str, Any]:
     spec: dict[str, Any] = {
-        "size": size, "capacity": args.capacity, "duration": args.duration, "timeout": args.timeout,
+        "size": size, "capacity": budget(size, args.capacity), "duration": args.duration, "timeout": args.timeout,
         "latency_frames": args.latency_frames, "pace_us": args.pace_us, "modes": modes,
     }  # fmt: skip
     mq = None
@@ -530,11 +540,11 @@ def run_one(transport: str, size: int, modes: list[str], args: Any, ctx: Any, do
 
         mq = sysv_ipc.MessageQueue(None, sysv_ipc.IPC_CREX, mode=0o600, max_message_size=size)
         with suppress(OSError, ValueError, sysv_ipc.Error):
-            mq.max_size = args.capacity  # the same byte budget as the ring
+            mq.max_size = spec["capacity"]  # the same byte budget as the ring
         spec["key"] = mq.key
         doc["config"]["sysv_queue_bytes"] = mq.max_size
     elif transport == "mp_queue":
-        spec["queue"] = ctx.Queue(maxsize=max(2, args.capacity // size))
+        spec["queue"] = ctx.Queue(maxsize=max(2, spec["capacity"] // size))
     else:
         spec["name"] = f"aiospec-benchring-{os.getpid()}-{size}-{transport}"
     try:
@@ -555,8 +565,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--duration", type=float, default=2.0, help="seconds of each throughput run (default 2)")
     ap.add_argument("--latency-frames", type=int, default=5000, help="frames per latency run (default 5000)")
     ap.add_argument("--pace-us", type=float, default=200.0, help="interval between latency frames (default 200)")
-    ap.add_argument("--capacity", type=int, default=16 << 20, help="ring capacity; also the byte budget of the "
-                    "baselines' queues (default 16 MiB)")  # fmt: skip
+    ap.add_argument("--capacity", type=int, default=None, help="ring capacity; also the byte budget of the "
+                    "baselines' queues (default: 32 frames, at least 1 MiB, a power of two)")  # fmt: skip
     ap.add_argument("--repeat", type=int, default=3, help="runs of everything, interleaved; the JSON shows the "
                     "median of each number (default 3)")  # fmt: skip
     ap.add_argument("--timeout", type=float, default=30.0, help="give up on a stalled run after this (s)")
@@ -578,8 +588,9 @@ def main(argv: list[str] | None = None) -> int:
         if t not in TRANSPORTS:
             ap.error(f"--transports: unknown transport {t!r}, expected some of {', '.join(TRANSPORTS)}")
     for s in sizes:
-        if not STAMP.size <= s <= args.capacity // 8 - 64:
-            ap.error(f"--sizes: {s} bytes: expected {STAMP.size}..{args.capacity // 8 - 64} (capacity / 8)")
+        cap = budget(s, args.capacity)
+        if not STAMP.size <= s <= cap // 8 - 64:
+            ap.error(f"--sizes: {s} bytes: expected {STAMP.size}..{cap // 8 - 64} (capacity / 8)")
 
     ctx = mp.get_context("spawn")
     doc: dict[str, Any] = {
@@ -592,14 +603,15 @@ def main(argv: list[str] | None = None) -> int:
             "duration_s": args.duration,
             "latency_frames": args.latency_frames,
             "pace_us": {str(s): pace_ns(s, args.pace_us) / 1000 for s in sizes},
-            "capacity": args.capacity,
+            "capacity": {str(s): budget(s, args.capacity) for s in sizes},
             "repeat": args.repeat,
             "ring_woken_spin_us": RING_SPIN_WOKEN * 1e6,
             "quick": args.quick,
         },
         "results": {},
     }
-    with sysv_limits(max(sizes), args.capacity, "sysv" in transports and not args.keep_sysctls) as limits:
+    most = max(budget(s, args.capacity) for s in sizes)
+    with sysv_limits(max(sizes), most, "sysv" in transports and not args.keep_sysctls) as limits:
         doc["sysv_limits"] = limits
         runs: dict[tuple[int, str], list[dict[str, Any]]] = {}
         # repeats are interleaved (every transport once, then again) so that a burst of load

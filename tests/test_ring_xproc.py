@@ -242,6 +242,8 @@ def test_bench_ring_quick_prints_the_expected_json(tmp_path: Path) -> None:
     assert doc["benchmark"] == "ring"
     assert {"cpu_count", "python", "numpy", "kernel", "loadavg_at_start", "loadavg_at_end"} <= set(doc["machine"])
     assert doc["config"]["quick"] is True and doc["config"]["sizes"] == [1024, 65536, 524288]
+    # the default byte budget: 32 frames, at least 1 MiB, a power of two
+    assert doc["config"]["capacity"] == {"1024": 1 << 20, "65536": 2 << 20, "524288": 16 << 20}
     assert set(doc["sysv_limits"]) == {"msgmax", "msgmnb"}
     assert set(doc["results"]) == {"1024", "65536", "524288"}
     for size, row in doc["results"].items():
