@@ -1,6 +1,6 @@
 // shm._native: the paths of shm/_ring.py where interpreted Python is the latency.
 //
-// commit() publishes a frame and rings the bells of sleeping readers; sleep() is a reader's
+// reserve() and commit() are a producer's frame (commit rings the bells of sleeping readers); sleep() is a reader's
 // announce / re-check / block / drain; poll() collects committed frames. Both run right after a core wakes from idle, when every
 // cache line the interpreter touches is a miss: in C they touch a handful of lines instead of
 // hundreds. The Python code in shm/_ring.py does the same steps (and is used when this module
@@ -70,6 +70,41 @@ static int get_u64(PyObject* obj, const char* what, uint64_t* out) {
   }
   *out = v;
   return 0;
+}
+
+// reserve(segment, n, head, min_tail, max_record) -> memoryview | None
+//
+// The producer's common case of reserve() (section 3): the ring's head is still ``head`` (no
+// other writer since), the frame fits before the end of the data area (no PAD) and there is
+// room above ``min_tail`` for it and the next frame's header. Returns the writable payload
+// slice of ``segment``; None for every other case, which the Python path handles (it waits,
+// pads, adopts the head or raises with the full explanation).
+static PyObject* native_reserve(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  (void)self;
+  if (nargs != 5) {
+    PyErr_Format(PyExc_TypeError, "reserve() takes 5 arguments (%zd given)", nargs);
+    return NULL;
+  }
+  uint64_t n, head, min_tail, max_record;
+  if (!PyLong_CheckExact(args[1]) || get_u64(args[1], "n", &n) < 0) {
+    PyErr_Clear();
+    Py_RETURN_NONE;  // not a plain non-negative int: the Python path says what is wrong
+  }
+  if (get_u64(args[2], "head", &head) < 0 || get_u64(args[3], "min_tail", &min_tail) < 0 ||
+      get_u64(args[4], "max_record", &max_record) < 0)
+    return NULL;
+  Py_buffer seg;
+  uint64_t cap;
+  if (get_segment(args[0], &seg, &cap) < 0) return NULL;
+  const uint8_t* base = (const uint8_t*)seg.buf;
+  const uint64_t size = (AIOSPEC_FRAME_HEADER + n + AIOSPEC_FRAME_ALIGN - 1) & ~(uint64_t)(AIOSPEC_FRAME_ALIGN - 1);
+  const uint64_t off = head & (cap - 1);
+  const int fast = n <= max_record && size <= max_record && ld64(base, AIOSPEC_OFF_HEAD) == head &&
+                   size <= cap - off && head >= min_tail && head - min_tail + size + AIOSPEC_FRAME_HEADER <= cap;
+  PyBuffer_Release(&seg);
+  if (!fast) Py_RETURN_NONE;
+  const Py_ssize_t start = (Py_ssize_t)(AIOSPEC_CONTROL_SIZE + off + AIOSPEC_FRAME_HEADER);
+  return PySequence_GetSlice(args[0], start, start + (Py_ssize_t)n);
 }
 
 // commit(segment, pos, n, ftype, bells) -> int
@@ -291,6 +326,8 @@ static PyObject* native_poll(PyObject* self, PyObject* const* args, Py_ssize_t n
 }
 
 static PyMethodDef methods[] = {
+    {"reserve", (PyCFunction)(void (*)(void))native_reserve, METH_FASTCALL,
+     "reserve(segment, n, head, min_tail, max_record) -> memoryview | None: the common case of reserve()."},
     {"commit", (PyCFunction)(void (*)(void))native_commit, METH_FASTCALL,
      "commit(segment, pos, n, ftype, bells) -> int: publish a frame, ring sleeping readers; "
      "returns the slots left for the caller to ring."},

@@ -327,6 +327,12 @@ class Ring:
         Fill the view, then ``commit()``. Waits up to ``timeout`` seconds (``None``: forever)
         for the slowest reader, then raises ``RingFull`` naming the lagging readers.
         """
+        native = self._native
+        if native is not None and self._reserved is None and self._producing and not self._closed:
+            view: memoryview | None = native.reserve(self._buf, n, self._head, self._min_tail, self._max_record)
+            if view is not None:
+                self._reserved = (self._head, n)
+                return view
         if self._closed or not self._producing:
             self._require_producer("reserve")
         if self._reserved is not None:

@@ -127,6 +127,25 @@ def test_native_commit_rejects_bad_arguments() -> None:
         assert ring.stats().frames_written == 0  # nothing was published by the refused calls
 
 
+def test_native_reserve_takes_only_the_common_case() -> None:
+    """Anything but a plain fitting frame at the current head goes to the Python path (None)."""
+    native = _native()
+    with shm.Ring.create(capacity=CAP) as ring:
+        seg, mr = ring._buf, ring.max_record
+        view = native.reserve(seg, 100, 0, 0, mr)
+        assert view is not None and len(view) == 100 and not view.readonly
+        view[:4] = b"abcd"
+        assert bytes(seg[L.CONTROL_SIZE + L.FRAME_HEADER : L.CONTROL_SIZE + L.FRAME_HEADER + 4]) == b"abcd"
+        assert native.reserve(seg, -1, 0, 0, mr) is None  # the Python path names the bad n
+        assert native.reserve(seg, "100", 0, 0, mr) is None
+        assert native.reserve(seg, True, 0, 0, mr) is None  # a bool is not a size
+        assert native.reserve(seg, mr, 0, 0, mr) is None  # header + payload above max_record
+        assert native.reserve(seg, 100, 64, 0, mr) is None  # the head moved: another writer
+        assert native.reserve(seg, 100, 0, 0, mr) is not None
+        with pytest.raises(ValueError, match=r"segment: 100 bytes"):
+            native.reserve(bytearray(100), 100, 0, 0, mr)
+
+
 def test_native_sleep_runs_signal_handlers() -> None:
     """Ctrl-C (any signal with a raising handler) ends a sleeping wait() at once."""
     _native()
