@@ -1,11 +1,12 @@
 // shm._native: the paths of shm/_ring.py where interpreted Python is the latency.
 //
-// reserve() and commit() are a producer's frame (commit rings the bells of sleeping readers); sleep() is a reader's
-// announce / re-check / block / drain; poll() collects committed frames. Both run right after a core wakes from idle, when every
-// cache line the interpreter touches is a miss: in C they touch a handful of lines instead of
-// hundreds. The Python code in shm/_ring.py does the same steps (and is used when this module
-// is not built); docs/wire-format.md sections 3 and 5 are the protocol. Stateless: every call
-// takes the segment as a buffer and validates the offsets it derives from it.
+// reserve() and commit() are a producer's frame (commit also rings the bells of sleeping
+// readers); sleep() is a reader's announce / re-check / block / drain; poll() collects committed
+// frames. They run right after a core wakes from idle, when every cache line the interpreter
+// touches is a miss: in C they touch a handful of lines instead of hundreds. The Python code in
+// shm/_ring.py does the same steps (and is used when this module is not built);
+// docs/wire-format.md sections 3 to 5 are the protocol. Stateless: every call takes the segment
+// as a buffer and validates the offsets it derives from it.
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
