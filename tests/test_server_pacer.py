@@ -117,7 +117,7 @@ async def test_paced_get_delivers_every_token_in_order_when_paced() -> None:
             got: list[int] = []
             finished = False
             while not finished:
-                d = await asyncio.wait_for(task, 60)
+                d, _ = await asyncio.wait_for(task, 60)
                 if d is not None:
                     got += d.token_ids.tolist()
                     finished = d.finished
@@ -138,6 +138,7 @@ async def test_paced_get_returns_promptly_when_idle() -> None:
             await asyncio.sleep(0)
             t0 = time.perf_counter()
             ring.write(_frame(9, [5]))
-            d = await asyncio.wait_for(task, 60)
+            d, t_turn = await asyncio.wait_for(task, 60)
+            assert t_turn >= t0
             assert d.token_ids.tolist() == [5] and time.perf_counter() - t0 < 30
             stream.close()

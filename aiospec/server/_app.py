@@ -310,8 +310,7 @@ class _Generation(Response):
             if not pieces:
                 try:
                     # wait for data and for this iteration's budget, then take all that arrived
-                    got = await paced_get(stream, pacer)
-                    t0 = time.perf_counter()
+                    got, t0 = await paced_get(stream, pacer)
                 except (StreamClosed, EndOfStream):
                     return False
                 except StreamError as exc:

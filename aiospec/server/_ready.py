@@ -13,6 +13,7 @@ back to ``get()`` and then the pacer.
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 from aiospec.server._pacer import Pacer
@@ -32,14 +33,16 @@ def _has_news(stream: Any) -> bool:
     return bool(st.buffered_steps or st.ended or st.closed)
 
 
-async def paced_get(stream: Any, pacer: Pacer) -> Any:
-    """The stream's next delta (None if a wake-up brought nothing), taken during a paced turn;
-    raises what ``get_nowait()`` raises (end of stream, stream errors)."""
+async def paced_get(stream: Any, pacer: Pacer) -> tuple[Any, float]:
+    """The stream's next delta (None if a wake-up brought nothing), taken during a paced turn,
+    and the ``perf_counter()`` time the turn began: taking (merging what the stream buffered)
+    is part of the turn's work, to be charged with the rest of it. Raises what
+    ``get_nowait()`` raises (end of stream, stream errors)."""
     c = _collector(stream)
     if c is None or c._waiter is not None:
         d = stream.get_nowait() or await stream.get()
         await pacer.turn()
-        return d
+        return d, time.perf_counter()
     if not _has_news(stream):
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         c._waiter = fut
@@ -52,4 +55,5 @@ async def paced_get(stream: Any, pacer: Pacer) -> Any:
                 fut.cancel()
     else:
         await pacer.turn()
-    return stream.get_nowait()
+    t0 = time.perf_counter()
+    return stream.get_nowait(), t0
