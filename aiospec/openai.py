@@ -437,13 +437,26 @@ class IncrementalText:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self._raw = _cache_for(tokenizer).raw
         self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._held = False  # the decoder holds the first bytes of a character
 
     def push(self, token_id: int) -> str:
-        return self._dec.decode(self._raw[token_id])
+        return self._decode(self._raw[token_id])
 
     def decode(self, token_ids: np.ndarray | Sequence[int]) -> str:
         ids = token_ids.tolist() if isinstance(token_ids, np.ndarray) else token_ids
-        return self._dec.decode(b"".join(map(self._raw.__getitem__, ids)))
+        return self._decode(b"".join(map(self._raw.__getitem__, ids)))
+
+    def _decode(self, data: bytes) -> str:
+        if not self._held:
+            # the common case, whole characters with nothing held: what the incremental
+            # decoder would return, in one C call
+            try:
+                return data.decode("utf-8")
+            except UnicodeDecodeError:
+                pass
+        text = self._dec.decode(data)
+        self._held = bool(self._dec.getstate()[0])
+        return text
 
     def flush(self) -> str:
         """The end of the text: an unfinished character becomes U+FFFD."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import json
 import math
 from pathlib import Path
@@ -246,6 +247,21 @@ def test_incremental_text_joins_split_characters() -> None:
     assert text.push(4) == "€"
     assert text.decode([5, 3]) == "!"
     assert text.flush() == "\ufffd"  # a character left unfinished at the end
+
+
+def test_incremental_text_is_the_incremental_utf8_decoder() -> None:
+    pieces = [b"a", b"\xc3", b"\xa9", b"\xe2\x82", b"\xac", b"\xff", b"\xf0\x9f", b"\x98\x80", b" x", b"\x80"]
+    rng = np.random.default_rng(3)
+    for _ in range(300):
+        text = IncrementalText(SimpleTokenizer(pieces))
+        ref = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        for _ in range(8):
+            ids = rng.integers(0, len(pieces), int(rng.integers(0, 5))).tolist()
+            if rng.random() < 0.3:
+                assert [text.push(i) for i in ids] == [ref.decode(pieces[i]) for i in ids]
+            else:
+                assert text.decode(ids) == ref.decode(b"".join(pieces[i] for i in ids))
+        assert text.flush() == ref.decode(b"", final=True)
 
 
 def test_byte_level_tokenizer(tmp_path: Path) -> None:
