@@ -271,7 +271,7 @@ class Frame:
     __slots__ = (
         "version", "producer", "step", "kind", "k", "has_logprobs", "nbytes",
         "handles", "flags", "token_offsets", "token_ids", "draft_offsets", "draft_ids",
-        "logprobs", "ranks", "topk_ids", "topk_logprobs",
+        "logprobs", "ranks", "topk_ids", "topk_logprobs", "rows",
     )  # fmt: skip
 
     version: int
@@ -291,6 +291,7 @@ class Frame:
     ranks: np.ndarray | None
     topk_ids: np.ndarray | None
     topk_logprobs: np.ndarray | None
+    rows: np.ndarray | None  # the per-token columns side by side, made when a stream first needs them
 
     @property
     def num_records(self) -> int:
@@ -358,6 +359,7 @@ def decode_frame(buffer: Any, *, validate_offsets: bool = True) -> Frame:
     f = Frame()
     f.version, f.producer, f.step, f.kind = hd.version, hd.producer, hd.step, Kind(hd.kind)
     f.k, f.has_logprobs, f.nbytes = hd.k, has_lp, n
+    f.rows = None
     counts = _column_counts(hd.r, hd.t, hd.d, hd.k, has_lp)
     for name, off, cnt in zip(L.COLUMNS, offsets, counts, strict=True):
         if off == 0:

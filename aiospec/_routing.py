@@ -129,7 +129,7 @@ class _Merged:
 
     __slots__ = (
         "token_ids", "logprobs", "ranks", "topk_ids", "topk_logprobs", "has_logprobs", "k", "step",
-        "draft_ids", "draft_offsets",
+        "draft_ids", "draft_offsets", "rows",
     )  # fmt: skip
 
     token_ids: np.ndarray
@@ -142,6 +142,7 @@ class _Merged:
     step: int
     draft_ids: np.ndarray | None
     draft_offsets: np.ndarray | None
+    rows: np.ndarray | None
 
 
 class Unit:
@@ -178,6 +179,7 @@ def _merged_unit(frames: list[Frame]) -> Unit:
     first = frames[0]
     m = _Merged()
     m.has_logprobs, m.k, m.step = first.has_logprobs, first.k, frames[-1].step
+    m.rows = None
     handles = np.concatenate([f.handles for f in frames])
     n = handles.shape[0]
     order = np.argsort(handles, kind="stable")

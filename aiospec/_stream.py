@@ -184,13 +184,15 @@ class _Chunk:
 
     __slots__ = (
         "token_ids", "logprobs", "ranks", "topk_ids", "topk_logprobs", "has_logprobs", "k", "drafts", "step",
+        "rows",
     )  # fmt: skip
 
     draft_offsets = None  # drafts are kept whole in ``drafts``
 
     def __init__(self, segs: list[_Seg]) -> None:
         self.has_logprobs, self.k = has_lp, k = _columns(segs)
-        self.token_ids, self.logprobs, self.ranks, self.topk_ids, self.topk_logprobs = _gather(segs, has_lp, k)
+        self.rows, cols = _gather(segs, has_lp, k)
+        self.token_ids, self.logprobs, self.ranks, self.topk_ids, self.topk_logprobs = cols
         self.drafts = _drafts(segs, copy=True)
         self.step = segs[-1][0].step
 
@@ -211,18 +213,56 @@ def _records(segs: list[_Seg]) -> int:
     return sum(s[2] - s[1] for s in segs)
 
 
-def _gather(segs: list[_Seg], has_lp: bool, k: int) -> tuple[Any, Any, Any, Any, Any]:
-    """The columns of ``segs`` concatenated: one copy, one numpy call per column."""
+_Columns = tuple[Any, Any, Any, Any, Any]  # token_ids, logprobs, ranks, topk_ids, topk_logprobs
+
+
+def _rows(f: Any) -> np.ndarray:
+    """The per-token columns of a source with logprobs side by side, as u32 rows (token id,
+    logprob, rank, k top-k ids, k top-k logprobs; floats as their bits): made once per source,
+    so that a read of several segments takes one slice per segment instead of one per column."""
+    r: np.ndarray | None = f.rows
+    if r is None:
+        k = f.k
+        r = np.empty((f.token_ids.shape[0], 3 + 2 * k), np.uint32)
+        r[:, 0] = f.token_ids.view(np.uint32)
+        r[:, 1] = f.logprobs.view(np.uint32)
+        r[:, 2] = f.ranks.view(np.uint32)
+        if k:
+            r[:, 3 : 3 + k] = f.topk_ids.view(np.uint32)
+            r[:, 3 + k :] = f.topk_logprobs.view(np.uint32)
+        f.rows = r
+    return r
+
+
+def _split_rows(r: np.ndarray, k: int) -> _Columns:
+    """The columns of ``_rows`` again, as views with their own dtypes."""
+    if not k:
+        return r[:, 0].view(np.int32), r[:, 1].view(np.float32), r[:, 2].view(np.int32), None, None
+    return (
+        r[:, 0].view(np.int32),
+        r[:, 1].view(np.float32),
+        r[:, 2].view(np.int32),
+        r[:, 3 : 3 + k].view(np.int32),
+        r[:, 3 + k :].view(np.float32),
+    )
+
+
+def _gather(segs: list[_Seg], has_lp: bool, k: int) -> tuple[np.ndarray | None, _Columns]:
+    """The columns of ``segs`` concatenated (each element copied once); with logprobs and the
+    same top-k width everywhere, through the sources' rows (also returned): one numpy call."""
+    if has_lp and all(s[0].k == k for s in segs):
+        rows = np.concatenate([_rows(f)[a:b] for f, _, _, a, b in segs])
+        return rows, _split_rows(rows, k)
     tok = np.concatenate([f.token_ids[a:b] for f, _, _, a, b in segs])
     if not has_lp:
-        return tok, None, None, None, None
+        return None, (tok, None, None, None, None)
     lp = np.concatenate([f.logprobs[a:b] for f, _, _, a, b in segs])
     rank = np.concatenate([f.ranks[a:b] for f, _, _, a, b in segs])
     if not k:
-        return tok, lp, rank, None, None
+        return None, (tok, lp, rank, None, None)
     tki = np.concatenate([f.topk_ids[a:b, :k] for f, _, _, a, b in segs])
     tkl = np.concatenate([f.topk_logprobs[a:b, :k] for f, _, _, a, b in segs])
-    return tok, lp, rank, tki, tkl
+    return None, (tok, lp, rank, tki, tkl)
 
 
 def _drafts(segs: list[_Seg], copy: bool = False) -> list[np.ndarray] | None:
@@ -370,7 +410,7 @@ class Collector:
             steps = r1 - r0
         else:
             has_lp, k = _columns(segs)
-            tok, lp, rank, tki, tkl = _gather(segs, has_lp, k)
+            tok, lp, rank, tki, tkl = _gather(segs, has_lp, k)[1]
             draft = _join(_drafts(segs))
             steps = _records(segs)
         delta = Delta(

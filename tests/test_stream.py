@@ -159,6 +159,24 @@ def test_narrower_k_and_missing_logprobs_across_compaction() -> None:
     s.close()
 
 
+@pytest.mark.parametrize("k", [0, 3])
+def test_several_segments_read_through_rows(k: int) -> None:
+    """A read of several frames' records (through the sources' side-by-side rows) and the
+    same records read again from a compacted chunk give every column back unchanged."""
+    router = Router()
+    s = opened(router, 1)
+    for rounds in (5, _MAX_PINNED + 10):
+        want: list[int] = []
+        for step in range(rounds):
+            toks = [100 * step + j for j in range(1 + step % 3)]
+            want += toks
+            route(router, enc([(2, [1], 0), (1, toks, 0)], step=step, k=k))
+        d = s.get_nowait()
+        assert d is not None and d.token_list() == want and d.k == k
+        check_logprobs(d, k)
+    s.close()
+
+
 def test_error_after_buffered_tokens_and_ring_specific_failures() -> None:
     router = Router()
     a = opened(router, 1, frozenset({"decode"}))
