@@ -66,6 +66,35 @@ async def test_work_beyond_the_budget_waits_for_later_iterations_in_order() -> N
 
 
 @pytest.mark.asyncio
+async def test_pieces_costlier_than_expected_queue_again_in_order() -> None:
+    p = Pacer(budget=0.004)
+    for _ in range(200):
+        p.charge(0.001)  # expected: four pieces per window
+    order: list[int] = []
+    runs: list[int] = []
+    iteration = 0
+
+    async def ticker() -> None:
+        nonlocal iteration
+        while True:
+            await asyncio.sleep(0)
+            iteration += 1
+
+    async def piece(i: int) -> None:
+        await p.turn()
+        order.append(i)
+        runs.append(iteration)
+        p.charge(0.003)  # each piece measures three times the expectation
+
+    t = asyncio.ensure_future(ticker())
+    await asyncio.gather(*(piece(i) for i in range(12)))
+    t.cancel()
+    assert order == list(range(12))
+    # what the measured costs allow: the piece that reaches the budget ends the iteration's work
+    assert np.bincount(runs).max() <= 2
+
+
+@pytest.mark.asyncio
 async def test_a_cancelled_waiter_does_not_block_the_queue() -> None:
     p = Pacer(budget=0.001)
     for _ in range(100):

@@ -9,6 +9,10 @@ granted at once; otherwise the task waits for a later iteration, in arrival orde
 later iteration releases as many waiters as the budget is expected to cover (from a moving
 average of the charged costs). A stream that waits keeps coalescing tokens, so its next chunk
 carries more of them: the loop stays responsive and the cost per token falls under load.
+
+The expected costs decide how many waiters an iteration releases; the measured ones bound
+what runs: a released task that finds the work already charged in its iteration over the
+budget (pieces larger than the average) queues again, ahead of the others.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ class Pacer:
             raise ValueError(f"budget = {budget!r}: expected a positive number of seconds")
         self.budget = budget
         self._spent = 0.0  # expected cost of the turns granted in the current window
+        self._used = 0.0  # measured cost of the work charged since the last window began
+        self._front = 0  # where the next task that queues again goes (ahead of new waiters)
         self._avg = budget / 16  # moving average of one piece of work
         self._armed = False
         self._waiters: deque[asyncio.Future[None]] = deque()
@@ -42,9 +48,9 @@ class Pacer:
     def _grant(self) -> bool:
         """Take a turn in the current window if its budget allows (charging the expected cost)."""
         if not self._armed:
-            self._spent = 0.0  # first demand since the loop went quiet: a fresh window
+            self._spent = self._used = 0.0  # first demand since the loop went quiet: a fresh window
             self._arm()
-        if self._waiters or self._spent >= self.budget:
+        if self._waiters or self._spent >= self.budget or self._used >= self.budget:
             return False
         self._spent += self._avg
         self.granted += 1
@@ -52,7 +58,8 @@ class Pacer:
 
     def _tick(self) -> None:
         self._armed = False
-        self._spent = 0.0
+        self._spent = self._used = 0.0
+        self._front = 0
         waiters = self._waiters
         released = 0
         while waiters and self._spent < self.budget:
@@ -67,7 +74,20 @@ class Pacer:
 
     def charge(self, seconds: float) -> None:
         """Report the measured cost of a piece of work done after a turn."""
+        self._used += seconds
         self._avg += (seconds - self._avg) * 0.05
+
+    async def settle(self) -> None:
+        """Called by a task whose queued turn came: if the work already done in this iteration
+        used the budget, wait for the next window (first in line, in the order of arrival)."""
+        while self._used >= self.budget:
+            assert self._loop is not None
+            fut = self._loop.create_future()
+            self._waiters.insert(self._front, fut)
+            self._front += 1
+            self.deferred += 1
+            self._arm()
+            await fut
 
     def after(self, fut: asyncio.Future[None]) -> asyncio.Future[None]:
         """A turn that is queued once ``fut`` is done: a task that waits for data and then
@@ -100,3 +120,4 @@ class Pacer:
         self.deferred += 1
         self._arm()
         await fut
+        await self.settle()

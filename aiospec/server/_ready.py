@@ -53,6 +53,7 @@ async def paced_get(stream: Any, pacer: Pacer) -> tuple[Any, float]:
             c._wake_queued = False
             if not fut.done():
                 fut.cancel()
+        await pacer.settle()
     else:
         await pacer.turn()
     t0 = time.perf_counter()
