@@ -2,12 +2,11 @@
 
 The server paces its work per event-loop iteration (``_pacer``); the piece of work to pace
 starts with taking the stream's pending delta (merging every record buffered since the last
-read), so waiting for data and taking it should be separate steps. ``RequestStream`` offers
-``get()`` (wait, then take) and a public ``statistics()``; until it offers a public wait that
-does not take, ``paced_get`` chains the stream's waiter future (the slot ``get()`` itself
-uses) into the pacer, so a ready stream costs a callback until its turn comes, not a task
-wake-up. Streams without that slot (the baselines, or a changed ``RequestStream``) fall
-back to ``get()`` and then the pacer.
+read), so waiting for data and taking it should be separate steps. ``RequestStream.wait()``
+does that with a task wake-up per arrival; ``paced_get`` instead chains the stream's waiter
+future (the slot ``get()`` itself uses) into the pacer, so a ready stream costs a callback
+until its turn comes, not a task wake-up. Other streams (the baselines) fall back to
+``get()`` and then the pacer.
 """
 
 from __future__ import annotations
@@ -16,21 +15,14 @@ import asyncio
 import time
 from typing import Any
 
+from aiospec._stream import Collector, RequestStream
 from aiospec.server._pacer import Pacer
 
 __all__ = ("paced_get",)
 
 
-def _collector(stream: Any) -> Any:
-    c = getattr(stream, "_c", None)
-    if c is None or not hasattr(c, "_waiter") or not hasattr(c, "_wake_queued") or not hasattr(stream, "statistics"):
-        return None
-    return c
-
-
-def _has_news(stream: Any) -> bool:
-    st = stream.statistics()
-    return bool(st.buffered_steps or st.ended or st.closed)
+def _collector(stream: Any) -> Collector | None:
+    return stream._c if type(stream) is RequestStream else None
 
 
 async def paced_get(stream: Any, pacer: Pacer) -> tuple[Any, float]:
@@ -43,7 +35,7 @@ async def paced_get(stream: Any, pacer: Pacer) -> tuple[Any, float]:
         d = stream.get_nowait() or await stream.get()
         await pacer.turn()
         return d, time.perf_counter()
-    if not _has_news(stream):
+    if not stream.ready():
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         c._waiter = fut
         try:
