@@ -542,7 +542,7 @@ def run_one(transport: str, size: int, modes: list[str], args: Any, ctx: Any, do
         with suppress(OSError, ValueError, sysv_ipc.Error):
             mq.max_size = spec["capacity"]  # the same byte budget as the ring
         spec["key"] = mq.key
-        doc["config"]["sysv_queue_bytes"] = mq.max_size
+        doc["config"].setdefault("sysv_queue_bytes", {})[str(size)] = mq.max_size
     elif transport == "mp_queue":
         spec["queue"] = ctx.Queue(maxsize=max(2, spec["capacity"] // size))
     else:
