@@ -20,7 +20,7 @@
 #include "aiospec/layout.h"
 
 // Bumped whenever a signature or a semantic changes: shm/_ring.py ignores a stale build.
-#define SHM_NATIVE_ABI 1
+#define SHM_NATIVE_ABI 2
 
 static inline uint64_t ld64(const uint8_t* base, size_t off) {
   return __atomic_load_n((const uint64_t*)(base + off), __ATOMIC_ACQUIRE);
@@ -247,24 +247,28 @@ static PyObject* native_sleep(PyObject* self, PyObject* const* args, Py_ssize_t 
   return PyBool_FromLong(ready);
 }
 
-// poll(segment, cursor, max_frames, max_record, slot, generation) -> (frames, cursor, problem)
+// poll(segment, view, cursor, max_frames, max_record, slot, generation) -> (frames, cursor, problem)
 //
 // A reader's poll (section 4): up to ``max_frames`` committed DATA payloads from ``cursor`` on,
-// as slices of ``segment`` (a memoryview of the mapping), PAD frames skipped. ``problem`` is
+// as slices of ``view`` (a read-only memoryview of the same mapping), PAD frames skipped. ``problem`` is
 // None; or 1 when slot ``slot`` no longer belongs to this reader (``generation``): nothing is
 // read then; or the description of the corrupt frame at the returned cursor, after the good
 // frames before it. Refreshes the reader heartbeat when it returns frames.
 static PyObject* native_poll(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   (void)self;
-  if (nargs != 6) {
-    PyErr_Format(PyExc_TypeError, "poll() takes 6 arguments (%zd given)", nargs);
+  if (nargs != 7) {
+    PyErr_Format(PyExc_TypeError, "poll() takes 7 arguments (%zd given)", nargs);
     return NULL;
   }
   uint64_t pos, max_frames, max_record, slot, gen;
-  if (get_u64(args[1], "cursor", &pos) < 0 || get_u64(args[2], "max_frames", &max_frames) < 0 ||
-      get_u64(args[3], "max_record", &max_record) < 0 || get_u64(args[4], "slot", &slot) < 0 ||
-      get_u64(args[5], "generation", &gen) < 0)
+  if (get_u64(args[2], "cursor", &pos) < 0 || get_u64(args[3], "max_frames", &max_frames) < 0 ||
+      get_u64(args[4], "max_record", &max_record) < 0 || get_u64(args[5], "slot", &slot) < 0 ||
+      get_u64(args[6], "generation", &gen) < 0)
     return NULL;
+  if (!PyMemoryView_Check(args[1])) {
+    PyErr_Format(PyExc_TypeError, "poll: view = %R: expected a memoryview of the segment", args[1]);
+    return NULL;
+  }
   if (slot >= AIOSPEC_MAX_READERS) {
     PyErr_Format(PyExc_ValueError, "poll: slot %llu: expected < %d", (unsigned long long)slot, AIOSPEC_MAX_READERS);
     return NULL;
@@ -272,6 +276,12 @@ static PyObject* native_poll(PyObject* self, PyObject* const* args, Py_ssize_t n
   Py_buffer seg;
   uint64_t cap;
   if (get_segment(args[0], &seg, &cap) < 0) return NULL;
+  const Py_buffer* shown = PyMemoryView_GET_BUFFER(args[1]);
+  if (shown->buf != seg.buf || shown->len != seg.len) {
+    PyBuffer_Release(&seg);
+    PyErr_SetString(PyExc_ValueError, "poll: view must cover the same mapping as segment");
+    return NULL;
+  }
   uint8_t* base = (uint8_t*)seg.buf;
   const size_t rd = AIOSPEC_READERS_BASE + (size_t)slot * AIOSPEC_READER_STRIDE;
   if (ld32(base, rd + AIOSPEC_RD_STATE) != AIOSPEC_READER_ACTIVE || ld32(base, rd + AIOSPEC_RD_GENERATION) != gen) {
@@ -309,7 +319,7 @@ static PyObject* native_poll(PyObject* self, PyObject* const* args, Py_ssize_t n
       break;
     }
     if (ftype == AIOSPEC_FRAME_DATA) {
-      PyObject* view = PySequence_GetSlice(args[0], (Py_ssize_t)(at + AIOSPEC_FRAME_HEADER), (Py_ssize_t)(at + length));
+      PyObject* view = PySequence_GetSlice(args[1], (Py_ssize_t)(at + AIOSPEC_FRAME_HEADER), (Py_ssize_t)(at + length));
       if (view == NULL || PyList_Append(frames, view) < 0) {
         Py_XDECREF(view);
         Py_DECREF(frames);
@@ -335,7 +345,7 @@ static PyMethodDef methods[] = {
     {"sleep", (PyCFunction)(void (*)(void))native_sleep, METH_FASTCALL,
      "sleep(segment, slot, cursor, fd, timeout_ms) -> bool: a reader's sleep on its bell."},
     {"poll", (PyCFunction)(void (*)(void))native_poll, METH_FASTCALL,
-     "poll(segment, cursor, max_frames, max_record, slot, generation) -> (frames, cursor, problem)."},
+     "poll(segment, view, cursor, max_frames, max_record, slot, generation) -> (frames, cursor, problem)."},
     {NULL, NULL, 0, NULL},
 };
 

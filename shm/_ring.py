@@ -62,7 +62,7 @@ _acquire_fence = _release_fence
 
 # The C twin of commit() and of a reader's sleep (shm/_native.c), built at install time when a
 # compiler is there. SHM_PURE_PYTHON=1 keeps the Python paths; both implement the same protocol.
-_NATIVE_ABI = 1
+_NATIVE_ABI = 2
 _native_mod: ModuleType | None
 try:
     from shm import _native as _native_mod
@@ -148,6 +148,9 @@ class Ring:
         self._owner = owner
         self._closed = False
         self._buf = memoryview(mm)
+        # readers get frames as slices of a read-only view: a consumer cannot scribble on
+        # frames that other readers (and its own later polls) still have to read
+        self._rbuf = self._buf.toreadonly()
         # Word views of the whole segment. memoryview item stores are single aligned native
         # stores (little-endian on every platform this supports), and cheaper than numpy scalars.
         self._q = self._buf.cast("Q")
@@ -675,6 +678,7 @@ class Ring:
         self._q.release()
         self._w.release()
         # a caller may still hold a view of a frame: then the mapping goes with the last view
+        self._rbuf.release()
         with suppress(BufferError):
             self._buf.release()
             self._mm.close()
@@ -724,6 +728,7 @@ class Reader:
         self._frames_read = 0
         self._closed = False
         self._buf = ring._buf
+        self._rbuf = ring._rbuf
         self._q = ring._q
         self._cap = ring._capacity
         self._mask = ring._mask
@@ -755,14 +760,16 @@ class Reader:
     def poll(self, max_frames: int = 64) -> list[memoryview]:
         """Return up to ``max_frames`` committed payloads, oldest first, without waiting.
 
-        The views stay valid until ``release()``; copy what must outlive it. A corrupt frame
+        The views are read-only and stay valid until ``release()``; copy what must outlive it. A corrupt frame
         raises ``CorruptFrame``; the good frames before it are returned first (the next call
         raises).
         """
         native = self._ring._native
         if native is not None and not self._closed:
             views: list[memoryview]
-            views, pos, bad = native.poll(self._buf, self._cursor, max_frames, self._max_record, self._slot, self._gen)
+            views, pos, bad = native.poll(
+                self._buf, self._rbuf, self._cursor, max_frames, self._max_record, self._slot, self._gen
+            )
             if bad == 1:
                 self._check_slot()  # raises ReaderEvicted
             self._cursor = pos
@@ -797,7 +804,7 @@ class Reader:
                 break
             if ftype == L.FRAME_DATA:
                 start = L.CONTROL_SIZE + off
-                frames.append(self._buf[start + L.FRAME_HEADER : start + length])
+                frames.append(self._rbuf[start + L.FRAME_HEADER : start + length])
             pos += size
         self._cursor = pos
         if bad is not None and not frames:

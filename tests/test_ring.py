@@ -1066,3 +1066,17 @@ def test_poll_returns_the_good_frames_before_a_corrupt_one() -> None:
             shm.CorruptFrame, match=r"^ring .*: frame at position \d+: position field \d+ \(stale or torn frame\)$"
         ):
             reader.poll()
+
+
+def test_poll_views_are_read_only() -> None:
+    """A consumer cannot scribble on a frame that other readers still have to read."""
+    with shm.Ring.create(capacity=CAP) as ring, ring.reader() as a, ring.reader() as b:
+        ring.write(b"frame")
+        (view,) = a.poll()
+        assert view.readonly
+        with pytest.raises(TypeError, match="read-only"):
+            view[0] = 0
+        with pytest.raises(ValueError, match="read-only"):
+            np.frombuffer(view, dtype=np.uint8)[0] = 0
+        assert b.read() == [b"frame"]
+        a.release()

@@ -107,7 +107,7 @@ def test_native_commit_counts_like_python() -> None:
 def test_native_commit_rejects_bad_arguments() -> None:
     native = _native()
     with shm.Ring.create(capacity=CAP) as ring:
-        seg, bells = ring._buf, ring._bells
+        seg, bells, mr_ = ring._buf, ring._bells, ring.max_record
         with pytest.raises(ValueError, match=r"ftype = 7: expected 1 \(DATA\) or 2 \(PAD\)"):
             native.commit(seg, 0, 10, 7, bells)
         with pytest.raises(ValueError, match=r"n = 65536 at position 0: the frame does not fit"):
@@ -122,6 +122,14 @@ def test_native_commit_rejects_bad_arguments() -> None:
             native.commit(seg, 0)
         with pytest.raises(ValueError, match=r"sleep: slot 99, fd 3, timeout_ms 0: expected slot < 24"):
             native.sleep(seg, 99, 0, 3, 0)
+        rview = ring._rbuf
+        with pytest.raises(TypeError, match=r"poll: view = b'x': expected a memoryview of the segment"):
+            native.poll(seg, b"x", 0, 64, mr_, 0, 0)
+        with pytest.raises(ValueError, match=r"poll: view must cover the same mapping as segment"):
+            native.poll(seg, memoryview(bytearray(100)), 0, 64, mr_, 0, 0)
+        with pytest.raises(ValueError, match=r"poll: slot 24: expected < 24"):
+            native.poll(seg, rview, 0, 64, mr_, 24, 0)
+        assert native.poll(seg, rview, 0, 64, mr_, 0, 0) == ([], 0, 1)  # slot 0 is nobody's: evicted
         with pytest.raises(BufferError, match="not writable"):
             native.commit(b"read-only" * 1000, 0, 10, 1, bells)  # not a writable buffer
         assert ring.stats().frames_written == 0  # nothing was published by the refused calls
