@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import codecs
 import json
+import math
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol, runtime_checkable
@@ -226,25 +227,13 @@ def _floats(a: np.ndarray) -> list[float]:
     return f.tolist()  # type: ignore[no-any-return]
 
 
-def _float_json(a: np.ndarray) -> list[bytes]:
-    """The JSON of each value of ``a`` (flattened), as ``msgspec`` writes the floats of
-    ``_floats(a)``: one encoder call for all of them."""
-    b = _encoder.encode(a.ravel().tolist())  # float32 -> Python float is exact
+def _float_json(values: list[float]) -> list[bytes]:
+    """The JSON of each value, as ``msgspec`` writes it (non-finite ones clamped as by
+    ``_floats``): one encoder call for all of them."""
+    b = _encoder.encode(values)
     if b"null" in b:  # NaN or an infinity (msgspec writes null): clamp them
-        b = _encoder.encode(_floats(a.ravel()))
+        b = _encoder.encode([v if math.isfinite(v) else LOGPROB_FLOOR for v in values])
     return b[1:-1].split(b",")
-
-
-def _head(d: Delta, n: int) -> Delta:
-    """The first ``n`` positions of ``d`` (views)."""
-    return msgspec.structs.replace(
-        d,
-        token_ids=d.token_ids[:n],
-        logprobs=None if d.logprobs is None else d.logprobs[:n],
-        ranks=None if d.ranks is None else d.ranks[:n],
-        topk_ids=None if d.topk_ids is None else d.topk_ids[:n],
-        topk_logprobs=None if d.topk_logprobs is None else d.topk_logprobs[:n],
-    )
 
 
 def _check_top(n: int, delta: Delta) -> None:
@@ -318,46 +307,54 @@ class ChatLogprobsFormatter:
     def format_json(self, delta: Delta, limit: int | None = None) -> bytes | None:
         """The JSON of ``format(delta)``, byte for byte, built without Structs; ``limit`` keeps
         only the first ``limit`` positions (a stop sequence cut the delta)."""
-        if delta.logprobs is None or delta.num_tokens == 0:
+        lps = delta.logprobs
+        if lps is None:
+            return None
+        ids = delta.token_ids.tolist()
+        m = len(ids)
+        if not m:
             return None
         n = self._n
+        tki, tkl = delta.topk_ids, delta.topk_logprobs
         if n:
             _check_top(n, delta)
-        if limit is not None and limit < delta.num_tokens:
+            assert tki is not None and tkl is not None
+            if n < tki.shape[1]:  # each slice is a numpy call: only when needed
+                tki, tkl = tki[:, :n], tkl[:, :n]
+        if limit is not None and limit < m:
             if limit <= 0:
                 return b'{"content":[]}'
-            delta = _head(delta, limit)
+            ids, lps, m = ids[:limit], lps[:limit], limit
+            if n:
+                assert tki is not None and tkl is not None
+                tki, tkl = tki[:limit], tkl[:limit]
         c = self._cache
-        ids = delta.token_ids.tolist()
-        lps = delta.logprobs
-        assert lps is not None
-        m = len(ids)
         head = c.head.__getitem__
         if not n:
             parts = [b""] * (3 * m + 1)
             parts[0:-1:3] = map(head, ids)
-            parts[1:-1:3] = _float_json(lps)
+            parts[1:-1:3] = _float_json(lps.tolist())  # float32 -> Python float is exact
             parts[2:-1:3] = map(c.main_bare.__getitem__, ids)
             parts[-2] = parts[-2][:-1]  # no comma after the last entry
             parts[-1] = b"]}"
             return b'{"content":[' + b"".join(parts)
-        assert delta.topk_ids is not None and delta.topk_logprobs is not None
+        assert tki is not None and tkl is not None
         # every piece of the content list in one flat list, filled column by column: each
         # position is [head, logprob, main] then [head, logprob, top] per alternative
         stride = 3 + 3 * n
         end = stride * m
         parts = [b""] * (end + 1)
         parts[0:end:stride] = map(head, ids)
-        parts[1:end:stride] = _float_json(lps)
+        fl = _float_json(lps.tolist() + tkl.ravel().tolist())  # the logprobs, then the top-n's
+        parts[1:end:stride] = fl[:m]
         parts[2:end:stride] = map(c.main.__getitem__, ids)
-        tids = delta.topk_ids[:, :n].ravel().tolist()
-        tlps = _float_json(delta.topk_logprobs[:, :n])
+        tids = tki.ravel().tolist()
         top = c.top.__getitem__
         for j in range(n):
             o = 3 + 3 * j
             col = tids[j::n]
             parts[o:end:stride] = map(head, col)
-            parts[o + 1 : end : stride] = tlps[j::n]
+            parts[o + 1 : end : stride] = fl[m + j :: n]
             parts[o + 2 : end : stride] = map(c.top_last.__getitem__ if j == n - 1 else top, col)
         parts[-2] = parts[-2][:-1]
         parts[-1] = b"]}"
