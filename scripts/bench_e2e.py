@@ -18,9 +18,9 @@ streams over a short ramp-up instead of opening them all within a millisecond. R
 received by the clients, TTFT and inter-chunk latency p50/p99, server CPU per token (process
 CPU time of the server process over the load / tokens), engine CPU per token, and the server's
 event-loop lag p99 (a 10 ms ticker task in the server measuring oversleep, read from
-``/stats``). The load generator runs in this process (aiohttp, minimal parsing); on a small
-machine it competes with the server and the engine for the CPU, so compare the paths by their
-ratios, measured side by side in one run. Prints JSON.
+``/stats``), and the load generator's CPU per token. On a small machine the load generator
+competes with the server and the engine for the CPU even at its lower priority, so compare the
+paths by their ratios, measured side by side in one run. Prints JSON.
 
 The engine offers more tokens than one Python server process can format at the highest
 concurrencies (it decodes every slot every step): the server then runs at its capacity, and
