@@ -1,4 +1,8 @@
-"""Ring-level commands: ``aiospec inspect NAME`` and ``aiospec ring-demo``.
+"""Ring-level commands: ``aiospec inspect NAME``, ``aiospec gc`` and ``aiospec ring-demo``.
+
+``gc`` removes the segments that nobody will remove any more: only a ring's creator unlinks
+it, so a creator killed with SIGKILL (or by the OOM killer) leaves its segment and bells in
+/dev/shm.
 
 ``ring-demo`` moves synthetic decoding frames (MTP-like: 1..N tokens per request per step, with
 top-k logprobs) from a producer process to a reader process through one ring and reports what
@@ -11,6 +15,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import stat
 import sys
 import time
 from multiprocessing.connection import Connection
@@ -29,6 +34,15 @@ def register(sub: Any) -> None:
     p.add_argument("name", help="segment name (as in /dev/shm)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=_inspect)
+
+    g = sub.add_parser("gc", help="remove rings whose producer and creator are gone (and their bells)")
+    g.add_argument("names", nargs="*", help="segments to consider (default: every ring in /dev/shm)")
+    g.add_argument("--dry-run", action="store_true", help="list what would be removed, remove nothing")
+    g.add_argument("--min-age", type=float, default=10.0, help="keep rings whose producer heartbeat is "
+                   "younger than this many seconds (default 10): a guard for producers in another pid "
+                   "namespace, whose pids this one cannot see")  # fmt: skip
+    g.add_argument("--json", action="store_true", help="print JSON instead of lines")
+    g.set_defaults(func=_gc)
 
     d = sub.add_parser("ring-demo", help="move synthetic decoding frames between two processes")
     d.add_argument("--requests", type=int, default=256, help="live requests per step (default 256)")
@@ -70,6 +84,66 @@ def _inspect(args: argparse.Namespace) -> int:
             f"{r.frames_read} frames read, {'sleeping' if r.sleeping else 'awake'}, "
             f"heartbeat {r.heartbeat_age_s:.3f} s ago"
         )
+    return 0
+
+
+# -- gc ------------------------------------------------------------------------------------------
+
+
+def orphaned_rings(names: list[str] | None = None, min_age: float = 10.0) -> list[tuple[str, str]]:
+    """(name, reason) of every ring among ``names`` (default: all of /dev/shm) that nobody will
+    remove: ``Ring.orphaned()``, and no producer heartbeat for ``min_age`` seconds. Anything
+    that is not a ring this user can open is left alone."""
+    if names is None:
+        names = sorted(os.listdir(shm.SHM_DIR))
+    out = []
+    for name in names:
+        if ".bell" in name:
+            continue
+        try:
+            if not stat.S_ISREG(os.lstat(os.path.join(shm.SHM_DIR, name)).st_mode):
+                continue
+            ring = shm.Ring.attach(name)
+        except (OSError, ValueError, shm.BadSegment):
+            continue  # gone meanwhile, not ours, or not a ring
+        try:
+            reason = ring.orphaned()
+            if reason is not None and ring.stats().heartbeat_age_s < min_age:
+                reason = None
+        finally:
+            ring.close()
+        if reason is not None:
+            out.append((name, reason))
+    return out
+
+
+def _gc(args: argparse.Namespace) -> int:
+    if not args.min_age >= 0:
+        print(f"aiospec gc: --min-age {args.min_age}: expected a number of seconds >= 0", file=sys.stderr)
+        return 2
+    found = orphaned_rings(args.names or None, args.min_age)
+    removed = []
+    for name, _ in found:
+        if args.dry_run:
+            continue
+        try:
+            ring = shm.Ring.attach(name)
+        except (OSError, ValueError, shm.BadSegment):
+            continue
+        try:
+            if ring.orphaned() is not None:  # still: nobody came back for it meanwhile
+                ring.unlink()
+                removed.append(name)
+        finally:
+            ring.close()
+    if args.json:
+        print(json.dumps({"orphaned": [{"name": n, "reason": r} for n, r in found], "removed": removed}))
+        return 0
+    for name, reason in found:
+        verb = "removed" if name in removed else "would remove" if args.dry_run else "kept"
+        print(f"{verb} {name}: {reason}")
+    if not found:
+        print("no orphaned rings")
     return 0
 
 

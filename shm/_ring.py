@@ -615,6 +615,22 @@ class Ring:
 
     # -- inspection --------------------------------------------------------------------------
 
+    def orphaned(self) -> str | None:
+        """Why nobody will remove this segment (its producer closed or died and so did its
+        creator, the one who unlinks), or None while someone still may. Readers of an orphan
+        keep their mappings when its name is removed (``unlink()``)."""
+        w = self._w
+        state = w[L.OFF_PRODUCER_STATE // 4]
+        pid = w[L.OFF_PRODUCER_PID // 4]
+        creator = w[L.OFF_CREATOR_PID // 4]
+        if _pid_alive(creator):
+            return None
+        if state == L.PRODUCER_CLOSED:
+            return f"the producer closed it and its creator (pid {creator}) is gone"
+        if not _pid_alive(pid):
+            return f"its producer (pid {pid}) and its creator (pid {creator}) are gone"
+        return None
+
     def stats(self) -> RingStats:
         self._require_open("stats")
         q, w = self._q, self._w

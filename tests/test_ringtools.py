@@ -1,0 +1,95 @@
+"""``aiospec inspect`` and ``aiospec gc``."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+from _ringhelpers import remove_segment, shm_tracker_fixture  # noqa: F401  (an autouse fixture)
+
+import shm
+from aiospec.cli import main
+
+CREATE = (
+    "import shm, sys, time\n"
+    "r = shm.Ring.create(capacity=1 << 16)\n"
+    "rd = r.reader()\n"  # a bell FIFO too, which gc must remove with the segment
+    "print(r.name, flush=True)\n"
+    "time.sleep(120)\n"
+)
+
+
+@pytest.fixture
+def orphan() -> Iterator[str]:
+    """A ring whose producer (and creator) was killed with SIGKILL: nobody will unlink it."""
+    proc = subprocess.Popen([sys.executable, "-c", CREATE], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        name = proc.stdout.readline().strip()
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+    assert os.path.exists(os.path.join(shm.SHM_DIR, name))
+    yield name
+    remove_segment(name)
+
+
+def _files(name: str) -> list[str]:
+    return sorted(n for n in os.listdir(shm.SHM_DIR) if n == name or n.startswith(name + ".bell"))
+
+
+def test_inspect_prints_the_control_page(capsys: pytest.CaptureFixture[str]) -> None:
+    with shm.Ring.create(capacity=1 << 16) as ring, ring.reader() as rd:
+        ring.write(b"x" * 100)
+        assert main(["inspect", ring.name]) == 0
+        out = capsys.readouterr().out
+        assert f"ring        {ring.name}" in out
+        assert "written     1 frames, 100 bytes; lost 0" in out
+        assert f"reader 0    pid {os.getpid()}, active, tail 0, lag 128 bytes" in out
+        assert main(["inspect", ring.name, "--json"]) == 0
+        doc = json.loads(capsys.readouterr().out)
+        assert doc["frames_written"] == 1 and doc["readers"][0]["lag"] == 128
+        rd.read()
+
+
+def test_inspect_names_a_missing_ring(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["inspect", "aiospec-no-such-ring"]) == 2
+    assert "No such file or directory" in capsys.readouterr().err
+
+
+def test_gc_removes_an_orphan_and_its_bells(orphan: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert len(_files(orphan)) == 2  # the segment and its reader's bell
+    assert main(["gc", orphan, "--dry-run", "--min-age", "0"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"would remove {orphan}: its producer (pid ") and "are gone" in out
+    assert len(_files(orphan)) == 2  # a dry run removes nothing
+    assert main(["gc", "--min-age", "0", "--json"]) == 0  # every ring in /dev/shm
+    doc = json.loads(capsys.readouterr().out)
+    assert orphan in doc["removed"] and orphan in [o["name"] for o in doc["orphaned"]]
+    assert _files(orphan) == []
+
+
+def test_gc_keeps_live_rings_young_orphans_and_other_files(orphan: str, capsys: pytest.CaptureFixture[str]) -> None:
+    other = os.path.join(shm.SHM_DIR, f"aiospec-not-a-ring-{os.getpid()}")
+    with open(other, "wb") as f:
+        f.write(b"\0" * 8192)
+    try:
+        with shm.Ring.create(capacity=1 << 16) as live:
+            assert live.orphaned() is None  # its creator (this process) will unlink it
+            # the orphan's heartbeat is seconds old at most: the default --min-age keeps it
+            assert main(["gc", orphan, live.name, os.path.basename(other)]) == 0
+            assert capsys.readouterr().out == "no orphaned rings\n"
+            assert main(["gc", live.name, os.path.basename(other), "--min-age", "0"]) == 0
+            assert capsys.readouterr().out == "no orphaned rings\n"
+            assert os.path.exists(live.path) and os.path.exists(other) and _files(orphan)
+    finally:
+        os.unlink(other)
+    assert main(["gc", "--min-age", "-1"]) == 2
+    assert "--min-age -1.0: expected a number of seconds >= 0" in capsys.readouterr().err
