@@ -60,8 +60,9 @@ def _release_fence() -> None:
 
 _acquire_fence = _release_fence
 
-# The C twin of commit() and of a reader's sleep (shm/_native.c), built at install time when a
-# compiler is there. SHM_PURE_PYTHON=1 keeps the Python paths; both implement the same protocol.
+# The C twins of reserve()'s common case, commit(), poll() and a reader's sleep (shm/_native.c),
+# built at install time when a compiler is there. SHM_PURE_PYTHON=1 keeps the Python paths;
+# both implement the same protocol.
 _NATIVE_ABI = 2
 _native_mod: ModuleType | None
 try:
@@ -776,9 +777,9 @@ class Reader:
     def poll(self, max_frames: int = 64) -> list[memoryview]:
         """Return up to ``max_frames`` committed payloads, oldest first, without waiting.
 
-        The views are read-only and stay valid until ``release()``; copy what must outlive it. A corrupt frame
-        raises ``CorruptFrame``; the good frames before it are returned first (the next call
-        raises).
+        The views are read-only and stay valid until ``release()``; copy what must outlive it.
+        A corrupt frame raises ``CorruptFrame``; the good frames before it are returned first
+        (the next call raises).
         """
         native = self._ring._native
         if native is not None and not self._closed:
