@@ -90,9 +90,12 @@ def _inspect(args: argparse.Namespace) -> int:
 # -- gc ------------------------------------------------------------------------------------------
 
 
-def orphaned_rings(names: list[str] | None = None, min_age: float = 10.0) -> list[tuple[str, str]]:
+def orphaned_rings(
+    names: list[str] | None = None, min_age: float = 10.0, *, remove: bool = False
+) -> list[tuple[str, str]]:
     """(name, reason) of every ring among ``names`` (default: all of /dev/shm) that nobody will
-    remove: ``Ring.orphaned()``, and no producer heartbeat for ``min_age`` seconds. Anything
+    remove: ``Ring.orphaned()``, and no producer heartbeat for ``min_age`` seconds; with
+    ``remove``, each is unlinked (segment and bells) while it is mapped for the check. Anything
     that is not a ring this user can open is left alone."""
     if names is None:
         names = sorted(os.listdir(shm.SHM_DIR))
@@ -110,6 +113,8 @@ def orphaned_rings(names: list[str] | None = None, min_age: float = 10.0) -> lis
             reason = ring.orphaned()
             if reason is not None and ring.stats().heartbeat_age_s < min_age:
                 reason = None
+            if reason is not None and remove:
+                ring.unlink()
         finally:
             ring.close()
         if reason is not None:
@@ -121,27 +126,13 @@ def _gc(args: argparse.Namespace) -> int:
     if not args.min_age >= 0:
         print(f"aiospec gc: --min-age {args.min_age}: expected a number of seconds >= 0", file=sys.stderr)
         return 2
-    found = orphaned_rings(args.names or None, args.min_age)
-    removed = []
-    for name, _ in found:
-        if args.dry_run:
-            continue
-        try:
-            ring = shm.Ring.attach(name)
-        except (OSError, ValueError, shm.BadSegment):
-            continue
-        try:
-            if ring.orphaned() is not None:  # still: nobody came back for it meanwhile
-                ring.unlink()
-                removed.append(name)
-        finally:
-            ring.close()
+    found = orphaned_rings(args.names or None, args.min_age, remove=not args.dry_run)
+    removed = [] if args.dry_run else [n for n, _ in found]
     if args.json:
         print(json.dumps({"orphaned": [{"name": n, "reason": r} for n, r in found], "removed": removed}))
         return 0
     for name, reason in found:
-        verb = "removed" if name in removed else "would remove" if args.dry_run else "kept"
-        print(f"{verb} {name}: {reason}")
+        print(f"{'would remove' if args.dry_run else 'removed'} {name}: {reason}")
     if not found:
         print("no orphaned rings")
     return 0
