@@ -135,6 +135,18 @@ def _held_shm_files() -> set[str]:
     return held
 
 
+@pytest.fixture(name="ring_paths", params=["native", "python"])
+def ring_paths_fixture(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a test on both implementations of reserve/commit/poll/sleep (shm/_native.c and
+    Python); a ring takes the module's choice when it is created or attached. Modules that
+    import it mark it autouse with ``pytestmark = pytest.mark.usefixtures("ring_paths")``."""
+    if request.param == "python":
+        monkeypatch.setattr(shm._ring, "_native", None)
+    elif shm._ring._native is None:
+        pytest.skip("shm._native is not built here (no C compiler at install); test_native_is_built says why")
+    return str(request.param)
+
+
 @pytest.fixture(autouse=True, name="shm_tracker")
 def shm_tracker_fixture(monkeypatch: pytest.MonkeyPatch) -> Iterator[ShmTracker]:
     """Record every ring created in this process; fail the test if any file of them remains.

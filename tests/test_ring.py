@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 import pytest
-from _ringhelpers import (  # noqa: F401  (shm_tracker is an autouse fixture)
+from _ringhelpers import (  # noqa: F401  (shm_tracker is an autouse fixture, ring_paths used below)
     SPAWN,
     XPROC_TIMEOUT,
     RawSegment,
@@ -22,6 +22,7 @@ from _ringhelpers import (  # noqa: F401  (shm_tracker is an autouse fixture)
     proc_dead_reader,
     reap,
     recv,
+    ring_paths_fixture,
     shm_tracker_fixture,
     wait_for,
     write_segment,
@@ -33,15 +34,7 @@ from shm import _layout as L
 CAP = L.MIN_CAPACITY  # 64 KiB: small rings wrap quickly
 
 
-@pytest.fixture(autouse=True, params=["native", "python"])
-def ring_paths(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Every test runs on both implementations of commit and sleep (shm/_native.c and Python);
-    a ring takes the module's choice when it is created or attached."""
-    if request.param == "python":
-        monkeypatch.setattr(shm._ring, "_native", None)
-    elif shm._ring._native is None:
-        pytest.skip("shm._native is not built here (no C compiler at install); test_native_is_built says why")
-    return str(request.param)
+pytestmark = pytest.mark.usefixtures("ring_paths")  # every test on the C and the Python paths
 
 
 MAX_REC = CAP // 8

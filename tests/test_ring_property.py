@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
-from _ringhelpers import shm_tracker_fixture  # noqa: F401  (an autouse fixture)
+from _ringhelpers import ring_paths_fixture, shm_tracker_fixture  # noqa: F401  (fixtures)
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
@@ -23,14 +23,7 @@ from shm import _layout as L
 CAP = L.MIN_CAPACITY
 
 
-@pytest.fixture(autouse=True, params=["native", "python"])
-def ring_paths(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """The property holds on both implementations of reserve/commit/poll (C and Python)."""
-    if request.param == "python":
-        monkeypatch.setattr(shm._ring, "_native", None)
-    elif shm._ring._native is None:
-        pytest.skip("shm._native is not built here; tests/test_ring_native.py says why")
-    return str(request.param)
+pytestmark = pytest.mark.usefixtures("ring_paths")  # the property on the C and the Python paths
 
 
 def payload(seq: int, n: int) -> bytes:
