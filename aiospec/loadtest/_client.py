@@ -1,9 +1,10 @@
 """Concurrent streaming clients for any OpenAI-compatible server.
 
 The client side must cost little: on a small machine it shares the CPU with the server it
-measures. Each response is read in whatever pieces the socket delivers, split on the SSE event
-separator, and each event decoded by msgspec into a few fields (entries of the logprobs lists
-stay undecoded ``Raw`` values, only counted).
+measures. Each worker keeps one HTTP/1.1 connection (``_http.Connection``) and the response is
+handled inside the protocol's ``data_received``: split on the SSE event separator, and each
+event decoded by msgspec into a few fields (entries of the logprobs lists stay undecoded ``Raw``
+values, only counted). The worker's task wakes up once per request, not once per read.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ import time
 from collections.abc import Callable
 from typing import Literal
 
-import aiohttp
 import msgspec
+
+from aiospec.loadtest._http import Connection, Target, connect, request_bytes
 
 __all__ = ("LoadConfig", "LoadResult", "RequestResult", "run_load")
 
@@ -42,7 +44,8 @@ class LoadConfig(msgspec.Struct, kw_only=True):
     temperature: float = 1.0
     duration: float | None = None  # stop starting requests after this many seconds
     ramp_up: float = 0.0  # spread the first wave of requests over this many seconds
-    timeout: float = 120.0  # per-request read timeout
+    timeout: float = 120.0  # seconds a request may go without receiving data
+    api_key: str | None = None  # sent as "Authorization: Bearer ..."; left out of summaries
 
     def validate(self) -> None:
         checks = (
@@ -161,85 +164,172 @@ class _Recorder:
         self.tokens = 0
 
 
-async def _one(
-    session: aiohttp.ClientSession, url: str, body: bytes, t0: float, rec: _Recorder, keep_text: bool
-) -> RequestResult:
-    start = time.perf_counter()
-    res = RequestResult(ok=False, start=start - t0)
-    last = start
-    first = True
-    counted = 0
-    usage_tokens = -1
-    text: list[str] = []
-    itl: list[float] = []
-    buf = b""
-    done = False
+class _Stream:
+    """Reads one streaming response as the connection delivers it (a ``Handler``)."""
+
+    __slots__ = ("buf", "conn", "crlf", "done", "err_body", "first", "fut", "itl", "keep_text", "last", "rec",
+                 "res", "start", "status", "text", "usage_tokens", "counted")  # fmt: skip
+
+    def __init__(self, conn: Connection, rec: _Recorder, keep_text: bool, fut: asyncio.Future[None]) -> None:
+        self.conn = conn
+        self.rec = rec
+        self.keep_text = keep_text
+        self.fut = fut
+        self.start = time.perf_counter()
+        self.res = RequestResult(ok=False, start=self.start - rec.t0)
+        self.last = self.start
+        self.first = True
+        self.status = 0
+        self.buf = b""
+        self.crlf = False
+        self.done = False
+        self.err_body = b""
+        self.counted = 0
+        self.usage_tokens = -1
+        self.itl: list[float] = []
+        self.text: list[str] = []
+
+    def on_head(self, status: int) -> None:
+        self.status = status
+
+    def on_body(self, data: bytes, now: float) -> None:
+        if self.status != 200:
+            if len(self.err_body) < 300:
+                self.err_body += data
+            return
+        if b"\r" in data:
+            self.crlf = True
+        buf = self.buf + data if self.buf else data
+        if self.crlf:
+            buf = buf.replace(b"\r\n", b"\n")
+        *events, self.buf = buf.split(b"\n\n")
+        try:
+            for ev in events:
+                self._event(ev, now)
+        except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+            self.conn.abort(exc)
+
+    def _event(self, ev: bytes, now: float) -> None:
+        if ev.startswith(b"data: ") and b"\n" not in ev:
+            payload = ev[6:]
+        else:  # the general form: several data lines, no space after the colon, comments
+            parts = [ln[5:].removeprefix(b" ") for ln in ev.split(b"\n") if ln.startswith(b"data:")]
+            if not parts:
+                return
+            payload = b"\n".join(parts)
+        if payload == b"[DONE]":
+            self.done = True
+            return
+        chunk = _chunk_decoder.decode(payload)
+        if chunk.usage is not None:
+            self.usage_tokens = chunk.usage.completion_tokens
+        n = 0
+        for ch in chunk.choices:
+            lp = ch.logprobs
+            piece = ch.delta.content if ch.delta is not None else ch.text
+            if lp is not None and (lp.content is not None or lp.tokens is not None):
+                n += len(lp.content if lp.content is not None else lp.tokens or ())
+            elif piece:
+                n += 1
+            if self.keep_text and piece:
+                self.text.append(piece)
+        if n:
+            rec = self.rec
+            self.res.chunks += 1
+            self.counted += n
+            rec.times.append(now - rec.t0)
+            rec.counts.append(n)
+            rec.tokens += n
+            if self.first:
+                self.res.ttft = now - self.start
+                self.first = False
+            else:
+                self.itl.append(now - self.last)
+            self.last = now
+
+    def on_end(self) -> None:
+        res = self.res
+        if self.status != 200:
+            res.error = f"HTTP {self.status}: {self.err_body.decode('utf-8', 'replace')[:300]}"
+        elif not self.done:
+            res.error = "stream ended without data: [DONE]"
+        else:
+            res.output_tokens = self.usage_tokens if self.usage_tokens >= 0 else self.counted
+            res.ok = True
+        self._finish()
+
+    def on_error(self, exc: BaseException) -> None:
+        self.res.error = f"{type(exc).__name__}: {exc}"[:300]
+        self._finish()
+
+    def _finish(self) -> None:
+        res = self.res
+        res.e2e = time.perf_counter() - self.start
+        res.itl = self.itl
+        res.text = "".join(self.text)
+        if not self.fut.done():
+            self.fut.set_result(None)
+
+
+class _Body:
+    """Collects a whole (non-streaming) response (a ``Handler``)."""
+
+    def __init__(self, fut: asyncio.Future[tuple[int, bytes]]) -> None:
+        self.fut = fut
+        self.status = 0
+        self.parts: list[bytes] = []
+
+    def on_head(self, status: int) -> None:
+        self.status = status
+
+    def on_body(self, data: bytes, now: float) -> None:
+        self.parts.append(data)
+
+    def on_end(self) -> None:
+        if not self.fut.done():
+            self.fut.set_result((self.status, b"".join(self.parts)))
+
+    def on_error(self, exc: BaseException) -> None:
+        if not self.fut.done():
+            self.fut.set_exception(exc)
+
+
+async def _stream(conn: Connection, req: bytes, rec: _Recorder, keep_text: bool) -> RequestResult:
+    fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    s = _Stream(conn, rec, keep_text, fut)
+    conn.request(req, s)
     try:
-        async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as resp:
-            if resp.status != 200:
-                res.error = f"HTTP {resp.status}: {(await resp.text())[:300]}"
-                return res
-            async for data in resp.content.iter_any():
-                now = time.perf_counter()
-                buf += data
-                *events, buf = buf.split(b"\n\n")
-                for ev in events:
-                    if not ev.startswith(b"data: "):
-                        continue
-                    payload = ev[6:]
-                    if payload == b"[DONE]":
-                        done = True
-                        continue
-                    chunk = _chunk_decoder.decode(payload)
-                    if chunk.usage is not None:
-                        usage_tokens = chunk.usage.completion_tokens
-                    n = 0
-                    for ch in chunk.choices:
-                        lp = ch.logprobs
-                        piece = ch.delta.content if ch.delta is not None else ch.text
-                        if lp is not None and (lp.content is not None or lp.tokens is not None):
-                            n += len(lp.content if lp.content is not None else lp.tokens or ())
-                        elif piece:
-                            n += 1
-                        if keep_text and piece:
-                            text.append(piece)
-                    if n:
-                        res.chunks += 1
-                        counted += n
-                        rec.times.append(now - t0)
-                        rec.counts.append(n)
-                        rec.tokens += n
-                        if first:
-                            res.ttft = now - start
-                            first = False
-                        else:
-                            itl.append(now - last)
-                        last = now
-            if not done:
-                res.error = "stream ended without data: [DONE]"
-                return res
+        await fut
     except asyncio.CancelledError:
-        res.error = "cancelled at the time cap"
+        conn.abort(asyncio.CancelledError())
         raise
-    except (aiohttp.ClientError, asyncio.TimeoutError, msgspec.DecodeError, UnicodeDecodeError) as exc:
-        res.error = f"{type(exc).__name__}: {exc}"[:300]
-        return res
+    return s.res
+
+
+async def fetch_model(target: Target, headers: dict[str, str], timeout: float = 30.0) -> str:
+    """The first model that ``GET /models`` lists."""
+    where = f"GET {target.path}/models"
+    try:
+        conn = await connect(target, timeout)
+    except (OSError, asyncio.TimeoutError) as exc:
+        raise RuntimeError(f"{where}: cannot connect to {target.hostport}: {exc}") from exc
+    try:
+        fut: asyncio.Future[tuple[int, bytes]] = asyncio.get_running_loop().create_future()
+        conn.request(request_bytes("GET", target, "/models", headers=headers), _Body(fut))
+        try:
+            status, body = await asyncio.wait_for(fut, timeout)
+        except (OSError, asyncio.TimeoutError) as exc:
+            raise RuntimeError(f"{where}: {type(exc).__name__}: {exc}") from exc
     finally:
-        res.e2e = time.perf_counter() - start
-        res.itl = itl
-        res.text = "".join(text)
-    res.output_tokens = usage_tokens if usage_tokens >= 0 else counted
-    res.ok = True
-    return res
-
-
-async def fetch_model(session: aiohttp.ClientSession, base: str) -> str:
-    async with session.get(base + "/models") as resp:
-        if resp.status != 200:
-            raise RuntimeError(f"GET {base}/models: HTTP {resp.status}")
-        models = msgspec.json.decode(await resp.read(), type=_Models)
+        await conn.aclose()
+    if status != 200:
+        raise RuntimeError(f"{where}: HTTP {status}: {body[:300].decode('utf-8', 'replace')}")
+    try:
+        models = msgspec.json.decode(body, type=_Models)
+    except msgspec.DecodeError as exc:
+        raise RuntimeError(f"{where}: not a model list: {exc}") from exc
     if not models.data:
-        raise RuntimeError(f"GET {base}/models: the server lists no model")
+        raise RuntimeError(f"{where}: the server lists no model")
     return str(models.data[0]["id"])
 
 
@@ -256,36 +346,66 @@ async def run_load(
     later are cancelled (recorded as errors).
     """
     cfg.validate()
-    base = cfg.base_url()
-    url = base + ("/chat/completions" if cfg.endpoint == "chat" else "/completions")
-    timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=cfg.timeout)
-    connector = aiohttp.TCPConnector(limit=0, force_close=False)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False) as session:
-        model = cfg.model or await fetch_model(session, base)
-        bodies = [_body(cfg, model, i) for i in range(cfg.requests)]
-        results: list[RequestResult] = []
-        t0 = time.perf_counter()
-        rec = _Recorder(t0)
-        next_i = 0
-        deadline = None if cfg.duration is None else t0 + cfg.duration
+    target = Target(cfg.base_url())
+    path = "/chat/completions" if cfg.endpoint == "chat" else "/completions"
+    headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
+    auth = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    model = cfg.model or await fetch_model(target, auth)
+    reqs = [request_bytes("POST", target, path, _body(cfg, model, i), headers | auth) for i in range(cfg.requests)]
+    results: list[RequestResult] = []
+    t0 = time.perf_counter()
+    rec = _Recorder(t0)
+    next_i = 0
+    deadline = None if cfg.duration is None else t0 + cfg.duration
+    conns: set[Connection] = set()
 
-        async def worker(w: int) -> None:
-            nonlocal next_i
-            if cfg.ramp_up:
-                await asyncio.sleep(cfg.ramp_up * w / max(1, cfg.concurrency))
-            while next_i < len(bodies) and (deadline is None or time.perf_counter() < deadline):
+    async def worker(w: int) -> None:
+        nonlocal next_i
+        if cfg.ramp_up:
+            await asyncio.sleep(cfg.ramp_up * w / max(1, cfg.concurrency))
+        conn: Connection | None = None
+        try:
+            while next_i < len(reqs) and (deadline is None or time.perf_counter() < deadline):
                 i = next_i
                 next_i += 1
-                try:
-                    r = await _one(session, url, bodies[i], t0, rec, keep_text=i < 4)
-                except asyncio.CancelledError:
-                    results.append(RequestResult(ok=False, start=0.0, error="cancelled at the time cap"))
-                    raise
+                if conn is None or not conn.reusable:
+                    if conn is not None:
+                        conns.discard(conn)
+                        await conn.aclose()
+                    start = time.perf_counter()
+                    try:
+                        conn = await connect(target, 30.0)
+                    except (OSError, asyncio.TimeoutError) as exc:
+                        conn = None
+                        r = RequestResult(ok=False, start=start - t0, e2e=time.perf_counter() - start,
+                                          error=f"cannot connect: {type(exc).__name__}: {exc}"[:300])  # fmt: skip
+                    else:
+                        conns.add(conn)
+                if conn is not None:
+                    try:
+                        r = await _stream(conn, reqs[i], rec, keep_text=i < 4)
+                    except asyncio.CancelledError:
+                        results.append(RequestResult(ok=False, start=0.0, error="cancelled at the time cap"))
+                        raise
                 results.append(r)
                 if on_result is not None:
                     on_result(r, rec.tokens)
+        finally:
+            if conn is not None:
+                conns.discard(conn)
+                await conn.aclose()
 
-        tasks = [asyncio.ensure_future(worker(w)) for w in range(min(cfg.concurrency, cfg.requests))]
+    async def watchdog() -> None:
+        # one timer for every connection instead of one per read
+        while True:
+            await asyncio.sleep(min(1.0, cfg.timeout / 4))
+            stale = time.perf_counter() - cfg.timeout
+            for c in [c for c in conns if c.busy and c.last_read < stale]:
+                c.abort(TimeoutError(f"no data for {cfg.timeout:g} s"))
+
+    dog = asyncio.ensure_future(watchdog())
+    tasks = [asyncio.ensure_future(worker(w)) for w in range(min(cfg.concurrency, cfg.requests))]
+    try:
         cap = None if cfg.duration is None else cfg.duration + grace
         _, pending = await asyncio.wait(tasks, timeout=cap)
         for t in pending:
@@ -293,11 +413,15 @@ async def run_load(
         for t in pending:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
-        for t in tasks:
-            if not t.cancelled() and t.exception() is not None:
-                raise t.exception()  # type: ignore[misc]
-        ends = [r.start + r.e2e for r in results if r.ok]
-        wall = (max(ends) if ends else time.perf_counter() - t0) - min((r.start for r in results), default=0.0)
-        return LoadResult(
-            config=cfg, model=model, results=results, wall=wall, token_times=rec.times, token_counts=rec.counts
-        )
+    finally:
+        dog.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await dog
+    for t in tasks:
+        if not t.cancelled() and t.exception() is not None:
+            raise t.exception()  # type: ignore[misc]
+    ends = [r.start + r.e2e for r in results if r.ok]
+    wall = (max(ends) if ends else time.perf_counter() - t0) - min((r.start for r in results), default=0.0)
+    return LoadResult(
+        config=cfg, model=model, results=results, wall=wall, token_times=rec.times, token_counts=rec.counts
+    )

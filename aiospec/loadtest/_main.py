@@ -49,6 +49,7 @@ def config_from_args(url: str, a: argparse.Namespace, model: str | None = None) 
         temperature=a.temperature,
         duration=a.duration,
         ramp_up=a.ramp_up,
+        api_key=getattr(a, "api_key", None) or None,
     )
     cfg.validate()
     return cfg

@@ -54,7 +54,7 @@ def summarize(res: LoadResult) -> dict[str, Any]:
         "itl_ms": _dist(itl),
         "tpot_ms": _dist(tpot),
         "e2e_ms": _dist([r.e2e for r in ok]),
-        "settings": msgspec.to_builtins(res.config),
+        "settings": {k: v for k, v in msgspec.to_builtins(res.config).items() if k != "api_key"},
     }
 
 

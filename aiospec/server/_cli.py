@@ -119,5 +119,8 @@ def register(sub: Any) -> None:
     t = sub.add_parser("loadtest", help="concurrent streaming clients against an OpenAI-compatible server")
     t.add_argument("url", help="server base URL, e.g. http://127.0.0.1:8000 (with or without /v1)")
     t.add_argument("--model", default=None, help="model name (default: the first of GET /v1/models)")
+    t.add_argument(
+        "--api-key", default=os.environ.get("OPENAI_API_KEY"), help="bearer token (default: $OPENAI_API_KEY)"
+    )
     add_load_args(t, concurrency=16, requests=64, max_tokens=128)
     t.set_defaults(func=_loadtest)
