@@ -1,8 +1,9 @@
-"""Build hook: compile shm/_native.c (the ring's C commit and sleep paths) into the wheel.
+"""Build hook: compile the C modules into the wheel: shm/_native.c (the ring's C commit,
+poll and sleep paths) and aiospec/_speedups.c (the join of streaming chat logprobs).
 
 Optional by design: without a C compiler or Python headers the wheel is still built and
-shm falls back to its Python paths (the same protocol, slower on a cold core). Set
-SHM_PURE_PYTHON=1 at build time to skip the compile.
+the package falls back to its Python paths (the same protocol and the same bytes, slower).
+Set SHM_PURE_PYTHON=1 or AIOSPEC_PURE_PYTHON=1 at build time to skip a compile.
 """
 
 from __future__ import annotations
@@ -18,17 +19,38 @@ from typing import Any
 
 from hatchling.builders.hooks.plugin.interface import BuildHookInterface
 
+# (source, module, what it is, the variable that skips it at build time)
+_MODULES = (
+    ("shm/_native.c", "shm._native", "the native ring paths", "SHM_PURE_PYTHON"),
+    ("aiospec/_speedups.c", "aiospec._speedups", "the C join of chat logprobs", "AIOSPEC_PURE_PYTHON"),
+)
+
 
 class NativeBuildHook(BuildHookInterface):
     PLUGIN_NAME = "custom"
 
     def initialize(self, version: str, build_data: dict[str, Any]) -> None:
-        if self.target_name != "wheel" or os.environ.get("SHM_PURE_PYTHON", "") not in ("", "0"):
+        if self.target_name != "wheel":
             return
-        root = Path(self.root)
-        name = "_native" + (sysconfig.get_config_var("EXT_SUFFIX") or ".so")
+        for source, module, what, skip in _MODULES:
+            if os.environ.get(skip, "") not in ("", "0"):
+                continue
+            out = self._compile(version, Path(self.root), source, module, what)
+            if out is None:
+                continue
+            build_data["pure_python"] = False
+            build_data["infer_tag"] = True
+            if version != "editable":
+                build_data["force_include"][str(out)] = f"{module.replace('.', '/')}{out.suffix}"
+
+    def _compile(self, version: str, root: Path, source: str, module: str, what: str) -> Path | None:
+        package, name = module.rsplit(".", 1)
+        suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
         # an editable install imports from the source tree: build the module next to its source
-        out = root / "shm" / name if version == "editable" else Path(tempfile.mkdtemp(prefix="shm-native-")) / name
+        if version == "editable":
+            out = root / package.replace(".", "/") / (name + suffix)
+        else:
+            out = Path(tempfile.mkdtemp(prefix=f"{name}-")) / (name + suffix)
         cc = shlex.split(sysconfig.get_config_var("CC") or "cc")
         cmd = [
             *cc,
@@ -38,22 +60,19 @@ class NativeBuildHook(BuildHookInterface):
             "-fvisibility=hidden",
             "-I" + sysconfig.get_paths()["include"],
             "-I" + str(root / "csrc" / "include"),
-            str(root / "shm" / "_native.c"),
+            str(root / source),
             "-o",
             str(out),
         ]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         except (OSError, subprocess.TimeoutExpired) as exc:
-            print(f"shm: not building the native ring paths ({exc}); using the Python ones", file=sys.stderr)
-            return
+            print(f"{module}: not building {what} ({exc}); using the Python paths", file=sys.stderr)
+            return None
         if proc.returncode != 0:
             print(
-                f"shm: building the native ring paths failed; using the Python ones\n{' '.join(cmd)}\n{proc.stderr}",
+                f"{module}: building {what} failed; using the Python paths\n{' '.join(cmd)}\n{proc.stderr}",
                 file=sys.stderr,
             )
-            return
-        build_data["pure_python"] = False
-        build_data["infer_tag"] = True
-        if version != "editable":
-            build_data["force_include"][str(out)] = f"shm/{name}"
+            return None
+        return out

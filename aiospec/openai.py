@@ -24,14 +24,32 @@ from __future__ import annotations
 import codecs
 import json
 import math
+import os
 import weakref
 from collections.abc import Callable, Mapping, Sequence
+from types import ModuleType
 from typing import Protocol, runtime_checkable
 
 import msgspec
 import numpy as np
 
 from aiospec._stream import Delta
+
+_SPEEDUPS_ABI = 1
+# The C join of format_json (aiospec/_speedups.c), built at install time where a compiler is;
+# AIOSPEC_PURE_PYTHON=1 keeps the Python join (the same bytes).
+_speedups_mod: ModuleType | None
+try:
+    import aiospec._speedups as _speedups_mod
+except ImportError:
+    _speedups_mod = None
+_speedups: ModuleType | None = (
+    _speedups_mod
+    if _speedups_mod is not None
+    and getattr(_speedups_mod, "ABI", None) == _SPEEDUPS_ABI
+    and os.environ.get("AIOSPEC_PURE_PYTHON", "") in ("", "0")
+    else None
+)
 
 __all__ = (
     "SSE_DONE",
@@ -227,13 +245,21 @@ def _floats(a: np.ndarray) -> list[float]:
     return f.tolist()  # type: ignore[no-any-return]
 
 
-def _float_json(values: list[float]) -> list[bytes]:
-    """The JSON of each value, as ``msgspec`` writes it (non-finite ones clamped as by
+_FLOOR_JSON = _encoder.encode(LOGPROB_FLOOR)  # what a non-finite logprob is written as
+
+
+def _float_array_json(values: list[float]) -> bytes:
+    """The JSON array of the values, as ``msgspec`` writes it (non-finite ones clamped as by
     ``_floats``): one encoder call for all of them."""
     b = _encoder.encode(values)
     if b"null" in b:  # NaN or an infinity (msgspec writes null): clamp them
         b = _encoder.encode([v if math.isfinite(v) else LOGPROB_FLOOR for v in values])
-    return b[1:-1].split(b",")
+    return b
+
+
+def _float_json(values: list[float]) -> list[bytes]:
+    """The JSON of each value, as ``_float_array_json`` writes it."""
+    return _float_array_json(values)[1:-1].split(b",")
 
 
 def _check_top(n: int, delta: Delta) -> None:
@@ -310,8 +336,8 @@ class ChatLogprobsFormatter:
         lps = delta.logprobs
         if lps is None:
             return None
-        ids = delta.token_ids.tolist()
-        m = len(ids)
+        tok = delta.token_ids
+        m = tok.shape[0]
         if not m:
             return None
         n = self._n
@@ -324,11 +350,22 @@ class ChatLogprobsFormatter:
         if limit is not None and limit < m:
             if limit <= 0:
                 return b'{"content":[]}'
-            ids, lps, m = ids[:limit], lps[:limit], limit
+            tok, lps, m = tok[:limit], lps[:limit], limit
             if n:
                 assert tki is not None and tkl is not None
                 tki, tkl = tki[:limit], tkl[:limit]
         c = self._cache
+        if _speedups is not None:
+            # the same pieces joined in C; the floats stay msgspec's (one array for all of them)
+            floats = lps.tolist()
+            if n:
+                assert tkl is not None
+                floats += tkl.ravel().tolist()
+            out: bytes = _speedups.chat_logprobs(
+                tok, tki, n, _encoder.encode(floats), _FLOOR_JSON, c.head, c.main, c.top, c.top_last, c.main_bare
+            )
+            return out
+        ids = tok.tolist()
         head = c.head.__getitem__
         if not n:
             parts = [b""] * (3 * m + 1)

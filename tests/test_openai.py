@@ -194,8 +194,21 @@ def test_sse_chunks_exact_bytes() -> None:
     assert SSE_DONE == b"data: [DONE]\n\n"
 
 
-def test_chat_json_is_the_structs_encoded() -> None:
-    """format_json writes the bytes msgspec writes for format(), also cut to a prefix."""
+@pytest.fixture(params=["c", "python"])
+def join(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """format_json through the C join (aiospec/_speedups.c) and through the Python one."""
+    import aiospec.openai
+
+    if request.param == "python":
+        monkeypatch.setattr(aiospec.openai, "_speedups", None)
+    elif aiospec.openai._speedups is None:
+        pytest.skip("aiospec._speedups is not built here; tests/test_speedups.py says why")
+    return str(request.param)
+
+
+def test_chat_json_is_the_structs_encoded(join: str) -> None:
+    """format_json writes the bytes msgspec writes for format(), also cut to a prefix, on
+    top-k columns that are views with strides (as a gathered read hands them out)."""
     vocab = {**VOCAB, 6: '"q\\\n\t\x01', 7: "😀"}
     rng = np.random.default_rng(7)
     special = [math.nan, -math.inf, math.inf, -0.0, 1e-30, -1e20]
@@ -206,11 +219,16 @@ def test_chat_json_is_the_structs_encoded() -> None:
         for a in (lp, tl.reshape(-1)):
             if a.size and rng.random() < 0.5:
                 a[rng.integers(0, a.size)] = rng.choice(special)
+        tids = rng.integers(0, 8, (m, k)).astype(np.int32)
+        if rng.random() < 0.5:  # columns of wider rows, as _split_rows makes them
+            rows = np.zeros((m, 3 + 2 * k), np.int32)
+            rows[:, 3 : 3 + k] = tids
+            tids = rows[:, 3 : 3 + k]
         d = Delta(
             token_ids=rng.integers(0, 8, m).astype(np.int32),
             logprobs=lp,
             ranks=np.ones(m, np.int32),
-            topk_ids=rng.integers(0, 8, (m, k)).astype(np.int32) if k else None,
+            topk_ids=tids if k else None,
             topk_logprobs=tl if k else None,
         )
         fmt = ChatLogprobsFormatter(SimpleTokenizer(vocab), top_logprobs=int(rng.integers(0, k + 1)))
@@ -226,7 +244,7 @@ def test_chat_json_is_the_structs_encoded() -> None:
         fmt.format_json(delta([5], [-1.0]))
 
 
-def test_chat_chunk_encoder_writes_the_sse_of_chat_chunk() -> None:
+def test_chat_chunk_encoder_writes_the_sse_of_chat_chunk(join: str) -> None:
     fmt = ChatLogprobsFormatter(tok(), top_logprobs=2)
     for rid, model, created in (("chatcmpl-1", "m", 123), ('a"\\é', "😀", 1 << 40)):
         enc = ChatChunkEncoder(rid, model, created)

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import os
-import shutil
 import signal
-import sysconfig
 import threading
 import time
 from collections.abc import Iterator
 from types import FrameType, ModuleType
 
 import pytest
+from _nativehelpers import assert_built
 from _ringhelpers import shm_tracker_fixture  # noqa: F401  (an autouse fixture)
 
 import shm
@@ -27,20 +25,8 @@ def _native() -> ModuleType:
 
 
 def test_native_is_built() -> None:
-    """Where the install could compile it, the native module must be there and current: a
-    missing or stale build silently costs the latency it exists for."""
-    if os.environ.get("SHM_PURE_PYTHON", "") not in ("", "0"):
-        pytest.skip("SHM_PURE_PYTHON is set: the Python paths were asked for")
-    cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
-    headers = os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h"))
-    if shutil.which(cc) is None or not headers:
-        pytest.skip(f"no C compiler ({cc}) or no Python headers: the install builds no native module")
-    try:
-        from shm import _native as built
-    except ImportError as exc:
-        pytest.fail(f"shm._native is not built ({exc}): reinstall with `pip install -e .`")
-    assert built.ABI == shm._ring._NATIVE_ABI, "stale shm._native build: reinstall with `pip install -e .`"
-    assert shm._ring._native is built
+    """Where the install could compile it, the native module must be there and current."""
+    assert_built("shm._native", "SHM_PURE_PYTHON", shm._ring._NATIVE_ABI, shm._ring._native)
 
 
 @pytest.fixture
