@@ -126,6 +126,19 @@ def test_budget_is_validated() -> None:
         Pacer(budget=0)
 
 
+def test_serve_takes_the_budget_from_the_command_line() -> None:
+    from aiospec.cli import build_parser
+    from aiospec.server._cli import _engine_argv, _settings
+
+    a = build_parser().parse_args(["serve", "--loop-budget-ms", "1.5"])
+    assert _settings(a).loop_budget == 0.0015
+    assert _engine_argv(a)[-2:] == ["--loop-budget-ms", "1.5"]  # the demo passes it on to serve
+    assert build_parser().parse_args(["serve"]).loop_budget_ms == 2.0
+    a = build_parser().parse_args(["serve", "--loop-budget-ms", "0"])
+    with pytest.raises(ValueError, match=r"^--loop-budget-ms = 0\.0: expected 0\.05\.\.1000$"):
+        _settings(a)
+
+
 def _frame(handle: int, tokens: list[int], flags: int = 0) -> bytes:
     return encode_frame([handle], [0, len(tokens)], tokens, flags=[flags])
 

@@ -33,7 +33,10 @@ class ServerSettings(msgspec.Struct, kw_only=True):
     producer_timeout: float = 10.0
     loop_lag_interval: float = 0.01
     manage_gc: bool = True  # collect garbage from the ticker, not wherever a threshold is passed
-    loop_budget: float = 0.003  # seconds of chunk formatting (and request set-up) per loop iteration
+    # seconds of chunk formatting (and request set-up) per loop iteration: the loop lag is about
+    # one iteration, and the work the budget does not cover (reading the ring, uvicorn's request
+    # handling) comes on top, so 2 ms keeps the lag p99 under 10 ms at 1024 streams
+    loop_budget: float = 0.002
     hub_yield_every: int = 64  # records the Hub routes between two yields to the loop
     start_timeout: float = 120.0
 

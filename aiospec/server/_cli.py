@@ -29,6 +29,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", choices=("auto", "cpu", "python", "cuda"), default="auto", help="emit op backend")
     g.add_argument("--max-model-len", type=int, default=8192)
     g.add_argument("--default-max-tokens", type=int, default=256)
+    g.add_argument(
+        "--loop-budget-ms",
+        type=float,
+        default=2.0,
+        help="server: ms of chunk formatting per event-loop iteration; less = lower loop lag (%(default)s)",
+    )
 
 
 def _settings(a: argparse.Namespace) -> Any:
@@ -45,8 +51,15 @@ def _settings(a: argparse.Namespace) -> Any:
         device=a.device,
     )
     eng.validate()
+    if not 0.05 <= a.loop_budget_ms <= 1000:
+        raise ValueError(f"--loop-budget-ms = {a.loop_budget_ms!r}: expected 0.05..1000")
     return ServerSettings(
-        model=a.model, engine=eng, pd=a.pd, max_model_len=a.max_model_len, default_max_tokens=a.default_max_tokens
+        model=a.model,
+        engine=eng,
+        pd=a.pd,
+        max_model_len=a.max_model_len,
+        default_max_tokens=a.default_max_tokens,
+        loop_budget=a.loop_budget_ms / 1e3,
     )
 
 
@@ -55,7 +68,7 @@ def _engine_argv(a: argparse.Namespace) -> list[str]:
     argv = ["--model", a.model, "--max-batch", str(a.max_batch), "--step-ms", str(a.step_ms),
             "--num-draft", str(a.num_draft), "--acceptance", str(a.acceptance), "--seed", str(a.seed),
             "--token-path", a.token_path, "--device", a.device, "--max-model-len", str(a.max_model_len),
-            "--default-max-tokens", str(a.default_max_tokens)]  # fmt: skip
+            "--default-max-tokens", str(a.default_max_tokens), "--loop-budget-ms", str(a.loop_budget_ms)]  # fmt: skip
     return argv + (["--pd"] if a.pd else [])
 
 
