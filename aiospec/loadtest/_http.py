@@ -49,7 +49,9 @@ class Target:
         self.ssl: ssl.SSLContext | None = ssl.create_default_context() if u.scheme == "https" else None
 
 
-def request_bytes(method: str, target: Target, path: str, body: bytes = b"", headers: dict[str, str] | None = None) -> bytes:
+def request_bytes(
+    method: str, target: Target, path: str, body: bytes = b"", headers: dict[str, str] | None = None
+) -> bytes:
     """One request, head and body, ready for ``Connection.request``."""
     lines = [f"{method} {target.path}{path} HTTP/1.1", f"Host: {target.hostport}", "Accept-Encoding: identity"]
     lines += [f"{k}: {v}" for k, v in (headers or {}).items()]
@@ -95,7 +97,8 @@ class Connection(asyncio.Protocol):
         if self._head_done and not self._framed:
             h.on_end()  # a body without a length ends when the server closes the connection
         else:
-            h.on_error(ConnectionError("the server closed the connection before the response ended" + (f": {exc}" if exc else "")))
+            why = "the server closed the connection before the response ended"
+            h.on_error(ConnectionError(why + (f": {exc}" if exc else "")))
 
     # -- httptools callbacks -----------------------------------------------------------------
 
