@@ -12,19 +12,25 @@ token path between engine and server swapped:
 
 Each configuration runs a fixed number of streaming chat requests (``top_logprobs=5``,
 fixed-length outputs) at a fixed concurrency, with a time cap. The load generator (``aiospec
-loadtest``: aiohttp, minimal parsing) runs in its own process at a lower CPU priority
-(``nice``), since on a real deployment it is not on the server's machine, and starts its
-streams over a short ramp-up instead of opening them all within a millisecond. Reported per run: tokens/s
-received by the clients, TTFT and inter-chunk latency p50/p99, server CPU per token (process
-CPU time of the server process over the load / tokens), engine CPU per token, and the server's
-event-loop lag p99 (a 10 ms ticker task in the server measuring oversleep, read from
-``/stats``), and the load generator's CPU per token. On a small machine the load generator
-competes with the server and the engine for the CPU even at its lower priority, so compare the
-paths by their ratios, measured side by side in one run. Prints JSON.
+loadtest``: an asyncio-protocol HTTP client, minimal parsing) runs in its own process at a
+lower CPU priority (``nice``) and starts its streams over a short ramp-up instead of opening
+them all within a millisecond. Reported per run: tokens/s received by the clients, TTFT and
+inter-chunk latency p50/p99, server CPU per token (process CPU time of the server process over
+the load / tokens), engine CPU per token, the server's event-loop lag p99 (a 10 ms ticker task
+in the server measuring oversleep, read from ``/stats``), and the load generator's CPU per
+token (including its start-up, about 0.7 s).
 
-The engine offers more tokens than one Python server process can format at the highest
-concurrencies (it decodes every slot every step): the server then runs at its capacity, and
-each stream receives coalesced multi-token chunks.
+CPUs: on a deployment the server has cores of its own, and the engine and the clients run
+elsewhere. So the server (every thread) is pinned to CPU 0 and the engine processes and the
+load generator to the other CPUs (``--no-pin`` leaves placement to the kernel, where the
+server then loses the CPU to the others at times, which shows as loop lag). Compare the paths
+by their ratios, measured side by side in one run.
+
+The engine must offer more tokens than one Python server process can format at the highest
+concurrency (it decodes every slot every step, 10 ms by default): the server then runs at its
+capacity, and each stream receives coalesced multi-token chunks. With 20 ms steps the ring's
+server was no longer the bottleneck at 1024 streams (the engine was), which hides what the
+token path costs.
 """
 
 from __future__ import annotations
@@ -56,6 +62,12 @@ def _cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / _TICK
 
 
+def _pin(pid: int, cpus: set[int]) -> None:
+    """Every thread of a process onto ``cpus`` (sched_setaffinity takes one thread at a time)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        os.sched_setaffinity(int(tid), cpus)
+
+
 def _http(url: str, method: str = "GET") -> Any:
     req = urllib.request.Request(url, method=method, data=b"" if method == "POST" else None)
     with urllib.request.urlopen(req, timeout=60) as r:
@@ -67,7 +79,8 @@ def _load(
 ) -> tuple[dict[str, Any], float]:
     """``aiospec loadtest`` in a child process at nice 10; its summary and its CPU seconds."""
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        cmd = ["nice", "-n", str(a.client_nice), sys.executable, "-m", "aiospec.cli", "loadtest", url,
+        pin = [] if a.no_pin else ["taskset", "-c", ",".join(map(str, _others()))]
+        cmd = [*pin, "nice", "-n", str(a.client_nice), sys.executable, "-m", "aiospec.cli", "loadtest", url,
                "-c", str(concurrency), "-n", str(requests), "--max-tokens", str(max_tokens),
                "--top-logprobs", str(a.top_logprobs), "--prompt-words", str(a.prompt_words),
                "--duration", str(a.time_cap), "--ramp-up", str(ramp_up), "--model", "aiospec-toy",
@@ -84,6 +97,11 @@ def _load(
     return summary, (after.children_user + after.children_system) - (before.children_user + before.children_system)
 
 
+def _others() -> set[int]:
+    cpus = os.sched_getaffinity(0)
+    return (cpus - {0}) or cpus
+
+
 def run_one(path: str, concurrency: int, a: argparse.Namespace) -> dict[str, Any]:
     args = ["--token-path", path, "--max-batch", str(a.max_batch), "--step-ms", str(a.step_ms),
             "--num-draft", str(a.num_draft), "--acceptance", str(a.acceptance)]  # fmt: skip
@@ -92,6 +110,10 @@ def run_one(path: str, concurrency: int, a: argparse.Namespace) -> dict[str, Any
     try:
         stats = _http(srv.url + "/stats")
         engine_pids = stats["engine_pids"]
+        if not a.no_pin:
+            _pin(srv.pid, {0})
+            for p in engine_pids:
+                _pin(p, _others())
         _load(srv.url, 16, 32, 16, a, ramp_up=0.0)  # warm-up
         n = max(concurrency, int(concurrency * a.requests_per_stream))
         _http(srv.url + "/stats/reset", "POST")
@@ -160,12 +182,13 @@ def main() -> int:
     p.add_argument("--prompt-words", type=int, default=16)
     p.add_argument("--top-logprobs", type=int, default=5)
     p.add_argument("--max-batch", type=int, default=512, help="engine slots (the FastDeploy struct holds 512)")
-    p.add_argument("--step-ms", type=float, default=20.0)
+    p.add_argument("--step-ms", type=float, default=10.0)
     p.add_argument("--num-draft", type=int, default=2)
     p.add_argument("--acceptance", type=float, default=0.7)
     p.add_argument("--time-cap", type=float, default=60.0, help="seconds per run before no new request starts")
     p.add_argument("--ramp-up", type=float, default=1.0, help="seconds over which the streams start")
     p.add_argument("--client-nice", type=int, default=10, help="CPU priority of the load generator")
+    p.add_argument("--no-pin", action="store_true", help="do not give the server a CPU of its own")
     p.add_argument("--repeat", type=int, default=1, help="repetitions (interleaved); medians are reported")
     p.add_argument("--json", metavar="PATH", help="also write the JSON here")
     a = p.parse_args()
