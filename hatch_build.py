@@ -41,7 +41,7 @@ class NativeBuildHook(BuildHookInterface):
             build_data["pure_python"] = False
             build_data["infer_tag"] = True
             if version != "editable":
-                build_data["force_include"][str(out)] = f"{module.replace('.', '/')}{out.suffix}"
+                build_data["force_include"][str(out)] = f"{module.rsplit('.', 1)[0].replace('.', '/')}/{out.name}"
 
     def _compile(self, version: str, root: Path, source: str, module: str, what: str) -> Path | None:
         package, name = module.rsplit(".", 1)
