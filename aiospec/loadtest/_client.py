@@ -17,7 +17,7 @@ from typing import Literal
 
 import msgspec
 
-from aiospec.loadtest._http import Connection, Target, connect, request_bytes
+from aiospec.loadtest._http import Connection, ServerClosed, Target, connect, request_bytes
 
 __all__ = ("LoadConfig", "LoadResult", "RequestResult", "run_load")
 
@@ -168,7 +168,7 @@ class _Stream:
     """Reads one streaming response as the connection delivers it (a ``Handler``)."""
 
     __slots__ = ("buf", "conn", "crlf", "done", "err_body", "first", "fut", "itl", "keep_text", "last", "rec",
-                 "res", "start", "status", "text", "usage_tokens", "counted")  # fmt: skip
+                 "res", "stale", "start", "status", "text", "usage_tokens", "counted")  # fmt: skip
 
     def __init__(self, conn: Connection, rec: _Recorder, keep_text: bool, fut: asyncio.Future[None]) -> None:
         self.conn = conn
@@ -188,6 +188,7 @@ class _Stream:
         self.usage_tokens = -1
         self.itl: list[float] = []
         self.text: list[str] = []
+        self.stale = False  # a reused connection the server had closed: nothing was answered
 
     def on_head(self, status: int) -> None:
         self.status = status
@@ -260,6 +261,7 @@ class _Stream:
 
     def on_error(self, exc: BaseException) -> None:
         self.res.error = f"{type(exc).__name__}: {exc}"[:300]
+        self.stale = isinstance(exc, ServerClosed) and self.status == 0 and self.conn.requests > 1
         self._finish()
 
     def _finish(self) -> None:
@@ -294,7 +296,7 @@ class _Body:
             self.fut.set_exception(exc)
 
 
-async def _stream(conn: Connection, req: bytes, rec: _Recorder, keep_text: bool) -> RequestResult:
+async def _stream(conn: Connection, req: bytes, rec: _Recorder, keep_text: bool) -> _Stream:
     fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
     s = _Stream(conn, rec, keep_text, fut)
     conn.request(req, s)
@@ -303,7 +305,7 @@ async def _stream(conn: Connection, req: bytes, rec: _Recorder, keep_text: bool)
     except asyncio.CancelledError:
         conn.abort(asyncio.CancelledError())
         raise
-    return s.res
+    return s
 
 
 async def fetch_model(target: Target, headers: dict[str, str], timeout: float = 30.0) -> str:
@@ -359,41 +361,43 @@ async def run_load(
     deadline = None if cfg.duration is None else t0 + cfg.duration
     conns: set[Connection] = set()
 
+    async def one(conn: Connection | None, i: int) -> tuple[Connection | None, RequestResult]:
+        """Request ``i`` on ``conn`` (or on a new connection); the connection to use next."""
+        start = time.perf_counter()
+        try:
+            while True:
+                if conn is None or not conn.reusable:
+                    if conn is not None:
+                        conns.discard(conn)
+                        await conn.aclose()
+                    conn = None
+                    conn = await connect(target, 30.0)
+                    conns.add(conn)
+                s = await _stream(conn, reqs[i], rec, keep_text=i < 4)
+                # a reused keep-alive connection that the server closed as the request went
+                # out, with nothing answered: the request goes once more, on a new connection
+                if not s.stale:
+                    return conn, s.res
+        except (OSError, asyncio.TimeoutError) as exc:
+            err = f"cannot connect: {type(exc).__name__}: {exc}"[:300]
+            return conn, RequestResult(ok=False, start=start - t0, e2e=time.perf_counter() - start, error=err)
+
     async def worker(w: int) -> None:
         nonlocal next_i
         if cfg.ramp_up:
             await asyncio.sleep(cfg.ramp_up * w / max(1, cfg.concurrency))
         conn: Connection | None = None
-        try:
-            while next_i < len(reqs) and (deadline is None or time.perf_counter() < deadline):
-                i = next_i
-                next_i += 1
-                if conn is None or not conn.reusable:
-                    if conn is not None:
-                        conns.discard(conn)
-                        await conn.aclose()
-                    start = time.perf_counter()
-                    try:
-                        conn = await connect(target, 30.0)
-                    except (OSError, asyncio.TimeoutError) as exc:
-                        conn = None
-                        r = RequestResult(ok=False, start=start - t0, e2e=time.perf_counter() - start,
-                                          error=f"cannot connect: {type(exc).__name__}: {exc}"[:300])  # fmt: skip
-                    else:
-                        conns.add(conn)
-                if conn is not None:
-                    try:
-                        r = await _stream(conn, reqs[i], rec, keep_text=i < 4)
-                    except asyncio.CancelledError:
-                        results.append(RequestResult(ok=False, start=0.0, error="cancelled at the time cap"))
-                        raise
-                results.append(r)
-                if on_result is not None:
-                    on_result(r, rec.tokens)
-        finally:
-            if conn is not None:
-                conns.discard(conn)
-                await conn.aclose()
+        while next_i < len(reqs) and (deadline is None or time.perf_counter() < deadline):
+            i = next_i
+            next_i += 1
+            try:
+                conn, r = await one(conn, i)
+            except asyncio.CancelledError:
+                results.append(RequestResult(ok=False, start=0.0, error="cancelled at the time cap"))
+                raise
+            results.append(r)
+            if on_result is not None:
+                on_result(r, rec.tokens)
 
     async def watchdog() -> None:
         # one timer for every connection instead of one per read
@@ -417,6 +421,8 @@ async def run_load(
         dog.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await dog
+        for c in list(conns):
+            await c.aclose()
     for t in tasks:
         if not t.cancelled() and t.exception() is not None:
             raise t.exception()  # type: ignore[misc]

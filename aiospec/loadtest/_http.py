@@ -17,7 +17,11 @@ from urllib.parse import urlsplit
 
 import httptools
 
-__all__ = ("Connection", "Handler", "Target", "connect", "request_bytes")
+__all__ = ("Connection", "Handler", "ServerClosed", "Target", "connect", "request_bytes")
+
+
+class ServerClosed(ConnectionError):
+    """The server closed the connection before the response ended."""
 
 
 class Handler(Protocol):
@@ -72,6 +76,7 @@ class Connection(asyncio.Protocol):
         self.closed = False
         self.reusable = False  # the last response ended and the server keeps the connection open
         self.last_read = 0.0  # perf_counter() of the last bytes received (or of the request)
+        self.requests = 0  # requests sent on this connection
         self._lost = asyncio.get_running_loop().create_future()  # done when the transport is gone
 
     # -- asyncio.Protocol --------------------------------------------------------------------
@@ -98,7 +103,7 @@ class Connection(asyncio.Protocol):
             h.on_end()  # a body without a length ends when the server closes the connection
         else:
             why = "the server closed the connection before the response ended"
-            h.on_error(ConnectionError(why + (f": {exc}" if exc else "")))
+            h.on_error(ServerClosed(why + (f": {exc}" if exc else "")))
 
     # -- httptools callbacks -----------------------------------------------------------------
 
@@ -137,6 +142,7 @@ class Connection(asyncio.Protocol):
             raise RuntimeError("the connection is still reading the previous response")
         self._handler = handler
         self.reusable = False
+        self.requests += 1
         self.last_read = time.perf_counter()
         self._transport.write(data)
 

@@ -1,0 +1,218 @@
+"""The load generator's HTTP client against a scripted server: framings, SSE forms, and every
+way a response can go wrong ending as that request's error, never as a hang."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+import pytest
+
+from aiospec.loadtest import LoadConfig, run_load, summarize
+
+
+def _event(tokens: int, text: str = "ab") -> bytes:
+    lp = [{"token": "a", "logprob": -0.5, "bytes": [97], "top_logprobs": []}] * tokens
+    return json.dumps({"choices": [{"delta": {"content": text}, "logprobs": {"content": lp}}]}).encode()
+
+
+USAGE = json.dumps({"choices": [], "usage": {"completion_tokens": 3}}).encode()
+SSE = b"data: " + _event(2) + b"\n\ndata: " + _event(1) + b"\n\ndata: " + USAGE + b"\n\ndata: [DONE]\n\n"
+
+
+def _chunked(body: bytes, piece: int) -> bytes:
+    out = b"".join(
+        b"%x\r\n%s\r\n" % (len(body[i : i + piece]), body[i : i + piece]) for i in range(0, len(body), piece)
+    )
+    return out + b"0\r\n\r\n"
+
+
+async def _read_request(r: asyncio.StreamReader) -> tuple[bytes, dict[bytes, bytes]]:
+    head = await r.readuntil(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    headers = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(b":") for ln in lines[1:] if ln)}
+    await r.readexactly(int(headers.get(b"content-length", b"0")))
+    return lines[0], headers
+
+
+@asynccontextmanager
+async def _server(handle: Callable[[asyncio.StreamReader, asyncio.StreamWriter], object]) -> AsyncIterator[str]:
+    conns: list[asyncio.StreamWriter] = []
+    tasks: list[asyncio.Task[object]] = []
+
+    async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        conns.append(w)
+        tasks.append(asyncio.current_task())  # type: ignore[arg-type]
+        try:
+            await handle(r, w)  # type: ignore[misc]
+        # cancelled at the end of the test: end quietly (asyncio.streams of Python 3.11 reports
+        # a cancelled handler task to the loop's exception handler)
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.CancelledError):
+            pass
+        finally:
+            w.close()
+
+    srv = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = srv.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        srv.close()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await srv.wait_closed()
+
+
+def _cfg(url: str, **kw: object) -> LoadConfig:
+    base: dict[str, object] = {"url": url, "model": "m", "concurrency": 1, "requests": 1, "max_tokens": 3}
+    base.update(kw)
+    return LoadConfig(**base)  # type: ignore[arg-type]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("piece", [1, 7, 10_000])
+async def test_chunked_sse_in_any_split_over_one_keep_alive_connection(piece: int) -> None:
+    seen: list[bytes] = []
+    accepted = 0
+
+    async def handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        nonlocal accepted
+        accepted += 1
+        while True:
+            line, _ = await _read_request(r)
+            seen.append(line)
+            w.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+            body = _chunked(SSE, piece)
+            for i in range(0, len(body), 5):  # the transport splits the HTTP framing too
+                w.write(body[i : i + 5])
+                await w.drain()
+
+    async with _server(handle) as url:
+        res = await run_load(_cfg(url, requests=3))
+    assert [r.error for r in res.results] == ["", "", ""]
+    assert [r.output_tokens for r in res.results] == [3, 3, 3]
+    assert sum(res.token_counts) == 9 and all(r.chunks == 2 for r in res.results)
+    assert res.results[0].text == "abab"  # the first requests keep their text
+    assert accepted == 1 and seen == [b"POST /v1/chat/completions HTTP/1.1"] * 3
+
+
+@pytest.mark.asyncio
+async def test_crlf_events_several_data_lines_and_comments() -> None:
+    body = (
+        b": a comment\r\n\r\n"
+        b"data:" + _event(2) + b"\r\n\r\n"  # no space after the colon
+        b'data: {"choices": [{"delta": {"content": "x"},\r\ndata:  "logprobs": null}]}\r\n\r\n'  # two data lines
+        b"data: [DONE]\r\n\r\n"
+    )
+
+    async def handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await _read_request(r)
+        w.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        await w.drain()
+
+    async with _server(handle) as url:
+        res = await run_load(_cfg(url))
+    (r,) = res.results
+    assert r.error == "" and r.output_tokens == 3 and r.chunks == 2  # no usage chunk: counted
+
+
+@pytest.mark.asyncio
+async def test_a_body_without_a_length_ends_with_the_connection() -> None:
+    async def handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await _read_request(r)
+        w.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n" + SSE)
+        await w.drain()
+
+    async with _server(handle) as url:
+        res = await run_load(_cfg(url, requests=2))
+    assert [(r.ok, r.output_tokens) for r in res.results] == [(True, 3), (True, 3)]  # a new connection each
+
+
+@pytest.mark.parametrize(
+    ("response", "error"),
+    [
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + _chunked(SSE[:40], 40)[:-5],
+         "ServerClosed: the server closed the connection before the response ended"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 20\r\n\r\ndata: [DONE]\n\n",
+         "ServerClosed: the server closed the connection before the response ended"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 16\r\n\r\ndata: {\"a\": 1}\n\n", "stream ended without data: [DONE]"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 11\r\n\r\ndata: {\"a\n\n", "DecodeError: "),
+        (b"HTTP/1.1 503 Busy\r\nContent-Length: 9\r\n\r\nno slots!", "HTTP 503: no slots!"),
+        (b"HTTZ/1.1 200 OK\r\n\r\n", "ConnectionError: bad HTTP response: "),
+    ],
+)  # fmt: skip
+@pytest.mark.asyncio
+async def test_broken_responses_are_errors_of_their_request(response: bytes, error: str) -> None:
+    async def handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await _read_request(r)
+        w.write(response)
+        await w.drain()
+
+    async with _server(handle) as url:
+        res = await run_load(_cfg(url, requests=2))
+    assert len(res.results) == 2
+    for r in res.results:
+        assert not r.ok and r.error.startswith(error), r.error
+    assert summarize(res)["errors"] == 2
+
+
+@pytest.mark.asyncio
+async def test_a_stalled_stream_times_out() -> None:
+    async def handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await _read_request(r)
+        unfinished = _chunked(b"data: " + _event(1) + b"\n\n", 99)[:-5]  # no last chunk
+        w.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + unfinished)
+        await w.drain()
+        await asyncio.sleep(30)
+
+    async with _server(handle) as url:
+        res = await run_load(_cfg(url, timeout=0.3))
+    (r,) = res.results
+    assert r.error == "TimeoutError: no data for 0.3 s" and r.chunks == 1 and 0.3 <= r.e2e < 5
+
+
+@pytest.mark.asyncio
+async def test_nothing_listening_is_an_error_per_request() -> None:
+    async with _server(lambda r, w: _read_request(r)) as url:
+        pass  # closed: the port is free again
+    res = await run_load(_cfg(url, requests=3, concurrency=2))
+    assert len(res.results) == 3
+    assert all(r.error.startswith("cannot connect: ConnectionRefusedError") for r in res.results)
+
+
+@pytest.mark.asyncio
+async def test_model_lookup_and_api_key() -> None:
+    auth: list[bytes | None] = []
+
+    async def handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        while True:
+            line, headers = await _read_request(r)
+            auth.append(headers.get(b"authorization"))
+            if line.startswith(b"GET /v1/models "):
+                body = json.dumps({"object": "list", "data": [{"id": "served-model"}]}).encode()
+                w.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+            else:
+                w.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(SSE) + SSE)
+            await w.drain()
+
+    async with _server(handle) as url:
+        res = await run_load(_cfg(url + "/v1/", model=None, api_key="sk-test"))
+    assert res.model == "served-model" and res.results[0].ok
+    assert auth == [b"Bearer sk-test", b"Bearer sk-test"]
+    s = summarize(res)
+    assert "api_key" not in s["settings"] and "sk-test" not in json.dumps(s)
+
+
+@pytest.mark.asyncio
+async def test_model_lookup_failures_name_the_request() -> None:
+    async def handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await _read_request(r)
+        w.write(b"HTTP/1.1 401 Unauthorized\r\nContent-Length: 6\r\n\r\nno key")
+        await w.drain()
+
+    async with _server(handle) as url:
+        with pytest.raises(RuntimeError, match=r"^GET /v1/models: HTTP 401: no key$"):
+            await run_load(_cfg(url, model=None))
