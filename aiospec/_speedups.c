@@ -142,6 +142,10 @@ static PyObject* chat_logprobs(PyObject* self, PyObject* const* args, Py_ssize_t
   span floor = {PyBytes_AS_STRING(args[4]), PyBytes_GET_SIZE(args[4])};
   // per position: head, logprob, main; per alternative: head, logprob, top
   Py_ssize_t per = 3 + 3 * n, nf = m * (1 + n);
+  if (m > PY_SSIZE_T_MAX / (Py_ssize_t)sizeof(span) / per) {
+    PyErr_Format(PyExc_ValueError, "ids has %zd elements: too many for n = %zd", m, n);
+    goto done;
+  }
   pieces = PyMem_Malloc(sizeof(span) * (size_t)(m * per));
   held = PyMem_Malloc(sizeof(PyObject*) * (size_t)(m * 2 * (1 + n)));
   if (pieces == NULL || held == NULL) {

@@ -96,6 +96,16 @@ def test_every_argument_is_checked(over: dict[str, Any], exc: type[Exception], m
         _mod().chat_logprobs(*_args(**over))
 
 
+def test_sizes_that_overflow_are_refused() -> None:
+    from numpy.lib.stride_tricks import as_strided
+
+    huge = 1 << 48  # zero strides: no memory behind the shapes
+    ids = as_strided(np.zeros(1, np.int32), shape=(huge,), strides=(0,))
+    tids = as_strided(np.zeros(1, np.int32), shape=(huge, 1024), strides=(0, 0))
+    with pytest.raises(ValueError, match=rf"^ids has {huge} elements: too many for n = 1024$"):
+        _mod().chat_logprobs(*_args(ids=ids, top_ids=tids, n=1024))
+
+
 def test_wrong_argument_count() -> None:
     with pytest.raises(TypeError, match=r"^chat_logprobs\(\) takes 10 arguments \(2 given\)$"):
         _mod().chat_logprobs(1, 2)
