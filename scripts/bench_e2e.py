@@ -21,10 +21,10 @@ in the server measuring oversleep, read from ``/stats``), and the load generator
 token (including its start-up, about 0.7 s).
 
 CPUs: on a deployment the server has cores of its own, and the engine and the clients run
-elsewhere. So the server (every thread) is pinned to CPU 0 and the engine processes and the
-load generator to the other CPUs (``--no-pin`` leaves placement to the kernel, where the
-server then loses the CPU to the others at times, which shows as loop lag). Compare the paths
-by their ratios, measured side by side in one run.
+elsewhere. So the server (every thread) is pinned to the first CPU it may use, and the
+engine processes and the load generator to the other CPUs (``--no-pin`` leaves placement to
+the kernel: the server then loses its CPU to the others at times, which shows as loop lag).
+Compare the paths by their ratios, measured side by side in one run.
 
 The engine must offer more tokens than one Python server process can format at the highest
 concurrency (it decodes every slot every step, 10 ms by default): the server then runs at its
@@ -97,9 +97,15 @@ def _load(
     return summary, (after.children_user + after.children_system) - (before.children_user + before.children_system)
 
 
+def _server_cpu() -> set[int]:
+    """The first CPU this process may use: the server's."""
+    return {min(os.sched_getaffinity(0))}
+
+
 def _others() -> set[int]:
+    """The CPUs left for the engine and the load generator (all of them on a 1-CPU machine)."""
     cpus = os.sched_getaffinity(0)
-    return (cpus - {0}) or cpus
+    return (cpus - _server_cpu()) or cpus
 
 
 def run_one(path: str, concurrency: int, a: argparse.Namespace) -> dict[str, Any]:
@@ -111,7 +117,7 @@ def run_one(path: str, concurrency: int, a: argparse.Namespace) -> dict[str, Any
         stats = _http(srv.url + "/stats")
         engine_pids = stats["engine_pids"]
         if not a.no_pin:
-            _pin(srv.pid, {0})
+            _pin(srv.pid, _server_cpu())
             for p in engine_pids:
                 _pin(p, _others())
         _load(srv.url, 16, 32, 16, a, ramp_up=0.0)  # warm-up
