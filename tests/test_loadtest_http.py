@@ -160,6 +160,25 @@ async def test_broken_responses_are_errors_of_their_request(response: bytes, err
 
 
 @pytest.mark.asyncio
+async def test_an_event_that_never_ends_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    import aiospec.loadtest._client
+
+    monkeypatch.setattr(aiospec.loadtest._client, "MAX_EVENT", 1000)
+
+    async def handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await _read_request(r)
+        w.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + _chunked(b"data: " + b"x" * 600, 600)[:-5])
+        w.write(_chunked(b"y" * 600, 600)[:-5])
+        await w.drain()
+        await asyncio.sleep(30)
+
+    async with _server(handle) as url:
+        res = await run_load(_cfg(url, timeout=10))
+    (r,) = res.results
+    assert r.error == "ValueError: an SSE event of more than 1000 bytes: expected at most that" and r.e2e < 5
+
+
+@pytest.mark.asyncio
 async def test_a_stalled_stream_times_out() -> None:
     async def handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
         await _read_request(r)

@@ -164,6 +164,9 @@ class _Recorder:
         self.tokens = 0
 
 
+MAX_EVENT = 16 << 20  # bytes of one SSE event: a stream that never ends an event is an error
+
+
 class _Stream:
     """Reads one streaming response as the connection delivers it (a ``Handler``)."""
 
@@ -204,6 +207,9 @@ class _Stream:
         if self.crlf:
             buf = buf.replace(b"\r\n", b"\n")
         *events, self.buf = buf.split(b"\n\n")
+        if len(self.buf) > MAX_EVENT:
+            self.conn.abort(ValueError(f"an SSE event of more than {MAX_EVENT} bytes: expected at most that"))
+            return
         try:
             for ev in events:
                 self._event(ev, now)
@@ -279,13 +285,19 @@ class _Body:
     def __init__(self, fut: asyncio.Future[tuple[int, bytes]]) -> None:
         self.fut = fut
         self.status = 0
+        self.size = 0
         self.parts: list[bytes] = []
 
     def on_head(self, status: int) -> None:
         self.status = status
 
     def on_body(self, data: bytes, now: float) -> None:
+        if self.fut.done():
+            return
         self.parts.append(data)
+        self.size += len(data)
+        if self.size > MAX_EVENT:
+            self.fut.set_exception(ValueError(f"a response of more than {MAX_EVENT} bytes: expected at most that"))
 
     def on_end(self) -> None:
         if not self.fut.done():
@@ -320,7 +332,7 @@ async def fetch_model(target: Target, headers: dict[str, str], timeout: float = 
         conn.request(request_bytes("GET", target, "/models", headers=headers), _Body(fut))
         try:
             status, body = await asyncio.wait_for(fut, timeout)
-        except (OSError, asyncio.TimeoutError) as exc:
+        except (OSError, ValueError, asyncio.TimeoutError) as exc:
             raise RuntimeError(f"{where}: {type(exc).__name__}: {exc}") from exc
     finally:
         await conn.aclose()
