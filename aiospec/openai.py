@@ -246,6 +246,7 @@ def _floats(a: np.ndarray) -> list[float]:
 
 
 _FLOOR_JSON = _encoder.encode(LOGPROB_FLOOR)  # what a non-finite logprob is written as
+_I32 = np.dtype(np.int32)
 
 
 def _float_array_json(values: list[float]) -> bytes:
@@ -355,8 +356,9 @@ class ChatLogprobsFormatter:
                 assert tki is not None and tkl is not None
                 tki, tkl = tki[:limit], tkl[:limit]
         c = self._cache
-        if _speedups is not None:
-            # the same pieces joined in C; the floats stay msgspec's (one array for all of them)
+        if _speedups is not None and tok.dtype == _I32 and (tki is None or tki.dtype == _I32):
+            # the same pieces joined in C (which reads int32 ids, the Delta's documented type;
+            # others take the Python join); the floats stay msgspec's (one array for all)
             floats = lps.tolist()
             if n:
                 assert tkl is not None

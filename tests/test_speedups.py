@@ -127,3 +127,20 @@ def test_without_top_logprobs_the_top_maps_are_not_needed() -> None:
 
     d = Delta(token_ids=np.array([1, 0], np.int32), logprobs=np.array([-1, -2], np.float32), ranks=np.ones(2, np.int32))
     assert fmt.format_json(d) == out
+
+
+def test_ids_of_other_integer_types_take_the_python_join() -> None:
+    import msgspec
+
+    from aiospec._stream import Delta
+
+    fmt = ChatLogprobsFormatter(SimpleTokenizer({0: "a", 1: "b", 2: "c"}), top_logprobs=2)
+    for dtype in (np.int64, np.uint16, np.int32):
+        d = Delta(
+            token_ids=np.array([2, 0], dtype),
+            logprobs=np.array([-1, -2], np.float32),
+            ranks=np.ones(2, np.int32),
+            topk_ids=np.array([[0, 1], [1, 2]], dtype),
+            topk_logprobs=np.array([[-0.5, -3], [-0.25, -4]], np.float32),
+        )
+        assert fmt.format_json(d) == msgspec.json.encode(fmt.format(d))
