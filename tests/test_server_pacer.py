@@ -35,11 +35,9 @@ async def test_turns_within_the_budget_are_immediate() -> None:
     assert p.deferred == 0 and p.granted == 5
 
 
-@pytest.mark.asyncio
-async def test_work_beyond_the_budget_waits_for_later_iterations_in_order() -> None:
-    p = Pacer(budget=0.004)
-    for _ in range(200):
-        p.charge(0.001)  # the moving average settles at one millisecond per piece
+async def _pieces(p: Pacer, n: int, cost: float | None = None) -> tuple[list[int], list[int]]:
+    """``n`` tasks that each take a turn (and charge ``cost`` when given): the order the turns
+    came in, and the loop iteration (counted by a ticker task) each one ran in."""
     order: list[int] = []
     runs: list[int] = []
     iteration = 0
@@ -54,10 +52,21 @@ async def test_work_beyond_the_budget_waits_for_later_iterations_in_order() -> N
         await p.turn()
         order.append(i)
         runs.append(iteration)
+        if cost is not None:
+            p.charge(cost)
 
     t = asyncio.ensure_future(ticker())
-    await asyncio.gather(*(piece(i) for i in range(20)))
+    await asyncio.gather(*(piece(i) for i in range(n)))
     t.cancel()
+    return order, runs
+
+
+@pytest.mark.asyncio
+async def test_work_beyond_the_budget_waits_for_later_iterations_in_order() -> None:
+    p = Pacer(budget=0.004)
+    for _ in range(200):
+        p.charge(0.001)  # the moving average settles at one millisecond per piece
+    order, runs = await _pieces(p, 20)
     assert order == list(range(20))
     assert p.deferred > 0
     # about four pieces (4 ms / 1 ms) per loop iteration, never all at once
@@ -70,25 +79,7 @@ async def test_pieces_costlier_than_expected_queue_again_in_order() -> None:
     p = Pacer(budget=0.004)
     for _ in range(200):
         p.charge(0.001)  # expected: four pieces per window
-    order: list[int] = []
-    runs: list[int] = []
-    iteration = 0
-
-    async def ticker() -> None:
-        nonlocal iteration
-        while True:
-            await asyncio.sleep(0)
-            iteration += 1
-
-    async def piece(i: int) -> None:
-        await p.turn()
-        order.append(i)
-        runs.append(iteration)
-        p.charge(0.003)  # each piece measures three times the expectation
-
-    t = asyncio.ensure_future(ticker())
-    await asyncio.gather(*(piece(i) for i in range(12)))
-    t.cancel()
+    order, runs = await _pieces(p, 12, cost=0.003)  # each piece measures three times the expectation
     assert order == list(range(12))
     # what the measured costs allow: the piece that reaches the budget ends the iteration's work
     assert np.bincount(runs).max() <= 2
