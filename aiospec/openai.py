@@ -249,18 +249,13 @@ _FLOOR_JSON = _encoder.encode(LOGPROB_FLOOR)  # what a non-finite logprob is wri
 _I32 = np.dtype(np.int32)
 
 
-def _float_array_json(values: list[float]) -> bytes:
-    """The JSON array of the values, as ``msgspec`` writes it (non-finite ones clamped as by
+def _float_json(values: list[float]) -> list[bytes]:
+    """The JSON of each value, as ``msgspec`` writes it (non-finite ones clamped as by
     ``_floats``): one encoder call for all of them."""
     b = _encoder.encode(values)
     if b"null" in b:  # NaN or an infinity (msgspec writes null): clamp them
         b = _encoder.encode([v if math.isfinite(v) else LOGPROB_FLOOR for v in values])
-    return b
-
-
-def _float_json(values: list[float]) -> list[bytes]:
-    """The JSON of each value, as ``_float_array_json`` writes it."""
-    return _float_array_json(values)[1:-1].split(b",")
+    return b[1:-1].split(b",")
 
 
 def _check_top(n: int, delta: Delta) -> None:
