@@ -41,16 +41,16 @@ class NativeBuildHook(BuildHookInterface):
             build_data["pure_python"] = False
             build_data["infer_tag"] = True
             if version != "editable":
-                build_data["force_include"][str(out)] = f"{module.rsplit('.', 1)[0].replace('.', '/')}/{out.name}"
+                # the module goes next to its source, under its full extension file name
+                build_data["force_include"][str(out)] = Path(source).with_name(out.name).as_posix()
 
     def _compile(self, version: str, root: Path, source: str, module: str, what: str) -> Path | None:
-        package, name = module.rsplit(".", 1)
-        suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+        filename = Path(source).stem + (sysconfig.get_config_var("EXT_SUFFIX") or ".so")
         # an editable install imports from the source tree: build the module next to its source
         if version == "editable":
-            out = root / package.replace(".", "/") / (name + suffix)
+            out = (root / source).with_name(filename)
         else:
-            out = Path(tempfile.mkdtemp(prefix=f"{name}-")) / (name + suffix)
+            out = Path(tempfile.mkdtemp(prefix=f"{Path(source).stem}-")) / filename
         cc = shlex.split(sysconfig.get_config_var("CC") or "cc")
         cmd = [
             *cc,
