@@ -22,9 +22,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from aiospec._extras import MissingExtra
+
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
+    except MissingExtra as exc:
+        print(exc, file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
 

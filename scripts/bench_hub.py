@@ -373,6 +373,8 @@ def main() -> int:
     ap.add_argument("--patterns", type=int, default=8, help="distinct pre-encoded steps in the throughput phase")
     ap.add_argument("--repeat", type=int, default=1, help="runs per workload and path (medians are reported)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--raise-msg-limits", action="store_true", help="raise kernel.msgmax / msgmnb for the "
+                    "FastDeploy-style path where allowed, put back at the end (default: leave them)")  # fmt: skip
     args = ap.parse_args()
     paths = [p for p in args.paths.split(",") if p]
     for p in paths:
@@ -382,10 +384,22 @@ def main() -> int:
     if not args.no_targets:
         workloads += [(256, 4, 20), (256, 4, 0)]
     limits: dict[str, Any] = {}
-    if "fastdeploy" in paths:
+    if "fastdeploy" in paths and args.raise_msg_limits:
         from aiospec.baselines import raise_msg_limits
 
         limits = raise_msg_limits()
+    try:
+        return _run(args, paths, workloads, limits)
+    finally:
+        if limits:
+            from aiospec.baselines import restore_msg_limits
+
+            restore_msg_limits(limits)
+
+
+def _run(
+    args: argparse.Namespace, paths: list[str], workloads: list[tuple[int, int, int]], limits: dict[str, Any]
+) -> int:
     out: dict[str, Any] = {
         "benchmark": "bench_hub",
         "machine": _machine(),

@@ -33,9 +33,11 @@ its throughput pays the fill on every frame.
 ``--repeat`` runs everything several times, interleaved, and reports the median of each number
 (a shared machine's load comes in bursts). Prints one JSON document (and writes it to ``--json
 FILE``): machine info, results, ratios ring / baseline, and the project's targets. The SysV
-baseline needs ``kernel.msgmax`` at least as large as the frame: the script raises
-``kernel.msgmax`` / ``kernel.msgmnb`` for the run where it may (as FastDeploy's FAQ tells its
-users to) and puts back what it changed, or reports the sizes it could not run and why.
+baseline needs ``kernel.msgmax`` at least as large as the frame. By default the script leaves
+the kernel's settings alone and reports the sizes SysV cannot carry, with the reason; each
+target it could not judge says ``"outcome": "not measurable"`` with that reason.
+``--raise-sysctls`` raises ``kernel.msgmax`` / ``kernel.msgmnb`` for the run where it may (as
+FastDeploy's FAQ tells its users to) and puts back what it changed.
 """
 
 from __future__ import annotations
@@ -427,7 +429,7 @@ def sysv_limits(need_msgmax: int, need_msgmnb: int, raise_them: bool) -> Iterato
         before = _read_int(path)
         entry: dict[str, Any] = {"before": before, "needed": need}
         if before is not None and before < need and not raise_them:
-            entry["raise_failed"] = "not tried (--keep-sysctls)"
+            entry["raise_failed"] = "not tried (no --raise-sysctls)"
         elif before is not None and before < need:
             err = _write_int(path, need)
             if err is None:
@@ -501,27 +503,48 @@ def ratios(results: dict[str, Any], sizes: list[int]) -> dict[str, Any]:
     return out
 
 
-def targets(results: dict[str, Any], rat: dict[str, Any]) -> dict[str, Any]:
-    """The project's targets at 64 KiB, judged for each ring variant that ran."""
-    r = rat.get(str(64 * KIB), {})
+def _reason(results: dict[str, Any], size: int, transport: str, mode: str) -> str | None:
+    node: Any = results.get(str(size), {}).get(transport, {}).get(mode, {})
+    if isinstance(node, dict) and node.get("possible") is False:
+        return str(node.get("reason", "not possible here"))
+    if isinstance(node, dict) and "error" in node:
+        return f"{transport} {mode} failed: {node['error']}"
+    return None
 
-    def check(value: float | None, ok: bool) -> dict[str, Any]:
-        return {"value": value, "met": None if value is None else ok}
+
+def targets(results: dict[str, Any], rat: dict[str, Any]) -> dict[str, Any]:
+    """The project's targets at 64 KiB, judged for each ring variant that ran.
+
+    Each target is ``{"value", "outcome"}`` with ``outcome`` one of ``"met"``, ``"not met"``
+    or ``"not measurable"``; the last comes with a ``"reason"`` (for example a SysV message
+    larger than the kernel's ``msgmax``, which a stock machine has at 8,192 bytes).
+    """
+    size = 64 * KIB
+    r = rat.get(str(size), {})
+
+    def check(value: float | None, ok: bool, *needs: tuple[str, str]) -> dict[str, Any]:
+        if value is not None:
+            return {"value": value, "outcome": "met" if ok else "not met"}
+        why = [w for t, m in needs if (w := _reason(results, size, t, m)) is not None]
+        return {"value": None, "outcome": "not measurable", "reason": "; ".join(why) or "no result"}
 
     out: dict[str, Any] = {}
     for ring in RINGS:
         tq = r.get(f"{ring}/mp_queue", {}).get("throughput")
         ts = r.get(f"{ring}/sysv", {}).get("throughput")
-        spin = _get(results, 64 * KIB, ring, "latency_spin", "latency_us", "p50")
-        woken = _get(results, 64 * KIB, ring, "latency_woken", "latency_us", "p50")
+        spin = _get(results, size, ring, "latency_spin", "latency_us", "p50")
+        woken = _get(results, size, ring, "latency_woken", "latency_us", "p50")
         if tq is None and ts is None and spin is None and woken is None:
             continue
         out[ring] = {
-            "64KiB throughput /mp_queue >= 5": check(tq, tq is not None and tq >= 5),
-            "64KiB throughput /sysv >= 3": check(ts, ts is not None and ts >= 3),
-            "64KiB latency_spin p50 <= 10 us": check(spin, spin is not None and spin <= 10),
-            "64KiB latency_woken p50 <= 50 us": check(woken, woken is not None and woken <= 50),
-        }
+            "64KiB throughput /mp_queue >= 5": check(tq, tq is not None and tq >= 5, (ring, "throughput"),
+                                                     ("mp_queue", "throughput")),
+            "64KiB throughput /sysv >= 3": check(ts, ts is not None and ts >= 3, (ring, "throughput"),
+                                                 ("sysv", "throughput")),
+            "64KiB latency_spin p50 <= 10 us": check(spin, spin is not None and spin <= 10, (ring, "latency_spin")),
+            "64KiB latency_woken p50 <= 50 us": check(woken, woken is not None and woken <= 50,
+                                                      (ring, "latency_woken")),
+        }  # fmt: skip
     return out
 
 
@@ -571,7 +594,8 @@ def main(argv: list[str] | None = None) -> int:
                     "median of each number (default 3)")  # fmt: skip
     ap.add_argument("--timeout", type=float, default=30.0, help="give up on a stalled run after this (s)")
     ap.add_argument("--quick", action="store_true", help="a short smoke run (0.2 s, 200 latency frames)")
-    ap.add_argument("--keep-sysctls", action="store_true", help="never raise kernel.msgmax / kernel.msgmnb")
+    ap.add_argument("--raise-sysctls", action="store_true", help="raise kernel.msgmax / kernel.msgmnb for the SysV "
+                    "baseline where allowed, and put them back at the end (default: leave them alone)")  # fmt: skip
     ap.add_argument("--json", metavar="FILE", help="also write the JSON document to FILE")
     args = ap.parse_args(argv)
     if args.quick:
@@ -611,7 +635,7 @@ def main(argv: list[str] | None = None) -> int:
         "results": {},
     }
     most = max(budget(s, args.capacity) for s in sizes)
-    with sysv_limits(max(sizes), most, "sysv" in transports and not args.keep_sysctls) as limits:
+    with sysv_limits(max(sizes), most, "sysv" in transports and args.raise_sysctls) as limits:
         doc["sysv_limits"] = limits
         runs: dict[tuple[int, str], list[dict[str, Any]]] = {}
         # repeats are interleaved (every transport once, then again) so that a burst of load

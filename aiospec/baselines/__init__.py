@@ -9,7 +9,13 @@ extra (``pyzmq``, ``sysv_ipc``).
 from __future__ import annotations
 
 from aiospec.baselines._common import BaselineStream, Gathered, gather
-from aiospec.baselines._fastdeploy import FastDeployStyleEmitter, FastDeployStyleHub, raise_msg_limits
+from aiospec.baselines._fastdeploy import (
+    FastDeployStyleEmitter,
+    FastDeployStyleHub,
+    raise_msg_limits,
+    read_msg_limits,
+    restore_msg_limits,
+)
 from aiospec.baselines._vllm import VllmStyleEmitter, VllmStyleHub
 
 __all__ = (
@@ -21,4 +27,6 @@ __all__ = (
     "VllmStyleHub",
     "gather",
     "raise_msg_limits",
+    "read_msg_limits",
+    "restore_msg_limits",
 )

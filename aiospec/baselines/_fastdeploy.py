@@ -71,7 +71,11 @@ _MSGMNB = "/proc/sys/kernel/msgmnb"
 
 
 def raise_msg_limits(msgmax: int = 1 << 20, msgmnb: int = 256 << 20) -> dict[str, Any]:
-    """Raise kernel.msgmax / kernel.msgmnb (as FastDeploy's FAQ asks); report what happened."""
+    """Raise kernel.msgmax / kernel.msgmnb (as FastDeploy's FAQ asks); report what happened.
+
+    The report is also what ``restore_msg_limits`` needs to put back what this call changed:
+    the settings are system-wide, so whoever raises them restores them when done.
+    """
     out: dict[str, Any] = {}
     for path, want in ((_MSGMAX, msgmax), (_MSGMNB, msgmnb)):
         key = path.rsplit("/", 1)[1]
@@ -90,6 +94,34 @@ def raise_msg_limits(msgmax: int = 1 << 20, msgmnb: int = 256 << 20) -> dict[str
                 continue
         with open(path) as f:
             out[key] = {"before": before, "value": int(f.read())}
+    return out
+
+
+def restore_msg_limits(report: dict[str, Any]) -> None:
+    """Put back the values ``raise_msg_limits`` changed, unless somebody changed them since."""
+    for path in (_MSGMAX, _MSGMNB):
+        entry = report.get(path.rsplit("/", 1)[1], {})
+        if "before" not in entry or entry["before"] == entry["value"]:
+            continue
+        try:
+            with open(path) as f:
+                now = int(f.read())
+            if now == entry["value"]:
+                with open(path, "w") as f:
+                    f.write(str(entry["before"]))
+        except (OSError, ValueError):
+            pass  # reported by nobody: the value stays as whoever changed it left it
+
+
+def read_msg_limits() -> dict[str, int | None]:
+    """kernel.msgmax and kernel.msgmnb as they are now (None where unreadable)."""
+    out: dict[str, int | None] = {}
+    for path in (_MSGMAX, _MSGMNB):
+        try:
+            with open(path) as f:
+                out[path.rsplit("/", 1)[1]] = int(f.read())
+        except (OSError, ValueError):
+            out[path.rsplit("/", 1)[1]] = None
     return out
 
 

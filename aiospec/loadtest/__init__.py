@@ -1,10 +1,32 @@
 """A load generator for OpenAI-compatible servers: concurrent streaming clients, latency
 percentiles, throughput, JSON and a plot. ``aiospec loadtest URL`` is its command line; the
-demo and ``scripts/bench_e2e.py`` reuse ``run_load`` and ``summarize``."""
+demo and ``scripts/bench_e2e.py`` reuse ``run_load`` and ``summarize``. The names load on
+first use: the client needs the ``demo`` extra (httptools, uvloop, rich, matplotlib)."""
 
 from __future__ import annotations
 
-from aiospec.loadtest._client import LoadConfig, LoadResult, RequestResult, run_load
-from aiospec.loadtest._report import plot, render_table, summarize
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from aiospec.loadtest._client import LoadConfig, LoadResult, RequestResult, run_load
+    from aiospec.loadtest._report import plot, render_table, summarize
 
 __all__ = ("LoadConfig", "LoadResult", "RequestResult", "plot", "render_table", "run_load", "summarize")
+
+_WHERE = {
+    "LoadConfig": "aiospec.loadtest._client",
+    "LoadResult": "aiospec.loadtest._client",
+    "RequestResult": "aiospec.loadtest._client",
+    "run_load": "aiospec.loadtest._client",
+    "plot": "aiospec.loadtest._report",
+    "render_table": "aiospec.loadtest._report",
+    "summarize": "aiospec.loadtest._report",
+}
+
+
+def __getattr__(name: str) -> Any:
+    mod = _WHERE.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'aiospec.loadtest' has no attribute {name!r}")
+    return getattr(importlib.import_module(mod), name)

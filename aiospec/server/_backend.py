@@ -39,6 +39,8 @@ class ServerSettings(msgspec.Struct, kw_only=True):
     loop_budget: float = 0.002
     hub_yield_every: int = 64  # records the Hub routes between two yields to the loop
     start_timeout: float = 120.0
+    # --token-path fastdeploy: raise kernel.msgmax / msgmnb for the run (root), put back at exit
+    raise_msg_limits: bool = False
 
 
 class TokenSource(Protocol):
@@ -72,7 +74,7 @@ class Backend:
         else:
             # the API side of a baseline binds first; the engine connects to its address
             mod = importlib.import_module("aiospec.server._baselines")
-            self._baseline = await mod.open_api_side(cfg)
+            self._baseline = await mod.open_api_side(cfg, raise_msg_limits=self.settings.raise_msg_limits)
             cfg = msgspec.structs.replace(cfg, transport_address=self._baseline.address)
             self.engines = EngineGroup(cfg, pd=self.settings.pd)
             await self.engines.start(self.settings.start_timeout)

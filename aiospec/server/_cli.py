@@ -14,7 +14,12 @@ __all__ = ("register",)
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default="aiospec-toy", help="model name to serve (%(default)s)")
-    g.add_argument("--max-batch", type=int, default=1024, help="batch slots (%(default)s)")
+    g.add_argument(
+        "--max-batch",
+        type=int,
+        default=None,
+        help="batch slots (default 1024; 512 with --token-path fastdeploy, the most its fixed struct holds)",
+    )
     g.add_argument("--step-ms", type=float, default=20.0, help="decoding step time in ms (%(default)s)")
     g.add_argument("--num-draft", type=int, default=2, help="MTP draft tokens per step, 0 = off (%(default)s)")
     g.add_argument("--acceptance", type=float, default=0.7, help="draft acceptance rate (%(default)s)")
@@ -25,6 +30,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         choices=("ring", "vllm", "fastdeploy"),
         default="ring",
         help="how tokens reach the server: the aiospec ring, or a baseline path (%(default)s)",
+    )
+    g.add_argument(
+        "--raise-msg-limits",
+        action="store_true",
+        help="--token-path fastdeploy: raise kernel.msgmax / msgmnb for the run (needs root; put back at exit)",
     )
     g.add_argument("--device", choices=("auto", "cpu", "python", "cuda"), default="auto", help="emit op backend")
     g.add_argument("--max-model-len", type=int, default=8192)
@@ -37,12 +47,37 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _max_batch(a: argparse.Namespace) -> int:
+    if a.max_batch is not None:
+        return int(a.max_batch)
+    return 512 if a.token_path == "fastdeploy" else 1024
+
+
+def _require(a: argparse.Namespace, extra: str) -> None:
+    """The extras the command needs, and what the FastDeploy-style path needs of the kernel."""
+    from aiospec._extras import require
+
+    require(extra, f"aiospec {a.command}")
+    if a.token_path != "ring":
+        require("bench", f"aiospec {a.command} --token-path {a.token_path}")
+    if a.token_path == "fastdeploy" and not a.raise_msg_limits:
+        from aiospec.baselines import read_msg_limits
+        from aiospec.baselines._fastdeploy import TOPK_MSG_BYTES
+
+        msgmax = read_msg_limits()["msgmax"] or 0
+        if msgmax < TOPK_MSG_BYTES:
+            raise ValueError(
+                f"--token-path fastdeploy: kernel.msgmax = {msgmax}, but the FastDeploy-style path sends "
+                f"{TOPK_MSG_BYTES}-byte messages; --raise-msg-limits raises it for the run (as root)"
+            )
+
+
 def _settings(a: argparse.Namespace) -> Any:
     from aiospec.engine import EngineConfig
     from aiospec.server._backend import ServerSettings
 
     eng = EngineConfig(
-        max_batch=a.max_batch,
+        max_batch=_max_batch(a),
         step_time=a.step_ms / 1e3,
         num_draft=a.num_draft,
         acceptance=a.acceptance,
@@ -60,28 +95,29 @@ def _settings(a: argparse.Namespace) -> Any:
         max_model_len=a.max_model_len,
         default_max_tokens=a.default_max_tokens,
         loop_budget=a.loop_budget_ms / 1e3,
+        raise_msg_limits=a.raise_msg_limits,
     )
 
 
 def _engine_argv(a: argparse.Namespace) -> list[str]:
     """The engine flags of ``a`` again, to start ``aiospec serve`` with them."""
-    argv = ["--model", a.model, "--max-batch", str(a.max_batch), "--step-ms", str(a.step_ms),
+    argv = ["--model", a.model, "--max-batch", str(_max_batch(a)), "--step-ms", str(a.step_ms),
             "--num-draft", str(a.num_draft), "--acceptance", str(a.acceptance), "--seed", str(a.seed),
             "--token-path", a.token_path, "--device", a.device, "--max-model-len", str(a.max_model_len),
             "--default-max-tokens", str(a.default_max_tokens), "--loop-budget-ms", str(a.loop_budget_ms)]  # fmt: skip
-    return argv + (["--pd"] if a.pd else [])
+    return argv + (["--pd"] if a.pd else []) + (["--raise-msg-limits"] if a.raise_msg_limits else [])
 
 
 def _serve(a: argparse.Namespace) -> int:
-    from aiospec.server._serve import serve
-
     try:
+        _require(a, "server")
         settings = _settings(a)
     except ValueError as exc:
         print(f"aiospec serve: {exc}", file=sys.stderr)
         return 2
     sock = socket.socket(fileno=a.fd) if a.fd >= 0 else None
     ready_fd = a.ready_fd
+    from aiospec.server._serve import serve
 
     def on_ready() -> None:
         nonlocal ready_fd
@@ -98,19 +134,27 @@ def _serve(a: argparse.Namespace) -> int:
 
 
 def _demo(a: argparse.Namespace) -> int:
+    try:
+        _require(a, "demo")
+    except ValueError as exc:
+        print(f"aiospec demo: {exc}", file=sys.stderr)
+        return 2
     from aiospec.server._demo import run_demo
 
     return run_demo(a, _engine_argv(a))
 
 
 def _loadtest(a: argparse.Namespace) -> int:
+    from aiospec._extras import require
+
+    require("demo", "aiospec loadtest")
     from aiospec.loadtest._main import loadtest_command
 
     return loadtest_command(a)
 
 
 def register(sub: Any) -> None:
-    from aiospec.loadtest._main import add_load_args
+    from aiospec.loadtest._args import add_load_args
 
     p = sub.add_parser("serve", help="OpenAI-compatible server with the built-in engine")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (%(default)s)")
