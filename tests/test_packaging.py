@@ -44,3 +44,9 @@ def test_wheel_holds_the_c_modules(tmp_path: Path) -> None:
     assert {f"shm/_native{suffix}", f"aiospec/_speedups{suffix}"} <= names
     assert "aiospec/_speedups.pyi" in names and "shm/_native.pyi" in names
     assert not any(n.endswith(".so") and not n.endswith(suffix) for n in names)
+    # the core a wheel asks for: numpy and msgspec; everything else behind an extra
+    (meta,) = [n for n in names if n.endswith(".dist-info/METADATA")]
+    fields = [line.split(": ", 1) for line in zipfile.ZipFile(whl).read(meta).decode().splitlines() if ": " in line]
+    requires = [v for k, v in fields if k == "Requires-Dist"]
+    assert sorted(r for r in requires if "extra ==" not in r) == ["msgspec>=0.18", "numpy>=1.26"]
+    assert {"server", "demo", "bench", "paddle", "test"} <= {v for k, v in fields if k == "Provides-Extra"}
