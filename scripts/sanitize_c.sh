@@ -20,7 +20,7 @@ trap restore EXIT
 for m in "${MODULES[@]}"; do
   [[ -f "$m$SUFFIX" ]] && cp "$m$SUFFIX" "$BACKUP/"
   gcc -O1 -g -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer -shared -fPIC \
-    -I"$INCLUDE" -Icsrc/include "$m.c" -o "$m$SUFFIX"
+    -I"$INCLUDE" -Ishm/include -Icsrc/include "$m.c" -o "$m$SUFFIX"
 done
 # leaks: CPython keeps its arenas and interned objects to the end; the checks here are
 # out-of-bounds accesses, use after free and undefined behaviour

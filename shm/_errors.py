@@ -29,11 +29,3 @@ class ProducerGone(RingError, ConnectionError):
 
 class ReaderEvicted(RingError):
     """This reader was evicted (declared dead) by the producer and has missed frames."""
-
-
-class FramesLost(RingError):
-    """The producer reported frames it could not write; the records in them are gone."""
-
-    def __init__(self, message: str, lost: int) -> None:
-        super().__init__(message)
-        self.lost = lost

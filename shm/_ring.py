@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from shm import _layout as L
+from shm import layout as L
 from shm._errors import BadSegment, CorruptFrame, ProducerGone, ReaderEvicted, RingError, RingFull
 
 __all__ = ("Ring", "Reader", "RingStats", "ReaderStats", "SHM_DIR")

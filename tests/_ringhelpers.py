@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 import shm
-from shm import _layout as L
+from shm import layout as L
 
 SPAWN = mp.get_context("spawn")
 # cross-process waits: generous, because a loaded 2-core machine may stall any process for seconds

@@ -29,7 +29,7 @@ from _ringhelpers import (  # noqa: F401  (shm_tracker is an autouse fixture, ri
 )
 
 import shm
-from shm import _layout as L
+from shm import layout as L
 
 CAP = L.MIN_CAPACITY  # 64 KiB: small rings wrap quickly
 

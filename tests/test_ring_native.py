@@ -13,7 +13,7 @@ from _nativehelpers import assert_built
 from _ringhelpers import shm_tracker_fixture  # noqa: F401  (an autouse fixture)
 
 import shm
-from shm import _layout as L
+from shm import layout as L
 
 CAP = L.MIN_CAPACITY
 
