@@ -1,11 +1,12 @@
-// shm._native: the paths of shm/_ring.py where interpreted Python is the latency.
+// shm._native: the paths of shm/_producer.py and shm/_reader.py where interpreted Python is
+// the latency.
 //
 // reserve() and commit() are a producer's frame (commit also rings the bells of sleeping
 // readers); sleep() is a reader's announce / re-check / block / drain; poll() collects committed
 // frames. They run right after a core wakes from idle, when every cache line the interpreter
 // touches is a miss: in C they touch a handful of lines instead of hundreds. The Python code in
-// shm/_ring.py does the same steps (and is used when this module is not built);
-// docs/wire-format.md sections 3 to 5 are the protocol. Stateless: every call takes the segment
+// shm/_producer.py and shm/_reader.py does the same steps (and is used when this module is not
+// built); docs/wire-format.md sections 3 to 5 are the protocol. Stateless: every call takes the segment
 // as a buffer and validates the offsets it derives from it.
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -19,7 +20,7 @@
 
 #include "shm/layout.h"
 
-// Bumped whenever a signature or a semantic changes: shm/_ring.py ignores a stale build.
+// Bumped whenever a signature or a semantic changes: shm/_sys.py ignores a stale build.
 #define SHM_NATIVE_ABI 2
 
 static inline uint64_t ld64(const uint8_t* base, size_t off) {
@@ -350,7 +351,7 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "shm._native", "C paths of shm._ring (see shm/_native.c).", -1, methods,
+    PyModuleDef_HEAD_INIT, "shm._native", "C paths of the shm ring (see shm/_native.c).", -1, methods,
     NULL, NULL, NULL, NULL,
 };
 

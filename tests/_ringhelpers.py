@@ -141,8 +141,8 @@ def ring_paths_fixture(request: pytest.FixtureRequest, monkeypatch: pytest.Monke
     Python); a ring takes the module's choice when it is created or attached. Modules that
     import it mark it autouse with ``pytestmark = pytest.mark.usefixtures("ring_paths")``."""
     if request.param == "python":
-        monkeypatch.setattr(shm._ring, "_native", None)
-    elif shm._ring._native is None:
+        monkeypatch.setattr(shm._sys, "native", None)
+    elif shm._sys.native is None:
         pytest.skip("shm._native is not built here (no C compiler at install); test_native_is_built says why")
     return str(request.param)
 

@@ -167,7 +167,10 @@ def test_no_public_constructors() -> None:
     with pytest.raises(TypeError, match=r"^use Ring\.create\(\) or Ring\.attach\(\), not Ring\(\)$"):
         shm.Ring(None, "x", -1, None, False)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"^use Ring\.reader\(\), not Reader\(\)$"):
-        shm.Reader(None, None, 0, 0, -1, 0, 0.0, 0.0, None)  # type: ignore[arg-type]
+        shm.Reader(
+            None, None, None, 0, 0, -1, 0,  # type: ignore[arg-type]
+            spin=0.0, recheck=0.0, producer_timeout=None, native=None, check_pids=True, on_close=print,
+        )  # fmt: skip
 
 
 def test_only_the_creator_unlinks() -> None:
@@ -1050,7 +1053,7 @@ def test_poll_returns_the_good_frames_before_a_corrupt_one() -> None:
         ring.write(b"second")
         pos = ring.write(b"third")
         # tear the third frame's position field
-        q = memoryview(ring._buf).cast("Q")
+        q = memoryview(ring._seg.buf).cast("Q")
         q[(4096 + (pos & (ring.capacity - 1))) // 8] = pos + 64
         q.release()
         assert [bytes(v) for v in reader.poll()] == [b"first", b"second"]
