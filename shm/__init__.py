@@ -26,9 +26,9 @@ from shm._errors import (
 from shm._ring import Reader, ReaderStats, Ring, RingStats
 from shm._segment import SHM_DIR as _SHM_DIR
 
-#: Where segments and their bells live: POSIX shared memory on Linux (``/dev/shm``). A ring
-#: named ``n`` is the file ``SHM_DIR/n``; the bell of its reader slot ``i`` is the FIFO
-#: ``SHM_DIR/n.bell<i>``.
+#: The directory of segments and their bells, POSIX shared memory on Linux (``/dev/shm``).
+#: A ring named ``n`` is the file ``SHM_DIR/n``; the bell of its reader slot ``i`` is the
+#: FIFO ``SHM_DIR/n.bell<i>``.
 SHM_DIR: str = _SHM_DIR
 
 __all__ = (

@@ -111,7 +111,7 @@ class Reader:
 
     @property
     def tail(self) -> int:
-        """The released position: every frame before it was given back to the producer."""
+        """The released position; every frame before it was given back to the producer."""
         return self._tail
 
     def fileno(self) -> int:

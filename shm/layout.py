@@ -103,9 +103,9 @@ OFF_PRODUCER_PID: Final = 268  #: u32, pid of the process that writes frames now
 # line 3: loss accounting
 OFF_FRAMES_LOST: Final = 384  #: u64, frames the producer failed to write (ring full, bad input)
 
-PRODUCER_INIT: Final = 0  #: ``OFF_PRODUCER_STATE``: the segment is being set up
-PRODUCER_LIVE: Final = 1  #: ``OFF_PRODUCER_STATE``: a producer writes frames
-PRODUCER_CLOSED: Final = 2  #: ``OFF_PRODUCER_STATE``: the producer closed the ring; readers drain it, then stop
+PRODUCER_INIT: Final = 0  #: ``OFF_PRODUCER_STATE`` value, the segment is being set up
+PRODUCER_LIVE: Final = 1  #: ``OFF_PRODUCER_STATE`` value, a producer writes frames
+PRODUCER_CLOSED: Final = 2  #: ``OFF_PRODUCER_STATE`` value, the producer closed the ring; readers drain it, then stop
 
 # reader slots: one line each, written by the reader that owns it (state also by the
 # producer when it evicts a dead reader)
@@ -120,16 +120,16 @@ RD_SLEEPING: Final = 24  #: u32, 1 while the reader waits on its bell
 RD_GENERATION: Final = 28  #: u32, bumped each time the slot is taken
 RD_FRAMES_READ: Final = 32  #: u64, DATA frames this reader released
 
-READER_FREE: Final = 0  #: ``RD_STATE``: the slot is free
-READER_ACTIVE: Final = 1  #: ``RD_STATE``: a live reader owns the slot; its tail holds the producer back
-READER_EVICTED: Final = 2  #: ``RD_STATE``: the producer declared the reader dead and no longer waits for it
+READER_FREE: Final = 0  #: ``RD_STATE`` value, the slot is free
+READER_ACTIVE: Final = 1  #: ``RD_STATE`` value, a live reader owns the slot; its tail holds the producer back
+READER_EVICTED: Final = 2  #: ``RD_STATE`` value, the producer declared the reader dead and no longer waits for it
 
 # -- frame header in the data area (16 bytes) --------------------------------------------
 FRAME_HEADER: Final = 16  #: bytes of the frame header that precedes every payload
 FH_POSITION: Final = 0  #: u64, absolute position of this frame (lap check)
 FH_COMMIT: Final = 8  #: u64 commit word = length | type << 32; written last, 0 = not yet
-FRAME_DATA: Final = 1  #: frame type: a payload
-FRAME_PAD: Final = 2  #: frame type: filler up to the end of the data area; the next frame starts at 0
+FRAME_DATA: Final = 1  #: frame type, a payload
+FRAME_PAD: Final = 2  #: frame type, filler up to the end of the data area; the next frame starts at 0
 
 
 def align(n: int, a: int) -> int:
