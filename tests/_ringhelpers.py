@@ -35,6 +35,36 @@ XPROC_TIMEOUT = 60.0
 _CHECK = struct.Struct("<QII")  # seq, body length, crc32 of the body
 
 
+# -- small rings and what fills them (the unit tests of each ring section) -----------------
+
+CAP = L.MIN_CAPACITY  # 64 KiB: small rings wrap quickly
+MAX_REC = CAP // 8
+
+
+def frame_size(n: int) -> int:
+    return L.align(L.FRAME_HEADER + n, L.FRAME_ALIGN)
+
+
+def fill(ring: shm.Ring, n: int) -> list[bytes]:
+    """Write ``n``-byte frames until the ring is full; return what was written."""
+    out: list[bytes] = []
+    while True:
+        data = bytes([len(out) % 251]) * n
+        try:
+            ring.write(data, timeout=0)
+        except shm.RingFull:
+            return out
+        out.append(data)
+
+
+def bell_bytes(reader: shm.Reader) -> bytes:
+    """What the producer wrote into the reader's bell FIFO so far (b"" when nothing)."""
+    try:
+        return os.read(reader.fileno(), 4096)
+    except BlockingIOError:
+        return b""
+
+
 # -- self-checking payloads ----------------------------------------------------------------
 
 
