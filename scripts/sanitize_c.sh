@@ -26,4 +26,5 @@ done
 # out-of-bounds accesses, use after free and undefined behaviour
 ASAN_OPTIONS=detect_leaks=0 LD_PRELOAD="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libubsan.so)" \
   $PY -m pytest -q -p no:cacheprovider tests/test_speedups.py tests/test_openai.py tests/test_ring_native.py \
-  tests/test_ring.py tests/test_ring_property.py "$@"
+  tests/test_ring_segment.py tests/test_ring_frames.py tests/test_ring_wakeup.py tests/test_ring_readers.py \
+  tests/test_ring_liveness.py tests/test_ring_property.py "$@"
