@@ -59,6 +59,7 @@ class NativeBuildHook(BuildHookInterface):
             "-fPIC",
             "-fvisibility=hidden",
             "-I" + sysconfig.get_paths()["include"],
+            "-I" + str(root / "shm" / "include"),  # shm/layout.h, the ring's layout
             "-I" + str(root / "csrc" / "include"),
             str(root / source),
             "-o",

@@ -10,6 +10,7 @@ and engine. Imports point one way: ``aiospec -> shm``; nothing here is needed by
 from __future__ import annotations
 
 from aiospec._codec import Flag, Frame, FrameError, Kind, decode_frame, encode_frame
+from aiospec._errors import FramesLost
 from aiospec._hub import Hub, HubStats, RingInfo
 from aiospec._stream import (
     Delta,
@@ -32,7 +33,6 @@ from shm import (
     AiospecError,
     BadSegment,
     CorruptFrame,
-    FramesLost,
     ProducerGone,
     ReaderEvicted,
     Ring,

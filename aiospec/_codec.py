@@ -16,8 +16,8 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from shm import _layout as L
-from shm._errors import AiospecError
+from aiospec import _payload_layout as L
+from shm import AiospecError
 
 __all__ = ("Frame", "FrameError", "Kind", "Flag", "encode_frame", "decode_frame", "frame_layout")
 

@@ -18,7 +18,7 @@ from aiospec._codec import Frame
 from aiospec._reader import read_ring
 from aiospec._routing import RingFeed, Router, Unit
 from aiospec._stream import HubClosed, ProducerLost, RequestStream, StreamError, StreamFramesLost
-from shm._errors import AiospecError, ProducerGone, ReaderEvicted
+from shm import AiospecError, ProducerGone, ReaderEvicted
 
 __all__ = ("Hub", "HubStats", "RingInfo")
 

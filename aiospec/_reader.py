@@ -21,7 +21,7 @@ from typing import Protocol
 
 from aiospec._codec import Frame
 from aiospec._routing import RingFeed, Unit
-from shm._errors import ReaderEvicted
+from shm import ReaderEvicted
 
 __all__ = ("RingSink", "read_ring")
 

@@ -15,9 +15,9 @@ from typing import Any
 import numpy as np
 
 import shm
+from aiospec import _payload_layout as L
 from aiospec._codec import Frame, FrameError, decode_frame
 from aiospec._stream import Collector, StreamError
-from shm import _layout as L
 
 __all__ = ("RingFeed", "Router", "Unit", "check_handle")
 

@@ -25,8 +25,8 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from shm import _layout as L
-from shm._errors import AiospecError
+from aiospec import _payload_layout as L
+from shm import AiospecError
 
 __all__ = (
     "Delta",

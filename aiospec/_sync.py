@@ -16,11 +16,12 @@ from collections.abc import Iterable, Iterator
 import msgspec
 import numpy as np
 
+from aiospec import _payload_layout as L
 from aiospec._codec import Frame
+from aiospec._errors import FramesLost
 from aiospec._routing import RingFeed, check_handle
 from aiospec._stream import TERMINAL_FLAGS
-from shm import _layout as L
-from shm._errors import AiospecError, FramesLost, ReaderEvicted, RingError
+from shm import AiospecError, ReaderEvicted, RingError
 
 __all__ = ("Record", "SyncReader", "SyncReaderStats")
 

@@ -62,7 +62,7 @@ build_library() {
 if has build; then
   build_library > "$LOGS/build_lib.log" 2>&1 &
   lib_pid=$!
-  stage build_driver 300 nvcc -arch=sm_90 -O2 -lineinfo -std=c++17 -Icsrc/include csrc/cuda/tools/emit_check.cu \
+  stage build_driver 300 nvcc -arch=sm_90 -O2 -lineinfo -std=c++17 -Icsrc/include -Ishm/include csrc/cuda/tools/emit_check.cu \
     csrc/cuda/emit_cuda.cu csrc/cpu/emit_cpu.cc -o "$DRIVER"
   wait $lib_pid
   rc=$?
@@ -97,7 +97,7 @@ if has variants; then
   build_variant() {  # NAME FLAGS...
     local name=$1
     shift
-    nvcc -arch=sm_90 -O2 -std=c++17 -Icsrc/include "$@" csrc/cuda/tools/emit_check.cu csrc/cuda/emit_cuda.cu \
+    nvcc -arch=sm_90 -O2 -std=c++17 -Icsrc/include -Ishm/include "$@" csrc/cuda/tools/emit_check.cu csrc/cuda/emit_cuda.cu \
       csrc/cpu/emit_cpu.cc -o "$DRIVER.$name"
   }
   build_variant f0 -DAIOSPEC_FENCE_MODE=0 &

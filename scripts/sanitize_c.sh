@@ -20,10 +20,11 @@ trap restore EXIT
 for m in "${MODULES[@]}"; do
   [[ -f "$m$SUFFIX" ]] && cp "$m$SUFFIX" "$BACKUP/"
   gcc -O1 -g -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer -shared -fPIC \
-    -I"$INCLUDE" -Icsrc/include "$m.c" -o "$m$SUFFIX"
+    -I"$INCLUDE" -Ishm/include -Icsrc/include "$m.c" -o "$m$SUFFIX"
 done
 # leaks: CPython keeps its arenas and interned objects to the end; the checks here are
 # out-of-bounds accesses, use after free and undefined behaviour
 ASAN_OPTIONS=detect_leaks=0 LD_PRELOAD="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libubsan.so)" \
   $PY -m pytest -q -p no:cacheprovider tests/test_speedups.py tests/test_openai.py tests/test_ring_native.py \
-  tests/test_ring.py tests/test_ring_property.py "$@"
+  tests/test_ring_segment.py tests/test_ring_frames.py tests/test_ring_wakeup.py tests/test_ring_readers.py \
+  tests/test_ring_liveness.py tests/test_ring_property.py "$@"

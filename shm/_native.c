@@ -1,11 +1,12 @@
-// shm._native: the paths of shm/_ring.py where interpreted Python is the latency.
+// shm._native: the paths of shm/_producer.py and shm/_reader.py where interpreted Python is
+// the latency.
 //
 // reserve() and commit() are a producer's frame (commit also rings the bells of sleeping
 // readers); sleep() is a reader's announce / re-check / block / drain; poll() collects committed
 // frames. They run right after a core wakes from idle, when every cache line the interpreter
 // touches is a miss: in C they touch a handful of lines instead of hundreds. The Python code in
-// shm/_ring.py does the same steps (and is used when this module is not built);
-// docs/wire-format.md sections 3 to 5 are the protocol. Stateless: every call takes the segment
+// shm/_producer.py and shm/_reader.py does the same steps (and is used when this module is not
+// built); docs/wire-format.md sections 3 to 5 are the protocol. Stateless: every call takes the segment
 // as a buffer and validates the offsets it derives from it.
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -17,9 +18,9 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "aiospec/layout.h"
+#include "shm/layout.h"
 
-// Bumped whenever a signature or a semantic changes: shm/_ring.py ignores a stale build.
+// Bumped whenever a signature or a semantic changes: shm/_sys.py ignores a stale build.
 #define SHM_NATIVE_ABI 2
 
 static inline uint64_t ld64(const uint8_t* base, size_t off) {
@@ -45,14 +46,14 @@ static uint64_t monotonic_ns(void) {
 static int get_segment(PyObject* obj, Py_buffer* view, uint64_t* capacity) {
   if (PyObject_GetBuffer(obj, view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return -1;
   const uint8_t* base = (const uint8_t*)view->buf;
-  if (view->len < AIOSPEC_CONTROL_SIZE || ((uintptr_t)base & 7)) {
+  if (view->len < SHM_CONTROL_SIZE || ((uintptr_t)base & 7)) {
     PyErr_Format(PyExc_ValueError, "segment: %zd bytes: expected an 8-byte aligned mapping of at least %d bytes",
-                 view->len, AIOSPEC_CONTROL_SIZE);
+                 view->len, SHM_CONTROL_SIZE);
     PyBuffer_Release(view);
     return -1;
   }
-  const uint64_t cap = ld64(base, AIOSPEC_OFF_CAPACITY);
-  if (cap < AIOSPEC_MIN_CAPACITY || (cap & (cap - 1)) || cap > (uint64_t)view->len - AIOSPEC_CONTROL_SIZE) {
+  const uint64_t cap = ld64(base, SHM_OFF_CAPACITY);
+  if (cap < SHM_MIN_CAPACITY || (cap & (cap - 1)) || cap > (uint64_t)view->len - SHM_CONTROL_SIZE) {
     PyErr_Format(PyExc_ValueError, "segment: capacity %llu does not fit a %zd-byte mapping",
                  (unsigned long long)cap, view->len);
     PyBuffer_Release(view);
@@ -98,13 +99,13 @@ static PyObject* native_reserve(PyObject* self, PyObject* const* args, Py_ssize_
   uint64_t cap;
   if (get_segment(args[0], &seg, &cap) < 0) return NULL;
   const uint8_t* base = (const uint8_t*)seg.buf;
-  const uint64_t size = (AIOSPEC_FRAME_HEADER + n + AIOSPEC_FRAME_ALIGN - 1) & ~(uint64_t)(AIOSPEC_FRAME_ALIGN - 1);
+  const uint64_t size = (SHM_FRAME_HEADER + n + SHM_FRAME_ALIGN - 1) & ~(uint64_t)(SHM_FRAME_ALIGN - 1);
   const uint64_t off = head & (cap - 1);
-  const int fast = n <= max_record && size <= max_record && ld64(base, AIOSPEC_OFF_HEAD) == head &&
-                   size <= cap - off && head >= min_tail && head - min_tail + size + AIOSPEC_FRAME_HEADER <= cap;
+  const int fast = n <= max_record && size <= max_record && ld64(base, SHM_OFF_HEAD) == head &&
+                   size <= cap - off && head >= min_tail && head - min_tail + size + SHM_FRAME_HEADER <= cap;
   PyBuffer_Release(&seg);
   if (!fast) Py_RETURN_NONE;
-  const Py_ssize_t start = (Py_ssize_t)(AIOSPEC_CONTROL_SIZE + off + AIOSPEC_FRAME_HEADER);
+  const Py_ssize_t start = (Py_ssize_t)(SHM_CONTROL_SIZE + off + SHM_FRAME_HEADER);
   return PySequence_GetSlice(args[0], start, start + (Py_ssize_t)n);
 }
 
@@ -127,9 +128,9 @@ static PyObject* native_commit(PyObject* self, PyObject* const* args, Py_ssize_t
   uint64_t pos, n, ftype;
   if (get_u64(args[1], "pos", &pos) < 0 || get_u64(args[2], "n", &n) < 0 || get_u64(args[3], "ftype", &ftype) < 0)
     return NULL;
-  if (ftype != AIOSPEC_FRAME_DATA && ftype != AIOSPEC_FRAME_PAD) {
+  if (ftype != SHM_FRAME_DATA && ftype != SHM_FRAME_PAD) {
     PyErr_Format(PyExc_ValueError, "ftype = %llu: expected %d (DATA) or %d (PAD)", (unsigned long long)ftype,
-                 AIOSPEC_FRAME_DATA, AIOSPEC_FRAME_PAD);
+                 SHM_FRAME_DATA, SHM_FRAME_PAD);
     return NULL;
   }
   Py_buffer seg;
@@ -137,38 +138,38 @@ static PyObject* native_commit(PyObject* self, PyObject* const* args, Py_ssize_t
   if (get_segment(args[0], &seg, &cap) < 0) return NULL;
   uint8_t* base = (uint8_t*)seg.buf;
   const uint64_t mask = cap - 1;
-  const uint64_t size = (AIOSPEC_FRAME_HEADER + n + AIOSPEC_FRAME_ALIGN - 1) & ~(uint64_t)(AIOSPEC_FRAME_ALIGN - 1);
+  const uint64_t size = (SHM_FRAME_HEADER + n + SHM_FRAME_ALIGN - 1) & ~(uint64_t)(SHM_FRAME_ALIGN - 1);
   if (n > cap || size > cap - (pos & mask)) {
     PyBuffer_Release(&seg);
     PyErr_Format(PyExc_ValueError, "n = %llu at position %llu: the frame does not fit the %llu-byte data area",
                  (unsigned long long)n, (unsigned long long)pos, (unsigned long long)cap);
     return NULL;
   }
-  const size_t here = AIOSPEC_CONTROL_SIZE + (pos & mask);
-  const size_t next = AIOSPEC_CONTROL_SIZE + ((pos + size) & mask);
-  st64(base, here + AIOSPEC_FH_POSITION, pos);
-  st64(base, next + AIOSPEC_FH_POSITION, 0);
-  st64(base, next + AIOSPEC_FH_COMMIT, 0);
+  const size_t here = SHM_CONTROL_SIZE + (pos & mask);
+  const size_t next = SHM_CONTROL_SIZE + ((pos + size) & mask);
+  st64(base, here + SHM_FH_POSITION, pos);
+  st64(base, next + SHM_FH_POSITION, 0);
+  st64(base, next + SHM_FH_COMMIT, 0);
   // release: the payload, the position and the zeroed next header before the commit word
-  st64(base, here + AIOSPEC_FH_COMMIT, (AIOSPEC_FRAME_HEADER + n) | (ftype << 32));
-  st64(base, AIOSPEC_OFF_HEAD, pos + size);
-  if (ftype == AIOSPEC_FRAME_PAD) {
+  st64(base, here + SHM_FH_COMMIT, (SHM_FRAME_HEADER + n) | (ftype << 32));
+  st64(base, SHM_OFF_HEAD, pos + size);
+  if (ftype == SHM_FRAME_PAD) {
     PyBuffer_Release(&seg);
     return PyLong_FromLong(0);
   }
-  st64(base, AIOSPEC_OFF_FRAMES_WRITTEN, ld64(base, AIOSPEC_OFF_FRAMES_WRITTEN) + 1);
-  st64(base, AIOSPEC_OFF_BYTES_WRITTEN, ld64(base, AIOSPEC_OFF_BYTES_WRITTEN) + n);
-  st64(base, AIOSPEC_OFF_HEARTBEAT_NS, monotonic_ns());
+  st64(base, SHM_OFF_FRAMES_WRITTEN, ld64(base, SHM_OFF_FRAMES_WRITTEN) + 1);
+  st64(base, SHM_OFF_BYTES_WRITTEN, ld64(base, SHM_OFF_BYTES_WRITTEN) + n);
+  st64(base, SHM_OFF_HEARTBEAT_NS, monotonic_ns());
   __atomic_thread_fence(__ATOMIC_SEQ_CST);
 
-  uint32_t readers = ld32(base, AIOSPEC_OFF_MAX_READERS);
-  if (readers > AIOSPEC_MAX_READERS) readers = AIOSPEC_MAX_READERS;
+  uint32_t readers = ld32(base, SHM_OFF_MAX_READERS);
+  if (readers > SHM_MAX_READERS) readers = SHM_MAX_READERS;
   unsigned long need = 0;
   Py_buffer tab = {0};
   int have_tab = 0;
   for (uint32_t s = 0; s < readers; ++s) {
-    const size_t slot = AIOSPEC_READERS_BASE + (size_t)s * AIOSPEC_READER_STRIDE;
-    if (ld32(base, slot + AIOSPEC_RD_STATE) != AIOSPEC_READER_ACTIVE || ld32(base, slot + AIOSPEC_RD_SLEEPING) == 0)
+    const size_t slot = SHM_READERS_BASE + (size_t)s * SHM_READER_STRIDE;
+    if (ld32(base, slot + SHM_RD_STATE) != SHM_READER_ACTIVE || ld32(base, slot + SHM_RD_SLEEPING) == 0)
       continue;
     if (!have_tab) {
       if (PyObject_GetBuffer(args[4], &tab, PyBUF_C_CONTIGUOUS) < 0) {
@@ -179,7 +180,7 @@ static PyObject* native_commit(PyObject* self, PyObject* const* args, Py_ssize_t
     }
     const int64_t* bells = (const int64_t*)tab.buf;
     if ((Py_ssize_t)(2 * (s + 1) * sizeof(int64_t)) > tab.len ||
-        bells[2 * s] != (int64_t)ld32(base, slot + AIOSPEC_RD_GENERATION) || bells[2 * s + 1] < 0) {
+        bells[2 * s] != (int64_t)ld32(base, slot + SHM_RD_GENERATION) || bells[2 * s + 1] < 0) {
       need |= 1ul << s;
       continue;
     }
@@ -211,9 +212,9 @@ static PyObject* native_sleep(PyObject* self, PyObject* const* args, Py_ssize_t 
   if (fd_l == -1 && PyErr_Occurred()) return NULL;
   const long timeout_ms = PyLong_AsLong(args[4]);
   if (timeout_ms == -1 && PyErr_Occurred()) return NULL;
-  if (fd_l < 0 || fd_l > INT32_MAX || slot >= AIOSPEC_MAX_READERS || timeout_ms > INT32_MAX) {
+  if (fd_l < 0 || fd_l > INT32_MAX || slot >= SHM_MAX_READERS || timeout_ms > INT32_MAX) {
     PyErr_Format(PyExc_ValueError, "sleep: slot %llu, fd %ld, timeout_ms %ld: expected slot < %d, fd >= 0, "
-                 "timeout_ms <= %d", (unsigned long long)slot, fd_l, timeout_ms, AIOSPEC_MAX_READERS, INT32_MAX);
+                 "timeout_ms <= %d", (unsigned long long)slot, fd_l, timeout_ms, SHM_MAX_READERS, INT32_MAX);
     return NULL;
   }
   const int fd = (int)fd_l;
@@ -221,10 +222,10 @@ static PyObject* native_sleep(PyObject* self, PyObject* const* args, Py_ssize_t 
   uint64_t cap;
   if (get_segment(args[0], &seg, &cap) < 0) return NULL;
   uint8_t* base = (uint8_t*)seg.buf;
-  const size_t rd = AIOSPEC_READERS_BASE + (size_t)slot * AIOSPEC_READER_STRIDE;
-  const size_t commit = AIOSPEC_CONTROL_SIZE + (cursor & (cap - 1)) + AIOSPEC_FH_COMMIT;
+  const size_t rd = SHM_READERS_BASE + (size_t)slot * SHM_READER_STRIDE;
+  const size_t commit = SHM_CONTROL_SIZE + (cursor & (cap - 1)) + SHM_FH_COMMIT;
 
-  st32(base, rd + AIOSPEC_RD_SLEEPING, 1);
+  st32(base, rd + SHM_RD_SLEEPING, 1);
   __atomic_thread_fence(__ATOMIC_SEQ_CST);
   int interrupted = 0;
   if (ld64(base, commit) == 0) {
@@ -236,8 +237,8 @@ static PyObject* native_sleep(PyObject* self, PyObject* const* args, Py_ssize_t 
     Py_END_ALLOW_THREADS
     interrupted = rc < 0 && errno == EINTR;
   }
-  st32(base, rd + AIOSPEC_RD_SLEEPING, 0);
-  st64(base, rd + AIOSPEC_RD_HEARTBEAT_NS, monotonic_ns());
+  st32(base, rd + SHM_RD_SLEEPING, 0);
+  st64(base, rd + SHM_RD_HEARTBEAT_NS, monotonic_ns());
   char sink[4096];
   while (read(fd, sink, sizeof sink) == (ssize_t)sizeof sink) {
   }
@@ -269,8 +270,8 @@ static PyObject* native_poll(PyObject* self, PyObject* const* args, Py_ssize_t n
     PyErr_Format(PyExc_TypeError, "poll: view = %R: expected a memoryview of the segment", args[1]);
     return NULL;
   }
-  if (slot >= AIOSPEC_MAX_READERS) {
-    PyErr_Format(PyExc_ValueError, "poll: slot %llu: expected < %d", (unsigned long long)slot, AIOSPEC_MAX_READERS);
+  if (slot >= SHM_MAX_READERS) {
+    PyErr_Format(PyExc_ValueError, "poll: slot %llu: expected < %d", (unsigned long long)slot, SHM_MAX_READERS);
     return NULL;
   }
   Py_buffer seg;
@@ -283,8 +284,8 @@ static PyObject* native_poll(PyObject* self, PyObject* const* args, Py_ssize_t n
     return NULL;
   }
   uint8_t* base = (uint8_t*)seg.buf;
-  const size_t rd = AIOSPEC_READERS_BASE + (size_t)slot * AIOSPEC_READER_STRIDE;
-  if (ld32(base, rd + AIOSPEC_RD_STATE) != AIOSPEC_READER_ACTIVE || ld32(base, rd + AIOSPEC_RD_GENERATION) != gen) {
+  const size_t rd = SHM_READERS_BASE + (size_t)slot * SHM_READER_STRIDE;
+  if (ld32(base, rd + SHM_RD_STATE) != SHM_READER_ACTIVE || ld32(base, rd + SHM_RD_GENERATION) != gen) {
     PyBuffer_Release(&seg);
     return Py_BuildValue("(NKi)", PyList_New(0), (unsigned long long)pos, 1);
   }
@@ -297,29 +298,29 @@ static PyObject* native_poll(PyObject* self, PyObject* const* args, Py_ssize_t n
   const uint64_t mask = cap - 1;
   while ((uint64_t)PyList_GET_SIZE(frames) < max_frames) {
     const uint64_t off = pos & mask;
-    const size_t at = AIOSPEC_CONTROL_SIZE + off;
-    const uint64_t commit = ld64(base, at + AIOSPEC_FH_COMMIT);  // acquire: the frame after it
+    const size_t at = SHM_CONTROL_SIZE + off;
+    const uint64_t commit = ld64(base, at + SHM_FH_COMMIT);  // acquire: the frame after it
     if (commit == 0) break;
     const uint64_t length = commit & 0xFFFFFFFFull, ftype = commit >> 32;
-    const uint64_t size = (length + AIOSPEC_FRAME_ALIGN - 1) & ~(uint64_t)(AIOSPEC_FRAME_ALIGN - 1);
-    if ((ftype != AIOSPEC_FRAME_DATA && ftype != AIOSPEC_FRAME_PAD) || length < AIOSPEC_FRAME_HEADER ||
+    const uint64_t size = (length + SHM_FRAME_ALIGN - 1) & ~(uint64_t)(SHM_FRAME_ALIGN - 1);
+    if ((ftype != SHM_FRAME_DATA && ftype != SHM_FRAME_PAD) || length < SHM_FRAME_HEADER ||
         size > cap - off) {
       snprintf(bad, sizeof bad, "commit word 0x%016llx (length %llu, type %llu)", (unsigned long long)commit,
                (unsigned long long)length, (unsigned long long)ftype);
       break;
     }
-    if (ftype == AIOSPEC_FRAME_DATA && size > max_record) {
+    if (ftype == SHM_FRAME_DATA && size > max_record) {
       snprintf(bad, sizeof bad, "length %llu exceeds max_record %llu", (unsigned long long)length,
                (unsigned long long)max_record);
       break;
     }
-    const uint64_t stamp = ld64(base, at + AIOSPEC_FH_POSITION);
+    const uint64_t stamp = ld64(base, at + SHM_FH_POSITION);
     if (stamp != pos) {
       snprintf(bad, sizeof bad, "position field %llu (stale or torn frame)", (unsigned long long)stamp);
       break;
     }
-    if (ftype == AIOSPEC_FRAME_DATA) {
-      PyObject* view = PySequence_GetSlice(args[1], (Py_ssize_t)(at + AIOSPEC_FRAME_HEADER), (Py_ssize_t)(at + length));
+    if (ftype == SHM_FRAME_DATA) {
+      PyObject* view = PySequence_GetSlice(args[1], (Py_ssize_t)(at + SHM_FRAME_HEADER), (Py_ssize_t)(at + length));
       if (view == NULL || PyList_Append(frames, view) < 0) {
         Py_XDECREF(view);
         Py_DECREF(frames);
@@ -330,7 +331,7 @@ static PyObject* native_poll(PyObject* self, PyObject* const* args, Py_ssize_t n
     }
     pos += size;
   }
-  if (PyList_GET_SIZE(frames)) st64(base, rd + AIOSPEC_RD_HEARTBEAT_NS, monotonic_ns());
+  if (PyList_GET_SIZE(frames)) st64(base, rd + SHM_RD_HEARTBEAT_NS, monotonic_ns());
   PyBuffer_Release(&seg);
   if (bad[0]) return Py_BuildValue("(NKs)", frames, (unsigned long long)pos, bad);
   return Py_BuildValue("(NKO)", frames, (unsigned long long)pos, Py_None);
@@ -350,7 +351,7 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "shm._native", "C paths of shm._ring (see shm/_native.c).", -1, methods,
+    PyModuleDef_HEAD_INIT, "shm._native", "C paths of the shm ring (see shm/_native.c).", -1, methods,
     NULL, NULL, NULL, NULL,
 };
 

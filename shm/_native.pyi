@@ -1,4 +1,4 @@
-# Types of shm/_native.c, the C paths of shm._ring.
+# Types of shm/_native.c, the C paths of shm/_producer.py and shm/_reader.py.
 from typing_extensions import Buffer
 
 ABI: int

@@ -26,13 +26,43 @@ import numpy as np
 import pytest
 
 import shm
-from shm import _layout as L
+from shm import layout as L
 
 SPAWN = mp.get_context("spawn")
 # cross-process waits: generous, because a loaded 2-core machine may stall any process for seconds
 XPROC_TIMEOUT = 60.0
 
 _CHECK = struct.Struct("<QII")  # seq, body length, crc32 of the body
+
+
+# -- small rings and what fills them (the unit tests of each ring section) -----------------
+
+CAP = L.MIN_CAPACITY  # 64 KiB: small rings wrap quickly
+MAX_REC = CAP // 8
+
+
+def frame_size(n: int) -> int:
+    return L.align(L.FRAME_HEADER + n, L.FRAME_ALIGN)
+
+
+def fill(ring: shm.Ring, n: int) -> list[bytes]:
+    """Write ``n``-byte frames until the ring is full; return what was written."""
+    out: list[bytes] = []
+    while True:
+        data = bytes([len(out) % 251]) * n
+        try:
+            ring.write(data, timeout=0)
+        except shm.RingFull:
+            return out
+        out.append(data)
+
+
+def bell_bytes(reader: shm.Reader) -> bytes:
+    """What the producer wrote into the reader's bell FIFO so far (b"" when nothing)."""
+    try:
+        return os.read(reader.fileno(), 4096)
+    except BlockingIOError:
+        return b""
 
 
 # -- self-checking payloads ----------------------------------------------------------------
@@ -141,8 +171,8 @@ def ring_paths_fixture(request: pytest.FixtureRequest, monkeypatch: pytest.Monke
     Python); a ring takes the module's choice when it is created or attached. Modules that
     import it mark it autouse with ``pytestmark = pytest.mark.usefixtures("ring_paths")``."""
     if request.param == "python":
-        monkeypatch.setattr(shm._ring, "_native", None)
-    elif shm._ring._native is None:
+        monkeypatch.setattr(shm._sys, "native", None)
+    elif shm._sys.native is None:
         pytest.skip("shm._native is not built here (no C compiler at install); test_native_is_built says why")
     return str(request.param)
 

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from aiospec import _payload_layout as L
 from aiospec._codec import Flag, Frame, FrameError, Kind, decode_frame, encode_frame, frame_layout
-from shm import _layout as L
 
 # -- building frames ---------------------------------------------------------------------------
 

@@ -38,7 +38,7 @@ from aiospec._stream import (
     StreamError,
     StreamFramesLost,
 )
-from shm import _layout as L
+from shm import layout as L
 
 T = 30.0  # generous: a loaded 2-core machine may stall any task for seconds
 

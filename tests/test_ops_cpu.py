@@ -24,12 +24,13 @@ from hypothesis import strategies as st
 from test_ops_reference import INVALID, arr, base
 
 import shm
+from aiospec import _payload_layout as P
 from aiospec._codec import Kind, decode_frame
 from aiospec.ops import EmitError, Producer, _build, _cpu, available_backends, build_frame, emit
 from aiospec.ops._abi import EmitArgs, ErrorWord, FrameLayout
 from aiospec.ops._errors import Arg, ErrorCode, format_error
 from aiospec.ops._inputs import collect
-from shm import _layout as L
+from shm import layout as L
 
 XPROC_TIMEOUT = 60.0
 
@@ -76,7 +77,10 @@ def test_ctypes_structs_match_the_c_header(tmp_path: Path) -> None:
     src = tmp_path / "offsets.c"
     src.write_text(_OFFSETS_C.replace("%FIELDS%", fields))
     exe = tmp_path / "offsets"
-    subprocess.run(["gcc", "-std=c99", f"-I{_build.include_dir()}", str(src), "-o", str(exe)], check=True)
+    subprocess.run(
+        ["gcc", "-std=c99", f"-I{_build.include_dir()}", f"-I{_build.shm_include_dir()}", str(src), "-o", str(exe)],
+        check=True,
+    )
     out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.split("\n")
     seen = 0
     for line in filter(None, out):
@@ -91,7 +95,7 @@ def test_ctypes_structs_match_the_c_header(tmp_path: Path) -> None:
 def test_abi_and_layout_versions() -> None:
     lib = _cpu.load_library()
     assert lib.aiospec_abi_version() == 1
-    assert lib.aiospec_layout_version() == (L.VERSION << 16) | L.PAYLOAD_VERSION
+    assert lib.aiospec_layout_version() == (L.VERSION << 16) | P.PAYLOAD_VERSION
 
 
 ERROR_SAMPLES = [
@@ -632,7 +636,7 @@ def test_empty_tensors_with_null_pointers_are_still_given() -> None:
     args = x.args()
     assert args.lp_ids and args.handles and args.lp_values
     lay = _cpu.validate(x)
-    assert (lay.r, lay.k, lay.fflags) == (0, 3, L.FRAME_HAS_LOGPROBS)
+    assert (lay.r, lay.k, lay.fflags) == (0, 3, P.FRAME_HAS_LOGPROBS)
     assert _cpu.build_payload(x) == build_frame(**kw)
 
 

@@ -43,7 +43,7 @@ def test_cuda_sources_compile_for_sm90(tmp_path: Path) -> None:
     assert sources, "no CUDA sources in csrc/cuda"
     subprocess.run(
         [NVCC, "-arch=sm_90", "-O2", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-Werror", "all-warnings",
-         f"-I{ROOT / 'csrc' / 'include'}", *sources, "-o", str(lib)],
+         f"-I{ROOT / 'csrc' / 'include'}", f"-I{ROOT / 'shm' / 'include'}", *sources, "-o", str(lib)],
         check=True, capture_output=True, text=True,
     )  # fmt: skip
     # loading needs no GPU (the runtime binds the driver on the first CUDA call)
@@ -63,7 +63,7 @@ def test_cuda_sources_compile_for_sm90(tmp_path: Path) -> None:
 def test_cuda_driver_program_compiles(tmp_path: Path) -> None:
     """The self-checking driver scripts/gpu_check.sh runs under compute-sanitizer."""
     subprocess.run(
-        [NVCC, "-arch=sm_90", "-O2", "-std=c++17", f"-I{ROOT / 'csrc' / 'include'}",
+        [NVCC, "-arch=sm_90", "-O2", "-std=c++17", f"-I{ROOT / 'csrc' / 'include'}", f"-I{ROOT / 'shm' / 'include'}",
          str(ROOT / "csrc/cuda/tools/emit_check.cu"), str(ROOT / "csrc/cuda/emit_cuda.cu"),
          str(ROOT / "csrc/cpu/emit_cpu.cc"), "-o", str(tmp_path / "emit_check")],
         check=True, capture_output=True, text=True,
@@ -96,7 +96,11 @@ def test_ctypes_mirrors_match_emit_cuda_h(tmp_path: Path) -> None:
     src = tmp_path / "probe.cu"
     src.write_text(_LAYOUT_PROBE)
     exe = tmp_path / "probe"
-    subprocess.run([NVCC, f"-I{ROOT / 'csrc' / 'include'}", str(src), "-o", str(exe)], check=True, capture_output=True)
+    subprocess.run(
+        [NVCC, f"-I{ROOT / 'csrc' / 'include'}", f"-I{ROOT / 'shm' / 'include'}", str(src), "-o", str(exe)],
+        check=True,
+        capture_output=True,
+    )
     out = dict(line.split(" ", 1) for line in subprocess.run([str(exe)], check=True, capture_output=True, text=True)
                .stdout.splitlines())  # fmt: skip
     for cname, cls in (("aiospec_cuda_options", _cuda.CudaOptions), ("aiospec_cuda_stats", _cuda.CudaStats)):

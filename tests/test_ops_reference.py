@@ -15,7 +15,7 @@ from _opshelpers import MODES, frame_records, make_step, naive_records
 from aiospec._codec import Flag, Kind, decode_frame
 from aiospec.ops import EmitError, build_frame
 from aiospec.ops._errors import Arg, ErrorCode, format_error
-from shm import _layout as L
+from shm import layout as L
 
 I64 = np.int64
 I32 = np.int32

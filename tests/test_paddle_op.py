@@ -150,7 +150,7 @@ def test_gpu_branch_compiles_where_cuda_headers_exist(tmp_path: Any) -> None:
     includes = [f"-I{p}" for p in [*find_paddle_includes(use_cuda=False), sysconfig.get_paths()["include"]]]
     cmd = [
         "g++", "-std=c++17", "-fsyntax-only", "-DPADDLE_WITH_CUDA", "-DPADDLE_WITH_CUSTOM_KERNEL_OFF",
-        f"-I{root / 'include'}", f"-I{cuda_inc}", f"-I{cuda_inc / 'cccl'}", *includes,
+        f"-I{root / 'include'}", f"-I{_build.shm_include_dir()}", f"-I{cuda_inc}", f"-I{cuda_inc / 'cccl'}", *includes,
         str(root / "paddle" / "emit_op.cc"),
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)

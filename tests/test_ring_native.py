@@ -13,31 +13,31 @@ from _nativehelpers import assert_built
 from _ringhelpers import shm_tracker_fixture  # noqa: F401  (an autouse fixture)
 
 import shm
-from shm import _layout as L
+from shm import layout as L
 
 CAP = L.MIN_CAPACITY
 
 
 def _native() -> ModuleType:
-    if shm._ring._native is None:
+    if shm._sys.native is None:
         pytest.skip("shm._native is not built here; test_native_is_built says why")
-    return shm._ring._native
+    return shm._sys.native
 
 
 def test_native_is_built() -> None:
     """Where the install could compile it, the native module must be there and current."""
-    assert_built("shm._native", "SHM_PURE_PYTHON", shm._ring._NATIVE_ABI, shm._ring._native)
+    assert_built("shm._native", "SHM_PURE_PYTHON", shm._sys.NATIVE_ABI, shm._sys.native)
 
 
 @pytest.fixture
 def mixed() -> Iterator[tuple[shm.Ring, shm.Ring]]:
     """A producer on the Python paths and a reader handle on the native ones."""
     native = _native()
-    shm._ring._native = None
+    shm._sys.native = None
     try:
         prod = shm.Ring.create(capacity=CAP)
     finally:
-        shm._ring._native = native
+        shm._sys.native = native
     with prod, shm.Ring.attach(prod.name) as other:
         assert prod._native is None and other._native is native
         yield prod, other
@@ -72,8 +72,8 @@ def test_python_producer_wakes_native_reader(mixed: tuple[shm.Ring, shm.Ring]) -
 def test_native_producer_wakes_python_reader(mixed: tuple[shm.Ring, shm.Ring]) -> None:
     py_ring, native_ring = mixed
     # the roles swapped: hand production to the native handle (it adopts the head)
-    native_ring._producing = True
-    py_ring._producing = False
+    native_ring._producer.producing = True
+    py_ring._producer.producing = False
     with py_ring.reader(spin=0) as rd:
         assert _wake_roundtrip(native_ring, rd, 5) == [bytes([i]) * 100 for i in range(5)]
     st = native_ring.stats()
@@ -93,7 +93,7 @@ def test_native_commit_counts_like_python() -> None:
 def test_native_commit_rejects_bad_arguments() -> None:
     native = _native()
     with shm.Ring.create(capacity=CAP) as ring:
-        seg, bells, mr_ = ring._buf, ring._bells, ring.max_record
+        seg, bells, mr_ = ring._seg.buf, ring._producer._bells, ring.max_record
         with pytest.raises(ValueError, match=r"ftype = 7: expected 1 \(DATA\) or 2 \(PAD\)"):
             native.commit(seg, 0, 10, 7, bells)
         with pytest.raises(ValueError, match=r"n = 65536 at position 0: the frame does not fit"):
@@ -108,7 +108,7 @@ def test_native_commit_rejects_bad_arguments() -> None:
             native.commit(seg, 0)
         with pytest.raises(ValueError, match=r"sleep: slot 99, fd 3, timeout_ms 0: expected slot < 24"):
             native.sleep(seg, 99, 0, 3, 0)
-        rview = ring._rbuf
+        rview = ring._seg.rbuf
         with pytest.raises(TypeError, match=r"poll: view = b'x': expected a memoryview of the segment"):
             native.poll(seg, b"x", 0, 64, mr_, 0, 0)
         with pytest.raises(ValueError, match=r"poll: view must cover the same mapping as segment"):
@@ -125,7 +125,7 @@ def test_native_reserve_takes_only_the_common_case() -> None:
     """Anything but a plain fitting frame at the current head goes to the Python path (None)."""
     native = _native()
     with shm.Ring.create(capacity=CAP) as ring:
-        seg, mr = ring._buf, ring.max_record
+        seg, mr = ring._seg.buf, ring.max_record
         view = native.reserve(seg, 100, 0, 0, mr)
         assert view is not None and len(view) == 100 and not view.readonly
         view[:4] = b"abcd"

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 import shm
-from shm import _layout as L
+from shm import layout as L
 
 CAP = L.MIN_CAPACITY
 

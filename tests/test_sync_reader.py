@@ -10,9 +10,10 @@ from _ringhelpers import XPROC_TIMEOUT, wait_for
 from test_hub import check_logprobs, enc, no_segment_left, poke  # noqa: F401  (autouse fixture)
 
 import shm
+from aiospec import FramesLost
 from aiospec._codec import Flag, FrameError, Kind
 from aiospec._sync import Record, SyncReader
-from shm import _layout as L
+from shm import layout as L
 
 
 @pytest.fixture
@@ -128,13 +129,13 @@ def test_frames_lost_and_undecodable_frames(rings: tuple[shm.Ring, shm.Ring]) ->
         poke(a.name, L.OFF_FRAMES_LOST, 2)
         assert [r.handle for r in rd.read(timeout=XPROC_TIMEOUT)] == [1]
         with pytest.raises(
-            shm.FramesLost, match=rf"^ring {a.name}: the producer lost frames; records may be missing$"
+            FramesLost, match=rf"^ring {a.name}: the producer lost frames; records may be missing$"
         ) as info:
             rd.read(timeout=0)
         assert info.value.lost == 2
         a.write(b"\x01" * 160)
         with pytest.raises(
-            shm.FramesLost, match=rf"^ring {a.name}: a frame could not be decoded \(.*\); records may be missing$"
+            FramesLost, match=rf"^ring {a.name}: a frame could not be decoded \(.*\); records may be missing$"
         ) as info:
             rd.read(timeout=XPROC_TIMEOUT)
         assert isinstance(info.value.__cause__, FrameError)

@@ -15,6 +15,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from aiospec import _payload_layout as L
 from aiospec._stream import (
     ERROR_FLAGS,
     Delta,
@@ -25,7 +26,6 @@ from aiospec._stream import (
     StreamError,
     request_error,
 )
-from shm import _layout as L
 
 __all__ = ("BaselineStream", "Gathered", "gather", "make_delta")
 

@@ -27,10 +27,10 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
+from aiospec import _payload_layout as L
 from aiospec._stream import TERMINAL_FLAGS, Delta, HubClosed
 from aiospec.baselines._common import BaselineStream, Gathered, gather, make_delta
-from shm import _layout as L
-from shm._errors import AiospecError
+from shm import AiospecError
 
 __all__ = ("EngineCoreOutput", "EngineCoreOutputs", "LogprobsLists", "VllmStyleEmitter", "VllmStyleHub")
 

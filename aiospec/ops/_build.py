@@ -26,12 +26,13 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from shm._errors import AiospecError
+from shm import AiospecError, layout
 
 __all__ = (
     "BuildError",
     "source_root",
     "include_dir",
+    "shm_include_dir",
     "cache_root",
     "build_library",
     "build_cpu_library",
@@ -70,6 +71,12 @@ def include_dir() -> Path:
     return source_root() / "include"
 
 
+def shm_include_dir() -> Path:
+    """The directory holding ``shm/layout.h`` (the ring's layout, which csrc includes); it ships
+    inside the ``shm`` package. Every build passes it with ``-I`` next to ``include_dir()``."""
+    return Path(layout.include_dir())
+
+
 def cache_root() -> Path:
     env = os.environ.get("AIOSPEC_CACHE_DIR")
     if env:
@@ -91,7 +98,7 @@ def _digest(compiler: str, command: Sequence[str], files: Sequence[Path], root: 
     h.update(_tool_version(compiler).encode())
     h.update("\0".join(command).encode())
     for f in sorted(set(files)):
-        h.update(str(f.relative_to(root)).encode() + b"\0")
+        h.update(str(f.relative_to(root) if f.is_relative_to(root) else f).encode() + b"\0")
         h.update(f.read_bytes())
     return h.hexdigest()[:24]
 
@@ -109,7 +116,7 @@ def build_library(
     ``name`` in the cache, unless it is there already; returns its path.
 
     ``flags`` go before the sources, ``link_flags`` after them. Every header under
-    ``include/`` counts toward the cache key.
+    ``include/`` and ``shm_include_dir()`` count toward the cache key.
     """
     root = source_root()
     srcs = [root / s for s in sources]
@@ -119,8 +126,10 @@ def build_library(
     exe = shutil.which(compiler)
     if exe is None:
         raise BuildError(f"{name}: compiler {compiler!r} not found (set CXX / NVCC)")
-    headers = sorted((root / "include").rglob("*.h"))
-    command = [*flags, f"-I{root / 'include'}", "<sources>", *link_flags]
+    shm_inc = shm_include_dir()
+    headers = sorted([*(root / "include").rglob("*.h"), *shm_inc.rglob("*.h")])
+    includes = [f"-I{root / 'include'}", f"-I{shm_inc}"]
+    command = [*flags, *includes, "<sources>", *link_flags]
     key = _digest(exe, [name, *command], [*srcs, *headers], root)
     out_dir = cache_root() / key
     target = out_dir / name
@@ -133,7 +142,7 @@ def build_library(
             return target
         fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=out_dir)
         os.close(fd)
-        argv = [exe, *flags, f"-I{root / 'include'}", *(str(s) for s in srcs), *link_flags, "-o", tmp]
+        argv = [exe, *flags, *includes, *(str(s) for s in srcs), *link_flags, "-o", tmp]
         try:
             proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
             if proc.returncode != 0:

@@ -12,7 +12,7 @@ from aiospec.ops._abi import EMIT_ABI_VERSION, EmitArgs, ErrorWord, FrameLayout,
 from aiospec.ops._build import BuildError, build_cpu_library
 from aiospec.ops._errors import EmitError
 from aiospec.ops._inputs import Inputs
-from shm._errors import BadSegment, RingError, RingFull
+from shm import BadSegment, RingError, RingFull
 
 __all__ = ("load_library", "CpuBackend", "build_payload", "validate", "error_message")
 

@@ -26,7 +26,7 @@ from typing import Any
 from aiospec.ops._abi import EmitArgs, ErrorWord
 from aiospec.ops._errors import EmitError, emit_error
 from aiospec.ops._inputs import Inputs
-from shm._errors import RingError, RingFull
+from shm import RingError, RingFull
 
 __all__ = (
     "CUDA_ABI_VERSION",

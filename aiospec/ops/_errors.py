@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import enum
 
-from shm import _layout as L
-from shm._errors import AiospecError
+from aiospec import _payload_layout as L
+from shm import AiospecError
 
 __all__ = ("EmitError", "ErrorCode", "Arg", "format_error", "emit_error")
 

@@ -16,9 +16,9 @@ from typing import Any
 
 import numpy as np
 
+from aiospec import _payload_layout as L
 from aiospec.ops._abi import EmitArgs
 from aiospec.ops._errors import Arg, EmitError, ErrorCode, emit_error
-from shm import _layout as L
 
 __all__ = ("TensorRef", "Inputs", "as_tensor", "collect")
 

@@ -24,10 +24,10 @@ import warnings
 from types import ModuleType
 from typing import Any
 
-from aiospec.ops._build import BuildError, cache_root, source_root
+from aiospec import _payload_layout as L
+from aiospec.ops._build import BuildError, cache_root, shm_include_dir, source_root
 from aiospec.ops._errors import EmitError
-from shm import _layout as L
-from shm._errors import BadSegment, RingError, RingFull
+from shm import BadSegment, RingError, RingFull
 
 __all__ = ("load_ops", "emit", "notify", "release", "paddle_available")
 
@@ -59,6 +59,8 @@ def _key(paddle: ModuleType) -> str:
     h.update(str(paddle.__version__).encode() + b"\0" + " ".join(CXX_FLAGS).encode())
     for f in sorted([*(root / s for s in SOURCES), *(root / "include").rglob("*.h")]):
         h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes())
+    for f in sorted(shm_include_dir().rglob("*.h")):
+        h.update(str(f).encode() + b"\0" + f.read_bytes())
     return h.hexdigest()[:24]
 
 
@@ -78,7 +80,7 @@ def _load() -> ModuleType:
                 name=OP_MODULE,
                 sources=[str(root / s) for s in SOURCES],
                 extra_cxx_cflags=CXX_FLAGS,
-                extra_include_paths=[str(root / "include")],
+                extra_include_paths=[str(root / "include"), str(shm_include_dir())],
                 build_directory=str(build_dir),
                 verbose=False,
             )

@@ -17,11 +17,11 @@ from typing import Any
 
 import numpy as np
 
+from aiospec import _payload_layout as L
 from aiospec._codec import encode_frame, frame_layout
 from aiospec.ops._errors import Arg, ErrorCode, emit_error
 from aiospec.ops._inputs import Inputs, collect
 from shm import Ring
-from shm import _layout as L
 
 __all__ = ("build_frame", "build_from_inputs", "check_rows", "PythonBackend")
 

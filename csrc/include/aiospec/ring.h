@@ -1,8 +1,8 @@
 // The ring protocol for native producers (C++ host code, header-only).
 //
 // docs/wire-format.md is the specification; the section numbers below refer to it, and
-// shm/_ring.py is the Python implementation of the same protocol (readers, and a Python
-// producer). This header lets the CPU emit writer and the CUDA host code produce into a ring
+// shm/_segment.py, _producer.py and _reader.py implement the same protocol in Python (readers,
+// and a producer). This header lets the CPU emit writer and the CUDA host code produce into a ring
 // that Python created: map it by name, validate the control page (section 2), reserve and
 // commit frames (section 3), evict dead readers (section 6), ring the bells (section 5), keep
 // the liveness words (section 7).
@@ -71,7 +71,7 @@ inline std::string py_float(double v) {
   return s;
 }
 
-// True unless pid has exited; a zombie counts as exited (same rule as shm/_ring.py).
+// True unless pid has exited; a zombie counts as exited (same rule as shm/_sys.py).
 inline bool pid_alive(uint32_t pid) {
   if (pid == 0) return false;
   if (kill(pid_t(pid), 0) != 0) return errno == EPERM;
@@ -89,7 +89,7 @@ inline bool pid_alive(uint32_t pid) {
   return true;
 }
 
-// Same rule as shm/_ring.py: 1..200 of [A-Za-z0-9._-], not starting with '.', no ".bell".
+// Same rule as shm/_segment.py: 1..200 of [A-Za-z0-9._-], not starting with '.', no ".bell".
 inline bool valid_ring_name(const std::string& name) {
   if (name.empty() || name.size() > 200 || name[0] == '.') return false;
   for (char c : name) {

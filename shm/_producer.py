@@ -1,0 +1,312 @@
+"""The producer side of a ring handle: reserve / commit / write, back-pressure, eviction of
+dead readers, the bells and the heartbeat (docs/wire-format.md sections 3 to 6).
+
+``commit()`` and the common case of ``reserve()`` have C twins in shm/_native.c, used when
+the install built them: they run right after a core wakes from idle, where each interpreted
+step is a cache miss, and so decide the wake-up latency.
+"""
+
+from __future__ import annotations
+
+import array
+import os
+import threading
+import time
+from types import ModuleType
+from typing import Any
+
+from shm import layout as L
+from shm._errors import RingError, RingFull
+from shm._segment import Segment, bell_path
+from shm._sys import acquire_fence, full_fence, pid_alive, release_fence
+
+_FRAME_HEADER = L.FRAME_HEADER
+_ALIGN_M1 = L.FRAME_ALIGN - 1
+
+
+class Producer:
+    """What one ring handle does as a writer. Every handle has one: ``notify()`` and
+    ``heartbeat()`` work on any open handle, the frame calls only while ``producing`` (the
+    creator's handle, or one a test hands production to)."""
+
+    def __init__(
+        self,
+        seg: Segment,
+        native: ModuleType | None,
+        *,
+        producing: bool,
+        reader_timeout: float | None = None,
+        check_pids: bool = True,
+    ) -> None:
+        self.seg = seg
+        self.producing = producing
+        self.closed = False
+        self.reader_timeout = reader_timeout
+        self.check_pids = check_pids
+        self._name = seg.name
+        self._buf = seg.buf
+        self._q = seg.q
+        self._w = seg.w
+        self._capacity = seg.capacity
+        self._mask = seg.mask
+        self._max_record = seg.max_record
+        self._max_readers = seg.max_readers
+        self._sleepers = seg.sleepers
+        self._native = native
+        self._head: int = seg.q[L.OFF_HEAD // 8]
+        self._min_tail = self._head  # a lower bound of every active reader's tail
+        self._reserved: tuple[int, int] | None = None  # (position, payload capacity)
+        # (generation, fd) of each slot's open bell, fd -1 for none: the native commit reads it
+        self._bells = array.array("q", [0, -1] * seg.max_readers)
+        self._hb_thread: threading.Thread | None = None
+        self._hb_stop = threading.Event()
+
+    # -- frames --------------------------------------------------------------------------
+
+    def reserve(self, n: int, timeout: float | None) -> memoryview:
+        native = self._native
+        if native is not None and self._reserved is None and self.producing and not self.closed:
+            view: memoryview | None = native.reserve(self._buf, n, self._head, self._min_tail, self._max_record)
+            if view is not None:
+                self._reserved = (self._head, n)
+                return view
+        if self.closed or not self.producing:
+            self._require_producer("reserve")
+        if self._reserved is not None:
+            raise RingError("reserve: a reservation is pending; commit() it first")
+        if not isinstance(n, int) or n < 0:
+            raise ValueError(f"reserve: n = {n!r}: expected a non-negative int")
+        size = (_FRAME_HEADER + n + _ALIGN_M1) & ~_ALIGN_M1
+        if size > self._max_record:
+            raise ValueError(f"reserve: n = {n}: a frame of {size} bytes exceeds max_record = {self._max_record}")
+        head = self._q[L.OFF_HEAD // 8]
+        if head != self._head:
+            self._adopt_head(head)
+        off = head & self._mask
+        pad = self._capacity - off if size > self._capacity - off else 0
+        need = pad + size + L.FRAME_HEADER  # + the next frame's header, zeroed at commit
+        if head + need - self._min_tail > self._capacity:
+            self._wait_for_room(need, size, timeout)
+        if pad:
+            self._write_pad(head, pad)
+            head += pad
+        self._reserved = (head, n)
+        start = L.CONTROL_SIZE + (head & self._mask) + L.FRAME_HEADER
+        return self._buf[start : start + n]
+
+    def _adopt_head(self, head: int) -> None:
+        # A native producer (the C++/CUDA emit op) wrote frames through its own mapping since
+        # our last commit: continue after them instead of overwriting them.
+        self._head = head
+        self._w[L.OFF_PRODUCER_PID // 4] = os.getpid()
+        self._w[L.OFF_PRODUCER_STATE // 4] = L.PRODUCER_LIVE
+
+    def commit(self, n: int | None) -> int:
+        if self.closed or not self.producing:
+            self._require_producer("commit")
+        if self._reserved is None:
+            raise RingError("commit: nothing reserved")
+        pos, cap = self._reserved
+        if n is None:
+            n = cap
+        elif not isinstance(n, int) or not 0 <= n <= cap:
+            raise ValueError(f"commit: n = {n!r}: expected 0..{cap} (the reserved size)")
+        self._reserved = None
+        native = self._native
+        if native is not None:
+            unrung = native.commit(self._buf, pos, n, L.FRAME_DATA, self._bells)
+            self._head = self._q[L.OFF_HEAD // 8]
+            if unrung:
+                self.ring_bells(sleepers_only=True, slots=unrung)
+            return pos
+        self._publish(pos, n, L.FRAME_DATA)
+        q = self._q
+        q[L.OFF_FRAMES_WRITTEN // 8] += 1
+        q[L.OFF_BYTES_WRITTEN // 8] += n
+        q[L.OFF_HEARTBEAT_NS // 8] = time.monotonic_ns()
+        full_fence()  # store(commit) -> load(sleeping): pairs with the reader's sleep_begin()
+        if any(self._sleepers):
+            self.ring_bells(sleepers_only=True)
+        return pos
+
+    def write(self, payload: Any, timeout: float | None) -> int:
+        mv = memoryview(payload)
+        if not mv.c_contiguous:
+            raise ValueError("write: payload must be C-contiguous")
+        n = mv.nbytes
+        dst = self.reserve(n, timeout)
+        try:
+            dst[:] = mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
+        except BaseException:
+            self._reserved = None  # nothing was published; the space is simply reused
+            raise
+        return self.commit(None)
+
+    def _publish(self, pos: int, n: int, ftype: int) -> None:
+        size = (_FRAME_HEADER + n + _ALIGN_M1) & ~_ALIGN_M1
+        word = (L.CONTROL_SIZE + (pos & self._mask)) >> 3
+        q = self._q
+        q[word] = pos
+        nxt = (L.CONTROL_SIZE + ((pos + size) & self._mask)) >> 3
+        q[nxt] = 0
+        q[nxt + 1] = 0
+        release_fence()
+        q[word + 1] = (L.FRAME_HEADER + n) | (ftype << 32)
+        self._head = pos + size
+        self._q[L.OFF_HEAD // 8] = self._head
+
+    def _write_pad(self, pos: int, pad: int) -> None:
+        # a PAD frame's length is the whole tail of the data area; it carries no payload
+        if self._native is not None:
+            self._native.commit(self._buf, pos, pad - L.FRAME_HEADER, L.FRAME_PAD, self._bells)
+            self._head = pos + pad
+        else:
+            self._publish(pos, pad - L.FRAME_HEADER, L.FRAME_PAD)
+
+    # -- back-pressure and eviction (section 5) --------------------------------------------
+
+    def _wait_for_room(self, need: int, size: int, timeout: float | None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        delay = 0.0
+        while True:
+            self._min_tail = self._scan_min_tail()
+            if self._head + need - self._min_tail <= self._capacity:
+                return
+            self._evict_blocking(self._head + need - self._capacity)
+            self._min_tail = self._scan_min_tail()
+            if self._head + need - self._min_tail <= self._capacity:
+                return
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                raise RingFull(
+                    f"ring {self._name}: no room for a {size}-byte frame after {timeout} s; "
+                    f"lagging reader(s): {self._describe_laggards(self._head + need - self._capacity)}"
+                )
+            # back off from yielding to sub-millisecond sleeps: a reader is due any moment
+            if delay:
+                time.sleep(delay if deadline is None else min(delay, max(0.0, deadline - now)))
+            else:
+                os.sched_yield()
+            delay = min(0.001, delay * 2 if delay else 2e-5)
+
+    def _scan_min_tail(self) -> int:
+        acquire_fence()
+        q, tail = self._q, self.seg.tail
+        return min([self._head, *(q[tail[slot]] for slot in self.seg.active_slots())])
+
+    def _evict_blocking(self, needed_tail: int) -> None:
+        """Evict readers that hold the tail below ``needed_tail`` and are dead or silent."""
+        seg, q, w = self.seg, self._q, self._w
+        now = time.monotonic_ns()
+        for slot in seg.active_slots():
+            if q[seg.tail[slot]] >= needed_tail:
+                continue
+            pid = w[seg.pid[slot]]
+            dead = self.check_pids and not pid_alive(pid)
+            silent = self.reader_timeout is not None and now - q[seg.heartbeat[slot]] > self.reader_timeout * 1e9
+            if dead or silent:
+                gen = w[seg.generation[slot]]
+                with seg.slot_lock():
+                    if w[seg.state[slot]] == L.READER_ACTIVE and w[seg.generation[slot]] == gen:
+                        w[seg.state[slot]] = L.READER_EVICTED
+
+    def _describe_laggards(self, needed_tail: int) -> str:
+        seg = self.seg
+        parts = []
+        for slot in seg.active_slots():
+            tail = self._q[seg.tail[slot]]
+            if tail < needed_tail:
+                parts.append(f"slot {slot} (pid {self._w[seg.pid[slot]]}, lag {self._head - tail} bytes)")
+        return ", ".join(parts) or "none (they caught up)"
+
+    # -- wake-up (section 4) -------------------------------------------------------------------
+
+    def notify(self) -> int:
+        self._require_open("notify")
+        full_fence()
+        return self.ring_bells(sleepers_only=True)
+
+    def ring_bells(self, *, sleepers_only: bool, slots: int = -1) -> int:
+        """Ring active readers' bells (only those asleep with ``sleepers_only``; only the slots
+        in the bitmask ``slots``); opens bells on first use and drops the ones that fail."""
+        seg, w = self.seg, self._w
+        rung = 0
+        for slot in range(self._max_readers):
+            if not slots >> slot & 1 or w[seg.state[slot]] != L.READER_ACTIVE:
+                continue
+            if sleepers_only and not w[seg.sleeping[slot]]:
+                continue
+            fd = self._bell_fd(slot)
+            if fd < 0:
+                continue
+            try:
+                os.write(fd, b"\x01")
+                rung += 1
+            except BlockingIOError:
+                rung += 1  # the FIFO is full of earlier rings: the reader is due to wake anyway
+            except OSError:
+                self._drop_bell(slot)
+        return rung
+
+    def _bell_fd(self, slot: int) -> int:
+        gen = self._w[self.seg.generation[slot]]
+        bells = self._bells
+        if bells[2 * slot + 1] >= 0:
+            if bells[2 * slot] == gen:
+                return bells[2 * slot + 1]
+            self._drop_bell(slot)
+        try:
+            fd = os.open(bell_path(self._name, slot), os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            return -1  # no reader has its bell open (it is leaving): nothing to wake
+        bells[2 * slot], bells[2 * slot + 1] = gen, fd
+        return fd
+
+    def _drop_bell(self, slot: int) -> None:
+        fd = self._bells[2 * slot + 1]
+        if fd >= 0:
+            self._bells[2 * slot + 1] = -1
+            os.close(fd)
+
+    # -- liveness (section 6) ------------------------------------------------------------------
+
+    def heartbeat(self) -> None:
+        self._require_open("heartbeat")
+        self._q[L.OFF_HEARTBEAT_NS // 8] = time.monotonic_ns()
+
+    def start_heartbeat(self, interval: float) -> None:
+        if interval <= 0:
+            raise ValueError(f"heartbeat_interval = {interval!r}: expected a positive number of seconds")
+
+        def beat() -> None:
+            while not self._hb_stop.wait(interval):
+                self.heartbeat()
+
+        self._hb_thread = threading.Thread(target=beat, name=f"aiospec-heartbeat-{self._name}", daemon=True)
+        self._hb_thread.start()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop the heartbeat thread; a producer marks the ring closed and wakes every reader
+        to notice it. The segment stays mapped (the ring handle unmaps it)."""
+        if self._hb_thread is not None:
+            self._hb_stop.set()
+            self._hb_thread.join()
+        if self.producing:
+            self._w[L.OFF_PRODUCER_STATE // 4] = L.PRODUCER_CLOSED
+            self.heartbeat()
+            full_fence()
+            self.ring_bells(sleepers_only=False)  # wake every reader to notice the close
+            for slot in range(self._max_readers):
+                self._drop_bell(slot)
+        self.closed = True
+
+    def _require_open(self, what: str) -> None:
+        if self.closed:
+            raise RingError(f"{what}: ring {self._name} is closed")
+
+    def _require_producer(self, what: str) -> None:
+        self._require_open(what)
+        if not self.producing:
+            raise RingError(f"{what}: this handle of ring {self._name} is not its producer (use Ring.create)")

@@ -1,0 +1,263 @@
+"""A ring segment: its name, the POSIX shared-memory file, the control page and the mapping.
+
+Creating a segment (``create``), validating and mapping an existing one (``attach``,
+docs/wire-format.md section 2) and removing its name (``unlink``) live here, and so does
+``Segment``, the mapped segment that a ring handle's producer side and its readers share: the
+word views of the control page and the reader-slot table, with the few slot operations that
+take the slot lock. Frames and their protocol are the producer's and the reader's business.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import mmap
+import os
+import re
+import secrets
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+
+import numpy as np
+
+from shm import layout as L
+from shm._errors import BadSegment, RingError
+from shm._sys import full_fence, release_fence
+
+SHM_DIR = "/dev/shm"  # segments and their bells (documented where shm exports it)
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}$")
+
+
+def check_name(name: str) -> None:
+    if not isinstance(name, str) or not _NAME_RE.match(name) or ".bell" in name:
+        raise ValueError(f"name = {name!r}: expected 1..200 characters of [A-Za-z0-9._-], not starting with '.'")
+
+
+def check_geometry(capacity: int, max_readers: int, max_record: int | None) -> int:
+    """Validate ``create()``'s sizes; returns ``max_record`` (default ``capacity // 8``)."""
+    if not isinstance(capacity, int) or capacity & (capacity - 1) or not (L.MIN_CAPACITY <= capacity <= L.MAX_CAPACITY):
+        raise ValueError(f"capacity = {capacity!r}: expected a power of two in {L.MIN_CAPACITY}..{L.MAX_CAPACITY}")
+    if not isinstance(max_readers, int) or not 1 <= max_readers <= L.MAX_READERS:
+        raise ValueError(f"max_readers = {max_readers!r}: expected 1..{L.MAX_READERS}")
+    if max_record is None:
+        max_record = capacity // 8
+    if (
+        not isinstance(max_record, int)
+        or max_record % L.FRAME_ALIGN
+        or not 2 * L.FRAME_ALIGN <= max_record <= capacity // 2
+    ):
+        raise ValueError(
+            f"max_record = {max_record!r}: expected a multiple of {L.FRAME_ALIGN} "
+            f"in {2 * L.FRAME_ALIGN}..{capacity // 2} (capacity / 2)"
+        )
+    return max_record
+
+
+def bell_path(name: str, slot: int) -> str:
+    return os.path.join(SHM_DIR, f"{name}.bell{slot}")
+
+
+def create(name: str, capacity: int, max_readers: int, max_record: int) -> tuple[int, mmap.mmap]:
+    """Create the segment file (mode 0600, checked sizes) and write its control page; the
+    creator is its live producer. Returns the open descriptor and the mapping."""
+    path = os.path.join(SHM_DIR, name)
+    size = L.CONTROL_SIZE + capacity
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        # reserve the pages now: a full /dev/shm is an error here, not a SIGBUS later
+        os.posix_fallocate(fd, 0, size)
+        mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    except BaseException:
+        os.close(fd)
+        os.unlink(path)
+        raise
+    c64 = np.frombuffer(mm, dtype="<u8", count=L.CONTROL_SIZE // 8)
+    c32 = np.frombuffer(mm, dtype="<u4", count=L.CONTROL_SIZE // 4)
+    c32[L.OFF_VERSION // 4] = L.VERSION
+    c32[L.OFF_CONTROL_SIZE // 4] = L.CONTROL_SIZE
+    c64[L.OFF_CAPACITY // 8] = capacity
+    c32[L.OFF_MAX_RECORD // 4] = max_record
+    c32[L.OFF_MAX_READERS // 4] = max_readers
+    c32[L.OFF_FRAME_ALIGN // 4] = L.FRAME_ALIGN
+    c32[L.OFF_CREATOR_PID // 4] = os.getpid()
+    c64[L.OFF_EPOCH // 8] = secrets.randbits(64)
+    c64[L.OFF_CREATED_NS // 8] = time.time_ns()
+    c32[L.OFF_PRODUCER_PID // 4] = os.getpid()
+    c64[L.OFF_HEARTBEAT_NS // 8] = time.monotonic_ns()
+    c32[L.OFF_PRODUCER_STATE // 4] = L.PRODUCER_LIVE
+    full_fence()
+    c64[L.OFF_MAGIC // 8] = L.MAGIC  # last: an attacher sees a whole control page or none
+    del c64, c32
+    return fd, mm
+
+
+def attach(name: str) -> tuple[int, mmap.mmap]:
+    """Open and map an existing segment after validating its control page (section 2)."""
+    path = os.path.join(SHM_DIR, name)
+    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        return fd, _map_validated(fd, name)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def unlink(name: str) -> None:
+    """Remove the segment's name and every bell it may have (missing ones are fine)."""
+    for path in [os.path.join(SHM_DIR, name)] + [bell_path(name, i) for i in range(L.MAX_READERS)]:
+        with suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+def _map_validated(fd: int, name: str) -> mmap.mmap:
+    size = os.fstat(fd).st_size
+    if size < L.CONTROL_SIZE:
+        raise BadSegment(f"segment {name}: {size} bytes, expected at least the {L.CONTROL_SIZE}-byte control page")
+    head = os.pread(fd, 64, 0)
+    c64 = np.frombuffer(head, dtype="<u8")
+    c32 = np.frombuffer(head, dtype="<u4")
+    magic = int(c64[L.OFF_MAGIC // 8])
+    if magic != L.MAGIC:
+        raise BadSegment(f"segment {name}: magic 0x{magic:016x}, expected 0x{L.MAGIC:016x} (not an aiospec ring)")
+    checks = (
+        ("version", int(c32[L.OFF_VERSION // 4]), L.VERSION),
+        ("control_size", int(c32[L.OFF_CONTROL_SIZE // 4]), L.CONTROL_SIZE),
+        ("frame_align", int(c32[L.OFF_FRAME_ALIGN // 4]), L.FRAME_ALIGN),
+    )
+    for field, got, want in checks:
+        if got != want:
+            raise BadSegment(f"segment {name}: {field} {got}, expected {want}")
+    cap = int(c64[L.OFF_CAPACITY // 8])
+    if cap & (cap - 1) or not L.MIN_CAPACITY <= cap <= L.MAX_CAPACITY:
+        raise BadSegment(
+            f"segment {name}: capacity {cap}, expected a power of two in {L.MIN_CAPACITY}..{L.MAX_CAPACITY}"
+        )
+    if size != L.CONTROL_SIZE + cap:
+        raise BadSegment(f"segment {name}: {size} bytes, expected {L.CONTROL_SIZE + cap} for capacity {cap}")
+    max_record = int(c32[L.OFF_MAX_RECORD // 4])
+    if max_record % L.FRAME_ALIGN or not 2 * L.FRAME_ALIGN <= max_record <= cap // 2:
+        raise BadSegment(
+            f"segment {name}: max_record {max_record}, expected a multiple of {L.FRAME_ALIGN} "
+            f"in {2 * L.FRAME_ALIGN}..{cap // 2}"
+        )
+    max_readers = int(c32[L.OFF_MAX_READERS // 4])
+    if not 1 <= max_readers <= L.MAX_READERS:
+        raise BadSegment(f"segment {name}: max_readers {max_readers}, expected 1..{L.MAX_READERS}")
+    try:
+        return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    except OSError as exc:
+        if exc.errno in (errno.EACCES, errno.EPERM):
+            raise BadSegment(f"segment {name}: cannot map it read-write ({exc.strerror})") from exc
+        raise
+
+
+def _slot_word(slot: int, field: int, width: int) -> int:
+    """Index of a reader-slot field in the u32 (width 4) or u64 (width 8) view."""
+    return (L.READERS_BASE + slot * L.READER_STRIDE + field) // width
+
+
+class Segment:
+    """One handle's mapping of a segment, shared by its producer side and its readers.
+
+    Control words are read and written through the word views ``q`` (u64) and ``w`` (u32) of
+    the whole mapping: memoryview item stores are single aligned native stores (little-endian
+    on every platform shm supports), and cheaper than numpy scalars. ``q[OFF_HEAD // 8]`` is
+    the head, for instance. The per-slot lists hold, for each reader slot, the index of one
+    of its fields in ``w`` (u32 fields) or ``q`` (u64 fields): ``w[state[i]]`` is slot ``i``'s
+    ``RD_STATE``.
+    """
+
+    def __init__(self, name: str, fd: int, mm: mmap.mmap) -> None:
+        self.name = name
+        self.fd = fd
+        self.mm = mm
+        self.closed = False
+        self.buf = memoryview(mm)
+        # readers get frames as slices of a read-only view: a consumer cannot scribble on
+        # frames that other readers (and its own later polls) still have to read
+        self.rbuf = self.buf.toreadonly()
+        self.q = self.buf.cast("Q")
+        self.w = self.buf.cast("I")
+        self.capacity: int = self.q[L.OFF_CAPACITY // 8]
+        self.mask = self.capacity - 1
+        self.max_record: int = self.w[L.OFF_MAX_RECORD // 4]
+        self.max_readers: int = self.w[L.OFF_MAX_READERS // 4]
+        slots = range(self.max_readers)
+        self.state = [_slot_word(i, L.RD_STATE, 4) for i in slots]
+        self.sleeping = [_slot_word(i, L.RD_SLEEPING, 4) for i in slots]
+        # every slot's sleeping word as one strided view: any() scans them in C on each commit
+        self.sleepers = self.w[self.sleeping[0] :: L.READER_STRIDE // 4][: self.max_readers]
+        self.generation = [_slot_word(i, L.RD_GENERATION, 4) for i in slots]
+        self.pid = [_slot_word(i, L.RD_PID, 4) for i in slots]
+        self.tail = [_slot_word(i, L.RD_TAIL, 8) for i in slots]
+        self.heartbeat = [_slot_word(i, L.RD_HEARTBEAT_NS, 8) for i in slots]
+        self.frames_read = [_slot_word(i, L.RD_FRAMES_READ, 8) for i in slots]
+
+    # -- the reader-slot table -----------------------------------------------------------
+
+    @contextmanager
+    def slot_lock(self) -> Iterator[None]:
+        """Serialize slot takeovers, releases and evictions between processes (``flock``)."""
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+
+    def active_slots(self) -> list[int]:
+        return [i for i in range(self.max_readers) if self.w[self.state[i]] == L.READER_ACTIVE]
+
+    def claim_slot(self) -> tuple[int, int, int, int]:
+        """Take the first free slot for this process and open its bell (section 4); returns
+        ``(slot, generation, bell fd, tail)``: the new reader starts at the current head."""
+        w, q = self.w, self.q
+        with self.slot_lock():
+            free = [i for i in range(self.max_readers) if w[self.state[i]] != L.READER_ACTIVE]
+            if not free:
+                raise RingError(f"reader: all {self.max_readers} reader slots of ring {self.name} are taken")
+            slot = free[0]
+            path = bell_path(self.name, slot)
+            with suppress(FileExistsError):
+                os.mkfifo(path, 0o600)
+            bell = os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
+            gen = (w[self.generation[slot]] + 1) & 0xFFFFFFFF
+            w[self.generation[slot]] = gen
+            w[self.pid[slot]] = os.getpid()
+            w[self.sleeping[slot]] = 0
+            q[self.frames_read[slot]] = 0
+            q[self.heartbeat[slot]] = time.monotonic_ns()
+            q[self.tail[slot]] = q[L.OFF_HEAD // 8]
+            release_fence()
+            w[self.state[slot]] = L.READER_ACTIVE
+            full_fence()  # store(state) -> load(head): pairs with the producer's commit fence
+            tail = q[L.OFF_HEAD // 8]
+            q[self.tail[slot]] = tail
+        return slot, gen, bell, tail
+
+    def free_slot(self, slot: int, generation: int) -> None:
+        """Give the slot back, unless it stopped being ours (evicted, then taken again)."""
+        with self.slot_lock():
+            if self.w[self.generation[slot]] == generation:
+                self.w[self.sleeping[slot]] = 0
+                self.w[self.state[slot]] = L.READER_FREE
+                # only while the slot is still ours: after an eviction a new reader may
+                # have taken it, and the bell at that path is its bell now
+                with suppress(FileNotFoundError):
+                    os.unlink(bell_path(self.name, slot))
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Release the views and the mapping, close the descriptor. A caller may still hold a
+        view of a frame: then the mapping goes with the last view."""
+        self.closed = True
+        self.sleepers.release()
+        self.q.release()
+        self.w.release()
+        self.rbuf.release()
+        with suppress(BufferError):
+            self.buf.release()
+            self.mm.close()
+        os.close(self.fd)

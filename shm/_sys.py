@@ -1,0 +1,75 @@
+"""What the ring needs from the platform: byte order, memory fences, the optional C paths
+(shm/_native.c) and process liveness. Every other module of shm builds on these.
+
+Ordering: x86-64 keeps stores in order and loads in order (TSO), so only the store->load
+fences of the sleep/wake handshake need a real barrier there; on other architectures every
+release/acquire point takes one. The barrier is a lock round trip (an atomic
+read-modify-write, a full fence on every CPU Python runs on).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+import threading
+from types import ModuleType
+
+if sys.byteorder != "little":
+    raise ImportError("shm: the ring layout is little-endian; this platform is not")
+
+_TSO = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+_fence_lock = threading.Lock()
+
+# Key of the private constructors (Ring(), Reader()): only shm's own factories pass it.
+PRIVATE = object()
+
+
+def full_fence() -> None:
+    _fence_lock.acquire()
+    _fence_lock.release()
+
+
+def release_fence() -> None:
+    if not _TSO:
+        full_fence()
+
+
+acquire_fence = release_fence
+
+# The C twins of reserve()'s common case, commit(), poll() and a reader's sleep (shm/_native.c),
+# built at install time when a compiler is there. SHM_PURE_PYTHON=1 keeps the Python paths;
+# both implement the same protocol. A ring handle takes the choice made here when it is created
+# or attached (tests switch it by setting ``native``).
+NATIVE_ABI = 2
+_native_mod: ModuleType | None
+try:
+    from shm import _native as _native_mod
+except ImportError:
+    _native_mod = None
+native: ModuleType | None = (
+    _native_mod
+    if _native_mod is not None
+    and getattr(_native_mod, "ABI", None) == NATIVE_ABI
+    and os.environ.get("SHM_PURE_PYTHON", "") in ("", "0")
+    else None
+)
+
+
+def pid_alive(pid: int) -> bool:
+    """True unless ``pid`` has exited (a zombie counts as exited)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        # the state letter follows the parenthesised command name, which may contain spaces
+        return stat[stat.rindex(b")") + 2 : stat.rindex(b")") + 3] not in (b"Z", b"X")
+    except (OSError, ValueError):
+        return True

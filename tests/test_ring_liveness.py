@@ -1,0 +1,131 @@
+"""Section 7 of docs/wire-format.md: liveness: the producer closing, exiting or going
+silent, its heartbeat, and the frames-lost counter."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+from _ringhelpers import (  # noqa: F401  (shm_tracker is an autouse fixture, ring_paths used below)
+    CAP,
+    SPAWN,
+    XPROC_TIMEOUT,
+    RawSegment,
+    ring_paths_fixture,
+    shm_tracker_fixture,
+    wait_for,
+)
+
+import shm
+from shm import layout as L
+
+pytestmark = pytest.mark.usefixtures("ring_paths")  # every test on the C and the Python paths
+
+
+# -- liveness ----------------------------------------------------------------------------------------
+
+
+def test_producer_gone_after_close_drains_first() -> None:
+    ring = shm.Ring.create(capacity=CAP)
+    att = shm.Ring.attach(ring.name)
+    reader = att.reader(spin=0.0, recheck=0.01)
+    try:
+        for i in range(3):
+            ring.write(bytes([i]))
+    finally:
+        ring.close()
+    assert att.stats().producer_state == "closed"
+    reader.check_producer()  # frames are still there: not gone yet
+    assert reader.wait(XPROC_TIMEOUT) is True
+    assert reader.read() == [b"\x00", b"\x01", b"\x02"]
+    msg = rf"^ring {ring.name}: the producer closed the ring$"
+    with pytest.raises(shm.ProducerGone, match=msg):
+        reader.check_producer()
+    with pytest.raises(shm.ProducerGone, match=msg) as info:
+        reader.wait(XPROC_TIMEOUT)
+    assert isinstance(info.value, ConnectionError)
+    reader.close()
+    att.close()
+
+
+def test_producer_gone_after_stale_heartbeat() -> None:
+    with shm.Ring.create(capacity=CAP) as ring:
+        att = shm.Ring.attach(ring.name)
+        reader = att.reader(spin=0.0, recheck=0.01, producer_timeout=5.0)
+        patient = att.reader(spin=0.0, recheck=0.01)  # no producer_timeout: never declares it gone
+        raw = RawSegment(ring.name)
+        try:
+            ring.write(b"before")
+            raw.set_u64(L.OFF_HEARTBEAT_NS, time.monotonic_ns() - 60 * 10**9)  # a minute ago
+            assert att.stats().heartbeat_age_s >= 60
+            reader.check_producer()  # a frame is still readable
+            assert reader.read() == [b"before"]
+            with pytest.raises(
+                shm.ProducerGone,
+                match=rf"^ring {ring.name}: the producer sent no heartbeat for \d+\.\d s \(timeout 5\.0 s\)$",
+            ):
+                reader.wait(XPROC_TIMEOUT)
+            assert patient.read() == [b"before"]
+            assert patient.wait(0.02) is False
+            ring.heartbeat()
+            assert att.stats().heartbeat_age_s < 30
+            reader.check_producer()
+        finally:
+            raw.close()
+            patient.close()
+            reader.close()
+            att.close()
+
+
+def test_heartbeat_thread_keeps_the_producer_alive() -> None:
+    with shm.Ring.create(capacity=CAP, heartbeat_interval=0.01) as ring:
+        raw = RawSegment(ring.name)
+        try:
+            raw.set_u64(L.OFF_HEARTBEAT_NS, time.monotonic_ns() - 60 * 10**9)
+            wait_for(lambda: ring.stats().heartbeat_age_s < 30, "the heartbeat thread")
+        finally:
+            raw.close()
+    with pytest.raises(ValueError, match=r"^heartbeat_interval = 0: expected a positive number of seconds$"):
+        shm.Ring.create(capacity=CAP, heartbeat_interval=0)
+
+
+def test_producer_dead_pid() -> None:
+    # a producer that vanished without closing: state live, pid gone (here: a pid that exited)
+    p = SPAWN.Process(target=os.getpid)
+    p.start()
+    p.join(XPROC_TIMEOUT)
+    assert p.pid is not None and p.exitcode == 0
+    with shm.Ring.create(capacity=CAP) as ring:
+        att = shm.Ring.attach(ring.name)
+        reader = att.reader(spin=0.0, recheck=0.01)
+        raw = RawSegment(ring.name)
+        try:
+            ring.write(b"last words")
+            raw.mm[L.OFF_PRODUCER_PID : L.OFF_PRODUCER_PID + 4] = p.pid.to_bytes(4, "little")
+            assert reader.wait(XPROC_TIMEOUT)
+            assert reader.read() == [b"last words"]
+            with pytest.raises(shm.ProducerGone, match=rf"^ring {ring.name}: the producer \(pid {p.pid}\) exited$"):
+                reader.wait(XPROC_TIMEOUT)
+        finally:
+            raw.close()
+            reader.close()
+            att.close()
+
+
+def test_new_losses() -> None:
+    with shm.Ring.create(capacity=CAP) as ring, ring.reader() as reader:
+        raw = RawSegment(ring.name)
+        try:
+            assert reader.new_losses() == 0
+            # the GPU producer counts frames it had to drop; the CPU path raises RingFull instead
+            raw.set_u64(L.OFF_FRAMES_LOST, 3)
+            with ring.reader() as late:
+                assert late.new_losses() == 0  # counts only losses after it joined
+                raw.set_u64(L.OFF_FRAMES_LOST, 5)
+                assert late.new_losses() == 2
+            assert reader.new_losses() == 5
+            assert reader.new_losses() == 0
+            assert ring.stats().frames_lost == 5
+        finally:
+            raw.close()

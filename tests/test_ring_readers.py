@@ -1,0 +1,243 @@
+"""Section 6 of docs/wire-format.md: readers joining, leaving and dying: reader slots, own
+tails, back-pressure against the slowest reader, eviction."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+from _ringhelpers import (  # noqa: F401  (shm_tracker is an autouse fixture, ring_paths used below)
+    CAP,
+    MAX_REC,
+    SPAWN,
+    XPROC_TIMEOUT,
+    bell_bytes,
+    fill,
+    frame_size,
+    proc_dead_reader,
+    reap,
+    recv,
+    ring_paths_fixture,
+    shm_tracker_fixture,
+)
+
+import shm
+from shm import layout as L
+
+pytestmark = pytest.mark.usefixtures("ring_paths")  # every test on the C and the Python paths
+
+
+def test_reader_argument_validation() -> None:
+    with shm.Ring.create(capacity=CAP) as ring:
+        with pytest.raises(ValueError, match=r"^reader: spin = -1, recheck = 0\.05: expected spin >= 0, recheck > 0$"):
+            ring.reader(spin=-1)
+        with pytest.raises(ValueError, match=r"^reader: spin = 5e-05, recheck = 0: expected spin >= 0, recheck > 0$"):
+            ring.reader(recheck=0)
+        assert ring.stats().readers == ()
+
+
+def test_closed_reader() -> None:
+    with shm.Ring.create(capacity=CAP) as ring:
+        reader = ring.reader()
+        slot = reader.slot
+        reader.close()
+        reader.close()  # idempotent
+        assert ring.stats().readers == ()
+        with pytest.raises(shm.RingError, match=rf"^reader slot {slot} of ring {ring.name} is closed$"):
+            reader.poll()
+        with pytest.raises(shm.RingError, match=rf"^reader slot {slot} of ring {ring.name} is closed$"):
+            reader.wait(0)
+        # the producer's close() closes the readers it made
+        r2 = ring.reader()
+    with pytest.raises(shm.RingError, match=rf"^reader slot 0 of ring {ring.name} is closed$"):
+        r2.poll()
+
+
+# -- several readers, back-pressure ---------------------------------------------------------------------
+
+
+def test_readers_have_their_own_tails() -> None:
+    with shm.Ring.create(capacity=CAP) as ring, ring.reader() as a, ring.reader() as b:
+        assert (a.slot, b.slot) == (0, 1)
+        for i in range(3):
+            ring.write(bytes([i]))
+        assert a.read() == [b"\x00", b"\x01", b"\x02"]
+        stats = {r.slot: r for r in ring.stats().readers}
+        assert (stats[0].lag, stats[1].lag) == (0, 192)
+        assert (stats[0].frames_read, stats[1].frames_read) == (3, 0)
+        assert b.read(max_frames=1) == [b"\x00"]
+        ring.write(b"\x03")
+        assert b.read() == [b"\x01", b"\x02", b"\x03"]
+        assert a.read() == [b"\x03"]
+
+
+def test_late_reader_starts_at_the_head() -> None:
+    with shm.Ring.create(capacity=CAP) as ring:
+        for i in range(3):
+            ring.write(bytes([i]))
+        with ring.reader() as late:
+            assert late.tail == 192
+            assert late.poll() == [] and not late.pending()
+            ring.write(b"new")
+            assert late.read() == [b"new"]
+
+
+def test_back_pressure_against_the_slowest_reader() -> None:
+    with shm.Ring.create(capacity=CAP) as ring, ring.reader() as fast, ring.reader() as slow:
+        n = 1000
+        S = frame_size(n)
+        written: list[bytes] = []
+        while True:  # the fast reader keeps up; the slow one reads nothing
+            try:
+                ring.write(bytes([len(written) % 256]) * n, timeout=0)
+            except shm.RingFull as exc:
+                full = exc
+                break
+            written.append(bytes([len(written) % 256]) * n)
+            assert fast.read() == [written[-1]]
+        head = ring.stats().head
+        # free space is counted against the slow reader: full when the next frame plus the next
+        # header would pass its tail by a lap
+        assert head + S + L.FRAME_HEADER > CAP >= head
+        assert len(written) == head // S
+        assert re.fullmatch(
+            rf"ring {ring.name}: no room for a {S}-byte frame after 0 s; "
+            rf"lagging reader\(s\): slot 1 \(pid {os.getpid()}, lag {head} bytes\)",
+            str(full),
+        )
+        assert isinstance(full, TimeoutError)
+        # nothing was overwritten: the slow reader gets every frame intact
+        assert slow.read(max_frames=1000) == written
+        ring.write(b"ok", timeout=0)
+
+
+def test_ring_full_after_the_timeout_names_the_laggard() -> None:
+    with shm.Ring.create(capacity=CAP) as ring, ring.reader() as reader:
+        written = fill(ring, 4000)
+        with pytest.raises(
+            shm.RingFull,
+            match=rf"^ring {ring.name}: no room for a 4032-byte frame after 0\.05 s; "
+            rf"lagging reader\(s\): slot 0 \(pid {os.getpid()}, lag {len(written) * 4032} bytes\)$",
+        ):
+            ring.write(b"x" * 4000, timeout=0.05)
+        assert ring.stats().frames_lost == 0  # the CPU producer raises instead of dropping
+        assert reader.read(max_frames=1000) == written
+
+
+def test_no_reader_never_blocks_the_producer() -> None:
+    with shm.Ring.create(capacity=CAP) as ring:
+        for i in range(20 * CAP // MAX_REC):
+            ring.write(bytes([i % 256]) * (MAX_REC - 16), timeout=0)
+        assert ring.stats().frames_written == 20 * CAP // MAX_REC
+
+
+def test_all_reader_slots_taken() -> None:
+    with shm.Ring.create(capacity=CAP, max_readers=2) as ring:
+        a = ring.reader()
+        b = ring.reader()
+        with pytest.raises(shm.RingError, match=rf"^reader: all 2 reader slots of ring {ring.name} are taken$"):
+            ring.reader()
+        with shm.Ring.attach(ring.name) as att:
+            with pytest.raises(shm.RingError, match=rf"^reader: all 2 reader slots of ring {ring.name} are taken$"):
+                att.reader()
+            a.close()
+            c = att.reader()
+            assert c.slot == 0
+            ring.write(b"x")
+            assert b.read() == c.read() == [b"x"]
+
+
+# -- eviction ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("check_pids", [True, False])
+def test_dead_reader_process_is_evicted(check_pids: bool) -> None:
+    with shm.Ring.create(capacity=CAP, check_pids=check_pids) as ring, ring.reader() as live:
+        parent, child = SPAWN.Pipe()
+        p = SPAWN.Process(target=proc_dead_reader, args=(ring.name, child))
+        p.start()
+        try:
+            slot, pid = recv(parent, "the reader process")
+            p.join(XPROC_TIMEOUT)
+            assert p.exitcode == 0
+        finally:
+            reap(p)
+        assert {r.slot: r.state for r in ring.stats().readers} == {0: "active", 1: "active"}
+        n = MAX_REC - 16
+        if check_pids:
+            for i in range(3 * CAP // MAX_REC):
+                ring.write(bytes([i]) * n, timeout=XPROC_TIMEOUT)
+                assert live.read() == [bytes([i]) * n]
+            states = {r.slot: (r.state, r.pid) for r in ring.stats().readers}
+            assert states == {0: ("active", os.getpid()), 1: ("evicted", pid)}
+        else:
+            # without pid checks (readers in another pid namespace) a dead reader holds the ring
+            for i in range(CAP // MAX_REC - 1):
+                ring.write(bytes([i]) * n, timeout=0)
+                live.read()
+            with pytest.raises(
+                shm.RingFull,
+                match=rf"^ring {ring.name}: no room for a {MAX_REC}-byte frame after 0\.01 s; "
+                rf"lagging reader\(s\): slot {slot} \(pid {pid}, lag {CAP - MAX_REC} bytes\)$",
+            ):
+                ring.write(b"y" * n, timeout=0.01)
+            assert {r.slot: r.state for r in ring.stats().readers} == {0: "active", 1: "active"}
+
+
+def test_silent_reader_is_evicted_after_reader_timeout() -> None:
+    with shm.Ring.create(capacity=CAP, reader_timeout=0.05) as ring:
+        silent = ring.reader()
+        keeps_up = ring.reader()
+        n = 1000
+        written = []
+        # the producer waits (bounded) until the silent reader's heartbeat is stale, evicts it
+        # and continues; the reader that keeps up is never evicted
+        for i in range(2 * CAP // frame_size(n)):
+            written.append(bytes([i % 256]) * n)
+            ring.write(written[-1], timeout=XPROC_TIMEOUT)
+            assert keeps_up.read() == [written[-1]]
+        assert {r.slot: r.state for r in ring.stats().readers} == {0: "evicted", 1: "active"}
+        msg = rf"^ring {ring.name}: reader slot 0 was evicted by the producer; frames after position 0 may be lost$"
+        with pytest.raises(shm.ReaderEvicted, match=msg):
+            silent.poll()
+        with pytest.raises(shm.ReaderEvicted, match=msg):
+            silent.wait(0)
+        # a new reader may take the evicted slot; the old handle stays evicted (generation)
+        with ring.reader() as fresh:
+            assert fresh.slot == 0
+            with pytest.raises(shm.ReaderEvicted, match=msg):
+                silent.poll()
+            ring.write(b"after")
+            assert fresh.read() == [b"after"]
+        silent.close()
+
+
+def test_closing_an_evicted_reader_leaves_the_new_owner_alone() -> None:
+    with shm.Ring.create(capacity=CAP, reader_timeout=0.05) as ring:
+        old = ring.reader()
+        with ring.reader() as other:
+            for i in range(2 * CAP // MAX_REC):
+                ring.write(bytes([i]) * (MAX_REC - 16), timeout=XPROC_TIMEOUT)
+                other.read()
+        new = ring.reader()
+        assert new.slot == old.slot == 0
+        old.close()  # must neither free the slot nor remove the bell of its new owner
+        assert [(r.slot, r.state) for r in ring.stats().readers] == [(0, "active")]
+        assert os.path.exists(f"{ring.path}.bell0")
+        assert new.sleep_begin()
+        ring.write(b"x")
+        assert bell_bytes(new) == b"\x01"
+        new.sleep_end()
+        assert new.read() == [b"x"]
+        new.close()
+        assert not os.path.exists(f"{ring.path}.bell0")
+
+
+def test_live_reader_without_timeout_is_never_evicted() -> None:
+    with shm.Ring.create(capacity=CAP) as ring, ring.reader() as reader:
+        fill(ring, 500)
+        with pytest.raises(shm.RingFull):
+            ring.write(b"x" * 500, timeout=0.05)
+        assert ring.stats().readers[0].state == "active"
+        assert len(reader.read(max_frames=1000)) > 0
