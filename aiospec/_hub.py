@@ -17,7 +17,8 @@ import msgspec
 from aiospec._codec import Frame
 from aiospec._reader import read_ring
 from aiospec._routing import RingFeed, Router, Unit
-from aiospec._stream import HubClosed, ProducerLost, RequestStream, StreamError, StreamFramesLost
+from aiospec._stream import RequestStream
+from aiospec._stream_errors import HubClosed, ProducerLost, StreamError, StreamFramesLost
 from shm._errors import AiospecError, ProducerGone, ReaderEvicted
 
 __all__ = ("Hub", "HubStats", "RingInfo")

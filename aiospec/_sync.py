@@ -18,7 +18,7 @@ import numpy as np
 
 from aiospec._codec import Frame
 from aiospec._routing import RingFeed, check_handle
-from aiospec._stream import TERMINAL_FLAGS
+from aiospec._stream_errors import TERMINAL_FLAGS
 from shm import _layout as L
 from shm._errors import AiospecError, FramesLost, ReaderEvicted, RingError
 

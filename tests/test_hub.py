@@ -23,16 +23,15 @@ from _ringhelpers import RawSegment
 
 import shm
 from aiospec._codec import Flag, FrameError, Kind, encode_frame
+from aiospec._collector import _MAX_PINNED
 from aiospec._hub import Hub
-from aiospec._stream import (
-    _MAX_PINNED,
-    Delta,
+from aiospec._stream import Delta, RequestStream
+from aiospec._stream_errors import (
     HubClosed,
     ProducerLost,
     RequestAborted,
     RequestPreempted,
     RequestRecoveryStopped,
-    RequestStream,
     StreamBusy,
     StreamClosed,
     StreamError,

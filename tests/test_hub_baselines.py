@@ -19,7 +19,7 @@ from test_hub import no_segment_left  # noqa: F401  (autouse fixture)
 import shm
 from aiospec._codec import Flag, encode_frame
 from aiospec._hub import Hub
-from aiospec._stream import EndOfStream, RequestAborted, StreamError
+from aiospec._stream_errors import EndOfStream, RequestAborted, StreamError
 from aiospec.baselines import (
     FastDeployStyleEmitter,
     FastDeployStyleHub,

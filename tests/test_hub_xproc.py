@@ -16,7 +16,8 @@ from test_hub import check_logprobs, enc, no_segment_left  # noqa: F401  (autous
 import shm
 from aiospec._codec import Flag
 from aiospec._hub import Hub
-from aiospec._stream import ProducerLost, RequestStream
+from aiospec._stream import RequestStream
+from aiospec._stream_errors import ProducerLost
 
 N_REQ = 24
 STEPS = 150
