@@ -39,7 +39,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def _settings(a: argparse.Namespace) -> Any:
     from aiospec.engine import EngineConfig
-    from aiospec.server._backend import ServerSettings
+    from aiospec.server._engine_link import ServerSettings
 
     eng = EngineConfig(
         max_batch=a.max_batch,
