@@ -14,7 +14,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from test_hub import no_segment_left  # noqa: F401  (autouse fixture)
 
 import shm
 from aiospec._codec import Flag, encode_frame
@@ -29,6 +28,8 @@ from aiospec.baselines import (
 )
 from aiospec.baselines._fastdeploy import TOPK_MSG_BYTES
 from aiospec.ops._reference import build_frame
+
+pytestmark = pytest.mark.usefixtures("no_segment_left")
 
 T = 30.0
 

@@ -7,7 +7,7 @@ import asyncio
 
 import numpy as np
 import pytest
-from test_hub import check_logprobs, enc
+from _hubhelpers import check_logprobs, enc
 
 from aiospec._codec import Flag, Kind, decode_frame
 from aiospec._collector import _MAX_PINNED
