@@ -16,9 +16,9 @@ token is copied O(log n) times), so a stalled stream holds its own tokens and fe
 
 Its lifecycle is one ``CollectorState`` with guarded transitions (asyncpg's protocol state)::
 
-    OPEN --FINISHED record--> FINISHED --finished delta read--> DRAINED
-      |  --error record, fail()--> FAILED --error raised-------^   |
-      +--close()--> CLOSED <--close()-- (FINISHED, FAILED, DRAINED)-+
+    OPEN -- a FINISHED record --------> FINISHED -- the finished delta is read --> DRAINED
+    OPEN -- an error record, fail() --> FAILED ---- the error is raised ---------> DRAINED
+    OPEN, FINISHED, FAILED, DRAINED -- close() --> CLOSED
 """
 
 from __future__ import annotations
@@ -214,6 +214,7 @@ class Collector:
 
     @property
     def state(self) -> CollectorState:
+        """Where the stream is in its life (changed only by ``_set_state``)."""
         return self._state
 
     @property
@@ -391,6 +392,7 @@ class Collector:
         self.wake()
 
     def statistics(self) -> StreamStatistics:
+        """What the stream holds now (``RequestStream.statistics()``)."""
         state = self._state
         return StreamStatistics(
             handle=self.handle,
