@@ -12,29 +12,18 @@ import re
 import threading
 
 import pytest
-from _hubhelpers import (
-    Rec,
-    T,
-    check_logprobs,
-    drain,
-    enc,
-    get,
-    until,
-    waiting_get,
-)
+from _hubhelpers import Rec, T, check_logprobs, drain, enc, get, until, waiting_get
 
 import shm
 from aiospec._codec import Flag, Kind
 from aiospec._hub import Hub
 from aiospec._stream import RequestStream
-from aiospec._stream_errors import (
-    StreamBusy,
-)
+from aiospec._stream_errors import StreamBusy
 
 pytestmark = pytest.mark.usefixtures("no_segment_left")
 
 
-# -- opening ---------------------------------------------------------------------------------------
+# -- opening -----------------------------------------------------------------------------------
 
 
 @pytest.mark.asyncio
@@ -66,7 +55,7 @@ async def test_open_errors(ring: shm.Ring) -> None:
         Hub(recheck=0)
 
 
-# -- wake-ups, fairness, back-pressure -------------------------------------------------------------
+# -- wake-ups, fairness, back-pressure ---------------------------------------------------------
 
 
 @pytest.mark.asyncio
@@ -155,7 +144,7 @@ async def test_many_requests_under_back_pressure(ring: shm.Ring) -> None:
         assert st.records_dropped == 0 and st.frames_read == steps and st.streams_open == 0
 
 
-# -- routing ---------------------------------------------------------------------------------------
+# -- routing -----------------------------------------------------------------------------------
 
 
 @pytest.mark.asyncio
@@ -203,7 +192,7 @@ async def test_pd_first_token_from_one_ring_then_decode_from_another(ring: shm.R
         assert not any(d.first_token or d.draft_ids is not None for d in rest)
 
 
-# -- several rings, stats --------------------------------------------------------------------------
+# -- several rings, stats ----------------------------------------------------------------------
 
 
 @pytest.mark.asyncio

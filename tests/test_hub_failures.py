@@ -8,31 +8,18 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from _hubhelpers import (
-    T,
-    drain,
-    enc,
-    get,
-    poke,
-    until,
-    waiting_get,
-)
+from _hubhelpers import T, drain, enc, get, poke, until, waiting_get
 
 import shm
 from aiospec._codec import Flag, FrameError
 from aiospec._hub import Hub
-from aiospec._stream_errors import (
-    HubClosed,
-    ProducerLost,
-    StreamError,
-    StreamFramesLost,
-)
+from aiospec._stream_errors import HubClosed, ProducerLost, StreamError, StreamFramesLost
 from shm import _layout as L
 
 pytestmark = pytest.mark.usefixtures("no_segment_left")
 
 
-# -- a ring fails ----------------------------------------------------------------------------------
+# -- a ring fails ------------------------------------------------------------------------------
 
 
 @pytest.mark.asyncio
@@ -132,7 +119,7 @@ async def test_corrupt_ring_fails_its_streams(ring: shm.Ring) -> None:
         assert hub.stats().rings[0].state == "failed"
 
 
-# -- the Hub closes --------------------------------------------------------------------------------
+# -- the Hub closes ----------------------------------------------------------------------------
 
 
 @pytest.mark.asyncio
@@ -148,7 +135,7 @@ async def test_hub_close_ends_open_streams(ring: shm.Ring) -> None:
         Hub(ring.name).open(1)
 
 
-# -- which streams ---------------------------------------------------------------------------------
+# -- which streams -----------------------------------------------------------------------------
 
 
 @pytest.mark.asyncio

@@ -13,36 +13,19 @@ import threading
 
 import numpy as np
 import pytest
-from _hubhelpers import (
-    Rec,
-    T,
-    check_logprobs,
-    drain,
-    enc,
-    get,
-    lp_of,
-    rank_of,
-    until,
-    waiting_get,
-)
+from _hubhelpers import Rec, T, check_logprobs, drain, enc, get, lp_of, rank_of, until, waiting_get
 
 import shm
 from aiospec._codec import Flag
 from aiospec._collector import _MAX_PINNED
 from aiospec._hub import Hub
 from aiospec._stream import RequestStream
-from aiospec._stream_errors import (
-    RequestAborted,
-    RequestPreempted,
-    RequestRecoveryStopped,
-    StreamClosed,
-    StreamError,
-)
+from aiospec._stream_errors import RequestAborted, RequestPreempted, RequestRecoveryStopped, StreamClosed, StreamError
 
 pytestmark = pytest.mark.usefixtures("no_segment_left")
 
 
-# -- the clean path and Delta ----------------------------------------------------------------------
+# -- the clean path and Delta ------------------------------------------------------------------
 
 
 @pytest.mark.asyncio
@@ -102,7 +85,7 @@ async def test_delta_conversions(ring: shm.Ring) -> None:
         assert d.token_ids.dtype == np.int32 and d.logprobs is not None and d.logprobs.dtype == np.float32
 
 
-# -- request errors --------------------------------------------------------------------------------
+# -- request errors ----------------------------------------------------------------------------
 
 
 @pytest.mark.asyncio
@@ -154,7 +137,7 @@ async def test_error_wakes_a_waiting_consumer(ring: shm.Ring) -> None:
             await asyncio.wait_for(waiter, T)
 
 
-# -- close -----------------------------------------------------------------------------------------
+# -- close -------------------------------------------------------------------------------------
 
 
 @pytest.mark.asyncio
@@ -199,7 +182,7 @@ async def test_unclosed_stream_warns_when_collected(ring: shm.Ring) -> None:
         assert hub.stats().streams_open == 0
 
 
-# -- coalescing, memory, cancellation --------------------------------------------------------------
+# -- coalescing, memory, cancellation ----------------------------------------------------------
 
 
 @pytest.mark.asyncio
