@@ -12,21 +12,18 @@ from __future__ import annotations
 from aiospec._codec import Flag, Frame, FrameError, Kind, decode_frame, encode_frame
 from aiospec._errors import FramesLost
 from aiospec._hub import Hub, HubStats, RingInfo
-from aiospec._stream import (
-    Delta,
-    DeltaStream,
+from aiospec._stream import Delta, DeltaStream, RequestStream, StreamStatistics
+from aiospec._stream_errors import (
     EndOfStream,
     HubClosed,
     ProducerLost,
     RequestAborted,
     RequestPreempted,
     RequestRecoveryStopped,
-    RequestStream,
     StreamBusy,
     StreamClosed,
     StreamError,
     StreamFramesLost,
-    StreamStatistics,
 )
 from aiospec._sync import Record, SyncReader, SyncReaderStats
 from shm import (

@@ -17,14 +17,20 @@ import msgspec
 from aiospec._codec import Frame
 from aiospec._reader import read_ring
 from aiospec._routing import RingFeed, Router, Unit
-from aiospec._stream import HubClosed, ProducerLost, RequestStream, StreamError, StreamFramesLost
+from aiospec._stream import RequestStream
+from aiospec._stream_errors import HubClosed, ProducerLost, StreamError, StreamFramesLost
 from shm import AiospecError, ProducerGone, ReaderEvicted
 
 __all__ = ("Hub", "HubStats", "RingInfo")
 
 
 class RingInfo(msgspec.Struct, frozen=True, gc=False):
-    """One ring as the Hub sees it."""
+    """One ring as the Hub sees it (in ``HubStats.rings``).
+
+    ``state`` is ``"live"`` (read now), ``"failed"`` (its producer is gone or it cannot be read;
+    ``error`` says why) or ``"closed"`` (the Hub closed). ``lag_bytes`` is the ring's head minus
+    this reader's tail while live, None otherwise.
+    """
 
     name: str
     state: str  # "live" | "failed" | "closed"
@@ -38,6 +44,11 @@ class RingInfo(msgspec.Struct, frozen=True, gc=False):
 
 
 class HubStats(msgspec.Struct, frozen=True, gc=False):
+    """The Hub's counters, from ``Hub.stats()``: streams open, records and tokens routed and
+    dropped (for handles with no open stream), draft records (counted, never routed), frames
+    read and lost (ring losses, undecodable frames, evictions), rates over the uptime, and one
+    ``RingInfo`` per ring read now or before."""
+
     streams_open: int  # handles routed now
     records_routed: int
     tokens_routed: int
@@ -60,7 +71,12 @@ class Hub:
     frames drained per poll; ``spin``: seconds a reader polls before sleeping on the bell;
     ``recheck``: the longest sleep before the ring is looked at again (bounds a lost wake-up);
     ``producer_timeout``: declare a producer gone when its heartbeat is older than this
-    (a dead pid or a closed ring is detected without it).
+    (a dead pid or a closed ring is detected without it); ``validate_offsets``: scan every
+    frame's offset columns for monotonicity when decoding it (False: for producers you trust;
+    the header and sizes are checked either way, and a bad frame counts as lost).
+
+    The rings are attached on ``async with`` (or ``__aenter__``); ``aclose()`` (or leaving the
+    block) ends every open stream with ``HubClosed``. A Hub is entered once.
     """
 
     def __init__(
@@ -102,6 +118,7 @@ class Hub:
     # -- lifecycle -----------------------------------------------------------------------------
 
     async def __aenter__(self) -> Hub:
+        """Attach the rings given to the constructor and start their reader tasks."""
         if self._state != "new":
             raise AiospecError(f"Hub: cannot enter a hub that is {self._state}")
         self._state = "running"
@@ -133,7 +150,11 @@ class Hub:
 
     def attach(self, ring: str) -> None:
         """Start reading another ring (e.g. a new engine's). Frames committed before this call
-        are not read: open the streams of its requests after attaching."""
+        are not read: open the streams of its requests after attaching.
+
+        Raises ``ValueError`` when ``ring`` is attached already, ``AiospecError`` outside
+        ``async with``, and what ``shm`` raises when the ring cannot be attached.
+        """
         if self._state != "running":
             raise AiospecError(f"Hub.attach: the hub is {self._state} (use 'async with Hub(...)')")
         if ring in self._feeds:
@@ -164,7 +185,9 @@ class Hub:
         """Open the stream of request ``handle``; call it before the engine admits the request.
 
         ``rings``: the rings this request's records come from; their failure ends the stream
-        (default: any ring of the hub). Opening a handle that is open already is an error.
+        (default: any ring of the hub). Raises ``ValueError`` when the handle is open already,
+        is not an int in 0..2**64-1, or ``rings`` names a ring that is not attached, and
+        ``AiospecError`` outside ``async with``.
         """
         if self._state != "running":
             raise AiospecError(f"Hub.open: the hub is {self._state} (use 'async with Hub(...)')")
@@ -179,6 +202,7 @@ class Hub:
         return RequestStream(self._router.open(handle, deps))
 
     def stats(self) -> HubStats:
+        """The Hub's counters and its rings, now."""
         rt = self._router
         infos = [
             RingInfo(

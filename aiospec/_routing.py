@@ -17,7 +17,8 @@ import numpy as np
 import shm
 from aiospec import _payload_layout as L
 from aiospec._codec import Frame, FrameError, decode_frame
-from aiospec._stream import Collector, StreamError
+from aiospec._collector import Collector
+from aiospec._stream_errors import StreamError
 
 __all__ = ("RingFeed", "Router", "Unit", "check_handle")
 
@@ -314,7 +315,7 @@ class Router:
                 if j > r0 and c.put(src, r0, j, ro[r0], ro[j], w):
                     wake.append(c)
                 for r in range(j, r1):
-                    if c._ended:  # records after the one that ended the request
+                    if c.ended:  # records after the one that ended the request
                         dropped += 1
                         dropped_tokens += ro[r + 1] - ro[r]
                     elif rflags[r]:

@@ -1,4 +1,4 @@
-// aiospec._speedups: the join of a chat chunk's logprobs JSON (aiospec/openai.py).
+// aiospec._speedups: the join of a chat chunk's logprobs JSON (aiospec/openai/_logprobs.py).
 //
 // ChatLogprobsFormatter.format_json builds `{"content":[...]}` from JSON pieces encoded once per
 // token id (the `_Fragments` maps of a tokenizer's `_TokenCache`) and the floats that msgspec
@@ -12,7 +12,7 @@
 #include <stdint.h>
 #include <string.h>
 
-// Bumped whenever a signature or a semantic changes: aiospec/openai.py ignores a stale build.
+// Bumped whenever a signature or a semantic changes: aiospec/openai/_logprobs.py ignores a stale build.
 #define SPEEDUPS_ABI 1
 
 typedef struct {

@@ -20,7 +20,7 @@ from aiospec import _payload_layout as L
 from aiospec._codec import Frame
 from aiospec._errors import FramesLost
 from aiospec._routing import RingFeed, check_handle
-from aiospec._stream import TERMINAL_FLAGS
+from aiospec._stream_errors import TERMINAL_FLAGS
 from shm import AiospecError, ReaderEvicted, RingError
 
 __all__ = ("Record", "SyncReader", "SyncReaderStats")
@@ -44,10 +44,12 @@ class Record(msgspec.Struct, kw_only=True, gc=False):
 
     @property
     def first_token(self) -> bool:
+        """The record carries ``Flag.FIRST_TOKEN``."""
         return bool(self.flags & L.FLAG_FIRST_TOKEN)
 
     @property
     def finished(self) -> bool:
+        """The record carries ``Flag.FINISHED``."""
         return bool(self.flags & L.FLAG_FINISHED)
 
     @property
@@ -57,6 +59,15 @@ class Record(msgspec.Struct, kw_only=True, gc=False):
 
 
 class SyncReaderStats(msgspec.Struct, frozen=True, gc=False):
+    """What a ``SyncReader`` has done, from ``SyncReader.stats()``.
+
+    ``rings``: the rings read now (a ring whose producer is gone or that is corrupt is
+    dropped). ``tracked``: handles tracked now (with ``only_tracked``). ``frames_read`` and
+    ``records_read``: frames read, records delivered. ``records_dropped``: records of untracked
+    handles (with ``only_tracked``). ``frames_lost``: frames lost by producers, undecodable
+    frames, and one per eviction of this reader.
+    """
+
     rings: tuple[str, ...]
     tracked: int
     frames_read: int
@@ -100,6 +111,13 @@ class SyncReader:
     records read before them: ``FramesLost`` (frames lost, this reader evicted, a payload that
     does not decode; reading goes on), ``ProducerGone`` and ``CorruptFrame`` (that ring is
     dropped from this reader).
+
+    ``only_tracked``: deliver only the records of handles given to ``track()`` (a tracked
+    handle is forgotten after the target record that ends its request); ``max_frames``: frames
+    drained per ring and read; ``spin``: seconds to poll before sleeping on the rings' bells;
+    ``recheck``: the longest sleep before the rings are looked at again; ``producer_timeout``:
+    declare a producer gone when its heartbeat is older than this (None: only a dead pid or a
+    closed ring). A context manager; ``close()`` releases the reader slots.
     """
 
     def __init__(
@@ -149,16 +167,24 @@ class SyncReader:
         self._tracked.add(handle)
 
     def untrack(self, handle: int) -> None:
+        """Stop delivering the records of ``handle``; a handle not tracked is ignored."""
         self._tracked.discard(handle)
 
     @property
     def rings(self) -> tuple[str, ...]:
+        """Names of the rings read now."""
         return tuple(self._feeds)
 
     # -- reading ----------------------------------------------------------------------------------
 
     def read(self, timeout: float | None = None) -> list[Record]:
-        """Records committed so far, waiting up to ``timeout`` s (None: forever) for the first."""
+        """Records committed so far, waiting up to ``timeout`` s (None: forever) for the first;
+        ``[]`` when the time ran out.
+
+        Raises a pending ring problem (``FramesLost``, ``ProducerGone``, ``CorruptFrame``)
+        once the records read before it were returned, ``RingError`` when no ring is left, and
+        ``AiospecError`` after ``close()``.
+        """
         if self._closed:
             raise AiospecError("SyncReader.read: the reader is closed")
         self._raise_pending()
@@ -177,6 +203,7 @@ class SyncReader:
             self._wait(left)
 
     def __iter__(self) -> Iterator[Record]:
+        """Every record, as ``read()`` returns them, forever (until a ring problem raises)."""
         while True:
             yield from self.read()
 
@@ -260,6 +287,7 @@ class SyncReader:
             raise err
 
     def stats(self) -> SyncReaderStats:
+        """What this reader has read, dropped and lost so far."""
         return SyncReaderStats(
             rings=self.rings,
             tracked=len(self._tracked),
@@ -270,6 +298,7 @@ class SyncReader:
         )
 
     def close(self) -> None:
+        """Release every ring's reader slot; later reads raise. Idempotent."""
         self._closed = True
         for f in self._feeds.values():
             f.close()

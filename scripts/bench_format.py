@@ -25,7 +25,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import aiospec.openai as oai
+import aiospec.openai._logprobs as oai  # where the C join is selected
 from aiospec._stream import Delta
 from aiospec.engine._vocab import default_vocabulary
 

@@ -9,11 +9,15 @@ assertions pass (uvloop's ``_testbase``).
 from __future__ import annotations
 
 import asyncio
+import glob
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import uvloop
+
+import shm
 
 _loop_errors: list[str] = []
 
@@ -68,3 +72,41 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
     result = yield
     _check_loop_errors("while the test's loop was torn down")
     return result
+
+
+# -- rings ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def no_segment_left() -> Iterator[None]:
+    """Every ring a test creates in this process is closed and unlinked by its end (the Hub,
+    stream and sync reader modules use it on every test: ``pytestmark = usefixtures(...)``)."""
+    created: list[str] = []
+    create = shm.Ring.create.__func__  # type: ignore[attr-defined]
+
+    def tracking(cls: type[shm.Ring], *args: Any, **kw: Any) -> shm.Ring:
+        r: shm.Ring = create(cls, *args, **kw)
+        created.append(r.name)
+        return r
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(shm.Ring, "create", classmethod(tracking))
+        yield
+    left = [p for name in created for p in glob.glob(os.path.join(shm.SHM_DIR, glob.escape(name) + "*"))]
+    for p in left:
+        os.unlink(p)
+    assert not left, f"files left in /dev/shm: {left}"
+
+
+@pytest.fixture
+def ring() -> Iterator[shm.Ring]:
+    """A fresh 1 MiB ring, closed and unlinked at the end."""
+    with shm.Ring.create(capacity=1 << 20) as r:
+        yield r
+
+
+@pytest.fixture
+def ring2() -> Iterator[shm.Ring]:
+    """A second fresh 1 MiB ring."""
+    with shm.Ring.create(capacity=1 << 20) as r:
+        yield r

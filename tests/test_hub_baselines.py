@@ -14,12 +14,11 @@ from typing import Any
 
 import numpy as np
 import pytest
-from test_hub import no_segment_left  # noqa: F401  (autouse fixture)
 
 import shm
 from aiospec._codec import Flag, encode_frame
 from aiospec._hub import Hub
-from aiospec._stream import EndOfStream, RequestAborted, StreamError
+from aiospec._stream_errors import EndOfStream, RequestAborted, StreamError
 from aiospec.baselines import (
     FastDeployStyleEmitter,
     FastDeployStyleHub,
@@ -29,6 +28,8 @@ from aiospec.baselines import (
 )
 from aiospec.baselines._fastdeploy import TOPK_MSG_BYTES
 from aiospec.ops._reference import build_frame
+
+pytestmark = pytest.mark.usefixtures("no_segment_left")
 
 T = 30.0
 

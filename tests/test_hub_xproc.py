@@ -10,13 +10,16 @@ from typing import Any
 
 import pytest
 import uvloop
+from _hubhelpers import check_logprobs, enc
 from _ringhelpers import SPAWN, XPROC_TIMEOUT, reap, recv, remove_segment
-from test_hub import check_logprobs, enc, no_segment_left  # noqa: F401  (autouse fixture)
 
 import shm
 from aiospec._codec import Flag
 from aiospec._hub import Hub
-from aiospec._stream import ProducerLost, RequestStream
+from aiospec._stream import RequestStream
+from aiospec._stream_errors import ProducerLost
+
+pytestmark = pytest.mark.usefixtures("no_segment_left")
 
 N_REQ = 24
 STEPS = 150

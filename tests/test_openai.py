@@ -197,11 +197,11 @@ def test_sse_chunks_exact_bytes() -> None:
 @pytest.fixture(params=["c", "python"])
 def join(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """format_json through the C join (aiospec/_speedups.c) and through the Python one."""
-    import aiospec.openai
+    import aiospec.openai._logprobs
 
     if request.param == "python":
-        monkeypatch.setattr(aiospec.openai, "_speedups", None)
-    elif aiospec.openai._speedups is None:
+        monkeypatch.setattr(aiospec.openai._logprobs, "_speedups", None)
+    elif aiospec.openai._logprobs._speedups is None:
         pytest.skip("aiospec._speedups is not built here; tests/test_speedups.py says why")
     return str(request.param)
 

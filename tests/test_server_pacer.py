@@ -11,7 +11,7 @@ import pytest
 import shm
 from aiospec import Flag, encode_frame
 from aiospec._hub import Hub
-from aiospec._stream import EndOfStream
+from aiospec._stream_errors import EndOfStream
 from aiospec.server._pacer import Pacer
 from aiospec.server._ready import paced_get
 

@@ -10,24 +10,23 @@ import numpy as np
 import pytest
 from _nativehelpers import assert_built
 
-import aiospec.openai
-from aiospec.openai import ChatLogprobsFormatter, SimpleTokenizer
+from aiospec.openai import ChatLogprobsFormatter, SimpleTokenizer, _logprobs, _tokencache
 
 
 def _mod() -> ModuleType:
-    if aiospec.openai._speedups is None:
+    if _logprobs._speedups is None:
         pytest.skip("aiospec._speedups is not built here; test_speedups_is_built says why")
-    return aiospec.openai._speedups
+    return _logprobs._speedups
 
 
 def test_speedups_is_built() -> None:
     """Where the install could compile it, the module must be there and current."""
-    assert_built("aiospec._speedups", "AIOSPEC_PURE_PYTHON", aiospec.openai._SPEEDUPS_ABI, aiospec.openai._speedups)
+    assert_built("aiospec._speedups", "AIOSPEC_PURE_PYTHON", _logprobs._SPEEDUPS_ABI, _logprobs._speedups)
 
 
 def _args(**over: Any) -> list[Any]:
     """Valid arguments for 2 positions with n = 1, with some replaced."""
-    c = aiospec.openai._cache_for(SimpleTokenizer({0: "a", 1: "b", 2: "c"}))
+    c = _tokencache.cache_for(SimpleTokenizer({0: "a", 1: "b", 2: "c"}))
     a: dict[str, Any] = {
         "ids": np.array([0, 1], np.int32),
         "top_ids": np.array([[1, 2], [2, 0]], np.int32),
@@ -114,7 +113,7 @@ def test_wrong_argument_count() -> None:
 def test_without_top_logprobs_the_top_maps_are_not_needed() -> None:
     import json
 
-    c = aiospec.openai._cache_for(SimpleTokenizer({0: "a", 1: "b"}))
+    c = _tokencache.cache_for(SimpleTokenizer({0: "a", 1: "b"}))
     out = _mod().chat_logprobs(np.array([1, 0], np.int32), None, 0, b"[-1.0,-2.0]", b"-9999.0", c.head, None,
                                None, None, c.main_bare)  # fmt: skip
     assert json.loads(out) == {"content": [

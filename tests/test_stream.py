@@ -7,11 +7,13 @@ import asyncio
 
 import numpy as np
 import pytest
-from test_hub import check_logprobs, enc
+from _hubhelpers import check_logprobs, enc
 
 from aiospec._codec import Flag, Kind, decode_frame
+from aiospec._collector import _MAX_PINNED
 from aiospec._routing import Router
-from aiospec._stream import _MAX_PINNED, EndOfStream, ProducerLost, RequestStream, StreamError, StreamFramesLost
+from aiospec._stream import RequestStream
+from aiospec._stream_errors import EndOfStream, ProducerLost, StreamError, StreamFramesLost
 
 
 def route(router: Router, *payloads: bytes) -> None:

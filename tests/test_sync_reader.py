@@ -6,14 +6,16 @@ import threading
 from collections.abc import Iterator
 
 import pytest
+from _hubhelpers import check_logprobs, enc, poke
 from _ringhelpers import XPROC_TIMEOUT, wait_for
-from test_hub import check_logprobs, enc, no_segment_left, poke  # noqa: F401  (autouse fixture)
 
 import shm
 from aiospec import FramesLost
 from aiospec._codec import Flag, FrameError, Kind
 from aiospec._sync import Record, SyncReader
 from shm import layout as L
+
+pytestmark = pytest.mark.usefixtures("no_segment_left")
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from aiospec.server._app import create_app
-    from aiospec.server._backend import ServerSettings
+    from aiospec.server._engine_link import ServerSettings
     from aiospec.server._launch import ServerProcess
     from aiospec.server._requests import ApiError
     from aiospec.server._serve import serve
@@ -23,7 +23,7 @@ __all__ = ("ApiError", "ServerProcess", "ServerSettings", "create_app", "serve")
 _WHERE = {
     "ApiError": "aiospec.server._requests",
     "ServerProcess": "aiospec.server._launch",
-    "ServerSettings": "aiospec.server._backend",
+    "ServerSettings": "aiospec.server._engine_link",
     "create_app": "aiospec.server._app",
     "serve": "aiospec.server._serve",
 }

@@ -74,7 +74,7 @@ def _require(a: argparse.Namespace, extra: str) -> None:
 
 def _settings(a: argparse.Namespace) -> Any:
     from aiospec.engine import EngineConfig
-    from aiospec.server._backend import ServerSettings
+    from aiospec.server._engine_link import ServerSettings
 
     eng = EngineConfig(
         max_batch=_max_batch(a),

@@ -15,7 +15,8 @@ import asyncio
 import time
 from typing import Any
 
-from aiospec._stream import Collector, RequestStream
+from aiospec._collector import Collector
+from aiospec._stream import RequestStream
 from aiospec.server._pacer import Pacer
 
 __all__ = ("paced_get",)

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import uvicorn
 
 from aiospec.server._app import create_app
-from aiospec.server._backend import ServerSettings
+from aiospec.server._engine_link import ServerSettings
 
 __all__ = ("serve",)
 

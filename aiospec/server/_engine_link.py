@@ -19,7 +19,7 @@ from aiospec._stream import RequestStream
 from aiospec.engine import Admit, EngineConfig, EngineGroup, EngineStats, HandleAllocator, default_vocabulary
 from aiospec.engine._vocab import Vocabulary
 
-__all__ = ("Backend", "ServerSettings")
+__all__ = ("EngineLink", "ServerSettings", "TokenSource")
 
 
 class ServerSettings(msgspec.Struct, kw_only=True):
@@ -44,11 +44,14 @@ class ServerSettings(msgspec.Struct, kw_only=True):
 
 
 class TokenSource(Protocol):
+    """Where a request's output comes from: the Hub, or a baseline path's receiving end."""
+
     def open(self, handle: int) -> RequestStream: ...
 
 
-class Backend:
-    """Engines + token path + handle allocation for one server process."""
+class EngineLink:
+    """One server process's link to its engines: the engine processes, the token path their
+    steps reach the server by, and the allocation of request handles."""
 
     def __init__(self, settings: ServerSettings) -> None:
         self.settings = settings

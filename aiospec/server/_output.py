@@ -1,0 +1,141 @@
+"""What one request's deltas become: incremental text cut at stop sequences, logprobs, the
+finish reason, and deltas split into pieces of bounded formatting work."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiospec._stream import Delta
+from aiospec.openai import (
+    ChatLogprobs,
+    ChatLogprobsFormatter,
+    CompletionLogprobs,
+    CompletionLogprobsFormatter,
+    IncrementalText,
+)
+from aiospec.server._requests import Parsed
+
+__all__ = ("MAX_CHUNK_TOKENS", "Output", "split")
+
+
+class Output:
+    """Formatting state of one request: incremental text, logprobs, stop sequences, counts."""
+
+    __slots__ = (
+        "_dec",
+        "_fmt",
+        "_maxstop",
+        "_stops",
+        "_tail",
+        "chat",
+        "finish_reason",
+        "max_tokens",
+        "ntok",
+        "stopped",
+    )
+
+    def __init__(self, chat: bool, parsed: Parsed, tokenizer: Any) -> None:
+        self.chat = chat
+        self._dec = IncrementalText(tokenizer)
+        self._fmt: ChatLogprobsFormatter | CompletionLogprobsFormatter | None = None
+        if parsed.top_logprobs >= 0:
+            if chat:
+                self._fmt = ChatLogprobsFormatter(tokenizer, top_logprobs=parsed.top_logprobs)
+            else:
+                self._fmt = CompletionLogprobsFormatter(tokenizer, logprobs=parsed.top_logprobs)
+        self._stops = parsed.stop
+        self._maxstop = max((len(s) for s in parsed.stop), default=0)
+        self._tail = ""
+        self.max_tokens = parsed.max_tokens
+        self.ntok = 0
+        self.finish_reason: str | None = None
+        self.stopped = False  # ended by a stop sequence: the engine is still decoding it
+
+    def consume(self, delta: Any) -> tuple[str, Any]:
+        """Text and logprobs object of one delta (both cut at a stop sequence)."""
+        text, kept = self._text(delta)
+        lp = None
+        if self._fmt is not None:
+            lp = self._fmt.format(delta)
+            if kept < delta.num_tokens:
+                lp = _truncate(lp, kept)
+        return text, lp
+
+    def consume_chat(self, delta: Any) -> tuple[str, bytes | None]:
+        """Text and logprobs JSON of one delta of a chat stream (both cut at a stop sequence)."""
+        text, kept = self._text(delta)
+        fmt = self._fmt
+        assert fmt is None or isinstance(fmt, ChatLogprobsFormatter)
+        return text, None if fmt is None else fmt.format_json(delta, kept)
+
+    def _text(self, delta: Any) -> tuple[str, int]:
+        """Text of one delta and how many of its tokens it keeps (fewer after a stop sequence)."""
+        ids = delta.token_ids.tolist()
+        if not self._stops:
+            text = self._dec.decode(ids)
+            self.ntok += len(ids)
+        else:
+            push = self._dec.push
+            pieces = [push(t) for t in ids]
+            text = "".join(pieces)
+            search = self._tail + text
+            hit = min((i for i in (search.find(s) for s in self._stops) if i >= 0), default=-1)
+            if hit < 0:
+                self.ntok += len(ids)
+                self._tail = search[len(search) - self._maxstop + 1 :] if self._maxstop > 1 else ""
+            else:
+                cut = max(0, hit - len(self._tail))
+                kept = pos = 0
+                for p in pieces:
+                    if pos >= cut:
+                        break
+                    kept += 1
+                    pos += len(p)
+                self.ntok += kept
+                self.finish_reason = "stop"
+                self.stopped = True
+                return text[:cut], kept
+        if delta.finished:
+            self.finish_reason = "length" if self.ntok >= self.max_tokens else "stop"
+        return text, len(ids)
+
+
+def _truncate(lp: Any, n: int) -> Any:
+    if lp is None:
+        return None
+    if isinstance(lp, ChatLogprobs):
+        return ChatLogprobs((lp.content or [])[:n])
+    return CompletionLogprobs(
+        lp.tokens[:n],
+        lp.token_logprobs[:n],
+        None if lp.top_logprobs is None else lp.top_logprobs[:n],
+        lp.text_offset[:n],
+    )
+
+
+MAX_CHUNK_TOKENS = 48  # tokens formatted in one piece of work; a larger delta is split
+
+
+def split(d: Delta, n: int) -> list[Delta]:
+    """A delta as pieces of at most ``n`` tokens (first-token and finished flags where due)."""
+    total = d.num_tokens
+    if total <= n:
+        return [d]
+    out = []
+    for a in range(0, total, n):
+        b = min(total, a + n)
+        out.append(
+            Delta(
+                token_ids=d.token_ids[a:b],
+                logprobs=None if d.logprobs is None else d.logprobs[a:b],
+                ranks=None if d.ranks is None else d.ranks[a:b],
+                topk_ids=None if d.topk_ids is None else d.topk_ids[a:b],
+                topk_logprobs=None if d.topk_logprobs is None else d.topk_logprobs[a:b],
+                draft_ids=d.draft_ids if a == 0 else None,
+                first_token=d.first_token and a == 0,
+                finished=d.finished and b == total,
+                num_steps=d.num_steps,
+                step=d.step,
+            )
+        )
+    return out

@@ -1,0 +1,163 @@
+"""How a ring's failure ends the streams that depend on it (docs/streams.md, "Which streams a
+ring failure ends" and the error rows of the ``RequestStream`` table): producer gone, frames
+lost, an evicted reader, undecodable and corrupt frames, the Hub closing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from _hubhelpers import T, drain, enc, get, poke, until, waiting_get
+
+import shm
+from aiospec._codec import Flag, FrameError
+from aiospec._hub import Hub
+from aiospec._stream_errors import HubClosed, ProducerLost, StreamError, StreamFramesLost
+from shm import layout as L
+
+pytestmark = pytest.mark.usefixtures("no_segment_left")
+
+
+# -- a ring fails ------------------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_producer_close_ends_streams_with_producer_lost(ring: shm.Ring) -> None:
+    async with Hub(ring.name) as hub:
+        s = hub.open(1)
+        ring.write(enc([(1, [1, 2], 0)]))
+        ring.close()  # committed frames are read first, then the producer is gone
+        d = await get(s)
+        assert d.token_list() == [1, 2]
+        name = ring.name
+        msg = rf"^request 0x1: the producer of ring {name} is gone \(ring {name}: the producer closed the ring\)$"
+        with pytest.raises(ProducerLost, match=msg) as info:
+            await get(s)
+        assert isinstance(info.value, ConnectionError)
+        assert isinstance(info.value.__cause__, shm.ProducerGone)
+        st = hub.stats()
+        assert st.rings[0].state == "failed" and st.rings[0].error is not None
+        assert st.rings[0].error.startswith("ProducerGone: ")
+        assert hub.rings == ()
+        # a stream opened afterwards depends on no dead ring
+        s2 = hub.open(2)
+        assert s2.get_nowait() is None
+        s2.close()
+
+
+@pytest.mark.asyncio
+async def test_frames_lost_end_the_streams_of_that_ring(ring: shm.Ring) -> None:
+    async with Hub(ring.name) as hub:
+        a, b = hub.open(1), hub.open(2)
+        ring.write(enc([(1, [1], 0), (2, [2], 0)]))
+        await until(lambda: hub.stats().records_routed == 2, "the first records")
+        poke(ring.name, L.OFF_FRAMES_LOST, 3)  # what a GPU producer does when it drops frames
+        msg = rf"^request 0x1: 3 frame\(s\) of ring {ring.name} were lost by the producer; its records may be missing$"
+        assert (await get(a)).token_list() == [1]
+        with pytest.raises(StreamFramesLost, match=msg) as info:
+            await get(a)
+        assert info.value.lost == 3
+        assert (await get(b)).token_list() == [2]
+        with pytest.raises(StreamFramesLost):
+            await get(b)
+        assert hub.stats().frames_lost == 3
+        # the ring itself is fine: reading goes on for new requests
+        c = hub.open(3)
+        ring.write(enc([(3, [9], Flag.FINISHED)]))
+        assert [d.token_list() for d in await drain(c)] == [[9]]
+        assert hub.stats().rings[0].state == "live"
+
+
+@pytest.mark.asyncio
+async def test_an_evicted_reader_ends_the_streams_and_takes_a_new_slot(ring: shm.Ring) -> None:
+    async with Hub(ring.name, recheck=0.01) as hub:
+        s = hub.open(1)
+        slot = ring.stats().readers[0].slot
+        # what a producer does to a reader it declared dead
+        poke(ring.name, L.READERS_BASE + slot * L.READER_STRIDE + L.RD_STATE, L.READER_EVICTED)
+        msg = (
+            rf"^request 0x1: this hub's reader of ring {ring.name} was evicted and missed frames; "
+            r"its records may be missing$"
+        )
+        with pytest.raises(StreamFramesLost, match=msg) as info:
+            await get(s)
+        assert isinstance(info.value.__cause__, shm.ReaderEvicted)
+        await until(lambda: any(r.state == "active" for r in ring.stats().readers), "a new reader slot")
+        s2 = hub.open(2)
+        ring.write(enc([(2, [5], Flag.FINISHED)]))
+        assert [d.token_list() for d in await drain(s2)] == [[5]]
+        assert hub.stats().rings[0].evictions == 1 and hub.stats().rings[0].state == "live"
+
+
+@pytest.mark.asyncio
+async def test_undecodable_frame_counts_as_lost(ring: shm.Ring) -> None:
+    async with Hub(ring.name) as hub:
+        s = hub.open(1)
+        ring.write(b"\x00" * 200)
+        with pytest.raises(
+            StreamFramesLost,
+            match=rf"^request 0x1: a frame of ring {ring.name} could not be decoded \(header: expected a msgpack "
+            r"array16 of 20 \(dc 00 14\), got 00 00 00\); its records may be missing$",
+        ) as info:
+            await get(s)
+        assert isinstance(info.value.__cause__, FrameError)
+        assert hub.stats().rings[0].frames_undecodable == 1
+
+
+@pytest.mark.asyncio
+async def test_corrupt_ring_fails_its_streams(ring: shm.Ring) -> None:
+    async with Hub(ring.name) as hub:
+        s = hub.open(1)
+        # a commit word at the head whose length runs past the data area
+        poke(ring.name, L.CONTROL_SIZE + L.FH_COMMIT, (1 << 31) | (L.FRAME_DATA << 32))
+        with pytest.raises(
+            StreamError, match=rf"^request 0x1: ring {ring.name} cannot be read any more \(CorruptFrame\(.*\)\)$"
+        ) as info:
+            await get(s)
+        assert isinstance(info.value.__cause__, shm.CorruptFrame)
+        assert hub.stats().rings[0].state == "failed"
+
+
+# -- the Hub closes ----------------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_hub_close_ends_open_streams(ring: shm.Ring) -> None:
+    async with Hub(ring.name) as hub:
+        s = hub.open(1)
+        waiter = await waiting_get(s)
+    with pytest.raises(HubClosed, match=r"^request 0x1: the hub was closed$"):
+        await asyncio.wait_for(waiter, T)
+    with pytest.raises(shm.AiospecError, match=r"^Hub.open: the hub is closed \(use 'async with Hub\(...\)'\)$"):
+        hub.open(2)
+    with pytest.raises(shm.AiospecError, match=r"^Hub.open: the hub is new \(use 'async with Hub\(...\)'\)$"):
+        Hub(ring.name).open(1)
+
+
+# -- which streams -----------------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_a_ring_failure_ends_only_the_streams_that_depend_on_it(ring: shm.Ring, ring2: shm.Ring) -> None:
+    prefill, decode = ring, ring2
+    async with Hub([prefill.name, decode.name]) as hub:
+        on_decode = hub.open(1, rings=[decode.name])
+        on_prefill = hub.open(2, rings=prefill.name)
+        on_any = hub.open(3)
+        prefill.close()
+        with pytest.raises(
+            ProducerLost,
+            match=rf"^request 0x2: the producer of ring {prefill.name} is gone \(ring {prefill.name}: "
+            r"the producer closed the ring\)$",
+        ):
+            await get(on_prefill)
+        with pytest.raises(
+            ProducerLost,
+            match=rf"^request 0x3: the producer of ring {prefill.name} is gone \(ring {prefill.name}: "
+            r"the producer closed the ring\)$",
+        ):
+            await get(on_any)
+        decode.write(enc([(1, [1], Flag.FINISHED)]))
+        assert [d.token_list() for d in await drain(on_decode)] == [[1]]
+        assert [r.state for r in hub.stats().rings] == ["live", "failed"]
