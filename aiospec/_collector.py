@@ -30,9 +30,9 @@ from typing import Any
 
 import numpy as np
 
+from aiospec import _payload_layout as L
 from aiospec._stream import Delta, StreamStatistics
 from aiospec._stream_errors import ERROR_FLAGS, EndOfStream, StreamClosed, StreamError, request_error
-from aiospec import _payload_layout as L
 from shm import AiospecError
 
 __all__ = ("Collector", "CollectorState", "CollectorStateError")
