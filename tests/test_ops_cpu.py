@@ -18,17 +18,26 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _opshelpers import MODES, make_step, read_frames, sleep_then_die
+from _opshelpers import INVALID, MODES, arr, base, collect_kw, make_step, read_frames, sleep_then_die
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_ops_reference import INVALID, arr, base
 
 import shm
 from aiospec._codec import Kind, decode_frame
-from aiospec.ops import EmitError, Producer, _build, _cpu, available_backends, build_frame, emit
+from aiospec.ops import (
+    EmitError,
+    EmitStep,
+    Producer,
+    _build,
+    _cpu,
+    _inputs,
+    _producer,
+    available_backends,
+    build_frame,
+    emit,
+)
 from aiospec.ops._abi import EmitArgs, ErrorWord, FrameLayout
 from aiospec.ops._errors import Arg, ErrorCode, format_error
-from aiospec.ops._inputs import collect
 from shm import _layout as L
 
 XPROC_TIMEOUT = 60.0
@@ -44,7 +53,7 @@ def _library() -> None:
 
 def cpp_frame(**kwargs: Any) -> bytes:
     max_record = kwargs.pop("max_record", 0)
-    return _cpu.build_payload(collect(**kwargs), max_record)
+    return _cpu.build_payload(collect_kw(**kwargs), max_record)
 
 
 @pytest.fixture
@@ -187,7 +196,7 @@ def test_cpu_raises_the_reference_errors(case: tuple[str, dict[str, object], str
 
 def test_c_checks_catch_what_python_wrappers_would(ring: shm.Ring) -> None:
     # the C ABI validates on its own: scalar checks that the Python wrapper pre-empts
-    x = collect(**base())  # type: ignore[arg-type]
+    x = collect_kw(**base())  # type: ignore[arg-type]
     for field, value, message in [
         ("kind", 5, r"^kind = 5: expected 0 \(target\) or 1 \(draft\)$"),
         ("k", 9, r"^k = 9: expected 0\.\.2 \(lp_ids width - 1\)$"),
@@ -245,7 +254,11 @@ def test_module_level_emit_and_default_device(ring: shm.Ring) -> None:
         assert p.device is None
         emit(p, **inp)  # type: ignore[arg-type]
         assert p.device == "cpu"
-    assert reader.read() == [build_frame(**inp)]  # type: ignore[arg-type]
+        step = EmitStep.from_kwargs(**inp)  # type: ignore[arg-type]
+        p.emit_step(step)
+        p.emit(step)
+        emit(p, step)
+    assert reader.read() == [build_frame(**inp)] * 4  # type: ignore[arg-type]
 
 
 def test_frames_wrap_a_small_ring() -> None:
@@ -505,9 +518,17 @@ def test_force_cpu_copies_cuda_tensors_to_the_host(monkeypatch: pytest.MonkeyPat
     reader = ring.reader()
     inp = base()
     every = {key: FakeCudaTensor(v) if isinstance(v, np.ndarray) else v for key, v in inp.items()}
+    calls: list[bool] = []
+
+    def counting_collect(step: EmitStep, **kw: Any) -> Any:
+        calls.append(kw["host"])
+        return _inputs.collect(step, **kw)
+
+    monkeypatch.setattr(_producer, "collect", counting_collect)
     with Producer(ring) as p:
         p.emit(**every)  # type: ignore[arg-type]
         assert p.device == "cpu"
+    assert calls == [True]  # the step is viewed (and copied to the host) once
     assert reader.read() == [build_frame(**inp)]  # type: ignore[arg-type]
 
 
@@ -519,7 +540,7 @@ def test_paddle_cpu_tensors_go_through_dlpack(ring: shm.Ring) -> None:
         paddle = pytest.importorskip("paddle", reason="paddlepaddle is not installed")
     inp = base()
     tensors = {key: paddle.to_tensor(v) if isinstance(v, np.ndarray) else v for key, v in inp.items()}
-    ref = collect(**tensors)  # type: ignore[arg-type]
+    ref = collect_kw(**tensors)  # type: ignore[arg-type]
     assert ref.handles.ptr == tensors["handles"].data_ptr()  # zero-copy view
     reader = ring.reader()
     with Producer(ring) as p:
@@ -626,7 +647,7 @@ def test_empty_tensors_with_null_pointers_are_still_given() -> None:
         "lp_ranks": np.zeros(0, np.int64),
         "lp_offsets": np.zeros(1, np.int32),
     }
-    x = collect(**kw)
+    x = collect_kw(**kw)
     for name in ("handles", "token_ids", "num_tokens", "lp_ids", "lp_values", "lp_ranks"):
         setattr(x, name, dataclasses.replace(getattr(x, name), ptr=0))
     args = x.args()
