@@ -96,6 +96,19 @@ def _digest(compiler: str, command: Sequence[str], files: Sequence[Path], root: 
     return h.hexdigest()[:24]
 
 
+_HEADER_SUFFIXES = (".h", ".cuh", ".hpp")
+
+
+def source_headers(root: Path, sources: Sequence[Path]) -> list[Path]:
+    """The headers a build of ``sources`` may include: every ``*.h`` under
+    ``root/include`` and the headers in each source's own directory (csrc/cuda/*.cuh, the
+    kernel's, which only its launcher includes)."""
+    found = set((root / "include").rglob("*.h"))
+    for d in {s.parent for s in sources}:
+        found.update(p for p in d.iterdir() if p.is_file() and p.suffix in _HEADER_SUFFIXES)
+    return sorted(found)
+
+
 def build_library(
     name: str,
     sources: Sequence[str],
@@ -108,8 +121,9 @@ def build_library(
     """Compile ``sources`` (paths relative to ``source_root()``) into the shared library
     ``name`` in the cache, unless it is there already; returns its path.
 
-    ``flags`` go before the sources, ``link_flags`` after them. Every header under
-    ``include/`` counts toward the cache key.
+    ``flags`` go before the sources, ``link_flags`` after them. The cache key covers the
+    compiler's version, the command, the sources and ``source_headers`` (every header under
+    ``include/`` and the private headers beside each source).
     """
     root = source_root()
     srcs = [root / s for s in sources]
@@ -119,7 +133,7 @@ def build_library(
     exe = shutil.which(compiler)
     if exe is None:
         raise BuildError(f"{name}: compiler {compiler!r} not found (set CXX / NVCC)")
-    headers = sorted((root / "include").rglob("*.h"))
+    headers = source_headers(root, srcs)
     command = [*flags, f"-I{root / 'include'}", "<sources>", *link_flags]
     key = _digest(exe, [name, *command], [*srcs, *headers], root)
     out_dir = cache_root() / key
