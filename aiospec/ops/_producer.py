@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import os
 import threading
 import warnings
 from typing import Any
@@ -26,7 +27,9 @@ def _cuda_module() -> Any:
 
 
 def _cuda_available() -> bool:
-    if force_cpu() or find_nvcc() is None:
+    # _cuda.available() decides (AIOSPEC_FORCE_CPU, a driver with a GPU, and nvcc or a
+    # prebuilt AIOSPEC_CUDA_LIB); checked here first so that a CPU-only machine never imports it
+    if force_cpu() or (find_nvcc() is None and not os.environ.get("AIOSPEC_CUDA_LIB")):
         return False
     try:
         return bool(_cuda_module().available())
