@@ -50,7 +50,11 @@ CXX_FLAGS = ("-O2", "-std=c++17", "-fPIC", "-shared", "-fvisibility=hidden", "-W
 
 
 class BuildError(AiospecError, RuntimeError):
-    """A native library could not be built (no compiler, or the compiler failed)."""
+    """A native library could not be built: no compiler (``CXX`` / ``NVCC``), a failed
+    compilation (the command and the compiler's output are in the message), a timeout, the
+    C++ sources missing from the installation, or ``AIOSPEC_FORCE_CPU`` asking for none.
+    Raised on first use of a backend (``Producer(device="cpu")``, the CUDA path, the Paddle
+    op), never by importing ``aiospec.ops``."""
 
 
 def force_cpu() -> bool:

@@ -48,8 +48,9 @@ def _cpu_available() -> bool:
 
 
 def available_backends() -> tuple[str, ...]:
-    """The backends that work here, best first: ``"cuda"``, ``"cpu"`` (builds the C++
-    library on first call), ``"python"`` (always)."""
+    """The backends that work here, best first: ``"cuda"`` (a GPU with its driver, and nvcc
+    or ``AIOSPEC_CUDA_LIB``; not under ``AIOSPEC_FORCE_CPU``; nothing is built), ``"cpu"``
+    (builds the C++ library on the first call, cached), ``"python"`` (always). Never raises."""
     out = []
     if _cuda_available():
         out.append("cuda")
@@ -60,7 +61,9 @@ def available_backends() -> tuple[str, ...]:
 
 
 class Producer:
-    """Writes one frame per decoding step into a ring.
+    """Writes one frame per decoding step into a ring: ``producer.emit_step(step)`` with one
+    ``EmitStep`` per step (or ``producer.emit(handles, token_ids, num_tokens, ...)``, the op's
+    keyword form).
 
     ``ring`` is a ``shm.Ring`` or a ring name (``/dev/shm/<name>``). ``device`` picks the
     backend: ``"cpu"`` (the C++ writer), ``"cuda"`` (the CUDA kernel), ``"python"`` (the
@@ -73,7 +76,13 @@ class Producer:
     declared dead and evicted.
 
     One producer per ring at a time, and while it writes, nothing else may write into the
-    ring (not even the ``shm.Ring`` that created it).
+    ring (not even the ``shm.Ring`` that created it). Calls are serialized by a lock, so one
+    producer may be shared by threads. Use it as a context manager or call ``close()``; an
+    unclosed producer warns (``ResourceWarning``) when collected.
+
+    Raises ``ValueError`` for a bad argument, ``BuildError`` when the chosen backend cannot
+    be built, and the ``shm`` errors (``BadSegment``, ``RingError``) when the ring cannot be
+    attached; with ``device=None`` the backend opens at the first emit, which may raise them.
     """
 
     def __init__(
@@ -121,6 +130,7 @@ class Producer:
 
     @property
     def ring_name(self) -> str:
+        """The ring's name (``/dev/shm/<name>``)."""
         return self._name
 
     @property
@@ -130,6 +140,7 @@ class Producer:
 
     @property
     def closed(self) -> bool:
+        """True once ``close()`` was called."""
         return self._closed
 
     def __repr__(self) -> str:
