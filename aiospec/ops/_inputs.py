@@ -1,11 +1,12 @@
-"""Turning one emit call's tensors into checked, framework-free descriptions.
+"""Turning one ``EmitStep``'s tensors into checked, framework-free descriptions.
 
 Every backend starts here: ``collect`` views each input (numpy, anything with
 ``__array_interface__`` or DLPack on the CPU: PyTorch and Paddle CPU tensors; CUDA tensors
-through ``__cuda_array_interface__`` or DLPack) without copying, checks presence, dimensions,
-dtypes, shapes, contiguity and devices, and the scalar arguments, with the messages the Paddle
-op repeats. The value checks (counts, offsets, ids) belong to the op itself (emit.h) and to
-the Python reference (``_reference.check_rows``), which agree on every message.
+through ``__cuda_array_interface__`` or DLPack) without copying, checks dimensions, dtypes,
+shapes, contiguity and devices, and the scalar arguments, with the messages the Paddle op
+repeats (which inputs go together the step's ``Logprobs`` / ``Drafts`` types have checked).
+The value checks (counts, offsets, ids) belong to the op itself (emit.h) and to the Python
+reference (``_reference.check_rows``), which agree on every message.
 """
 
 from __future__ import annotations
