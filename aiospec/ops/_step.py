@@ -8,7 +8,8 @@ constructed, with the op's own message (``lp_values: required when lp_ids is giv
 
 The parts hold the caller's tensors as they are (numpy, PyTorch, Paddle, CuPy; host or CUDA):
 construction neither converts nor copies, and the shapes, dtypes and devices are checked once,
-when a backend views them (``aiospec.ops._inputs.collect``).
+when a backend views them (``aiospec.ops._inputs.collect``). Equality and hashing are by
+identity: tensors have no single truth value to compare by.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def _missing(given: tuple[tuple[Arg, Any], ...]) -> None:
             raise emit_error(ErrorCode.MISSING, arg, value=first)
 
 
-class Logprobs(msgspec.Struct, frozen=True):
+class Logprobs(msgspec.Struct, frozen=True, eq=False):
     """The logprob inputs of one step: all four tensors, or no ``Logprobs`` at all.
 
     ``ids`` int32/int64 ``[L, W]`` (column 0 the sampled token, columns ``1..k`` the top-k),
@@ -55,7 +56,7 @@ class Logprobs(msgspec.Struct, frozen=True):
             )  # fmt: skip
 
 
-class Drafts(msgspec.Struct, frozen=True):
+class Drafts(msgspec.Struct, frozen=True, eq=False):
     """The draft tokens of one step (MTP / speculative proposals), both tensors or none.
 
     ``ids`` int32/int64 ``[rows, max_draft]``, ``counts`` int32 ``[rows]`` (row ``i`` proposes
@@ -70,7 +71,7 @@ class Drafts(msgspec.Struct, frozen=True):
             _missing(((Arg.DRAFT_IDS, self.ids), (Arg.NUM_DRAFT, self.counts)))
 
 
-class EmitStep(msgspec.Struct, frozen=True):
+class EmitStep(msgspec.Struct, frozen=True, eq=False):
     """One decoding step of one producer: what the emit op turns into one frame.
 
     ``handles`` int64 ``[rows]`` (the request handle of each batch row; negative on rows that
