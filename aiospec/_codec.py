@@ -23,15 +23,33 @@ __all__ = ("Frame", "FrameError", "Kind", "Flag", "encode_frame", "decode_frame"
 
 
 class FrameError(AiospecError, ValueError):
-    """A frame payload (or the arrays given to the encoder) breaks the wire format."""
+    """A frame payload (or the arrays given to the encoder) breaks the wire format.
+
+    The message names the first field that is wrong, what was expected and what was found
+    (``header.kind: expected 0 (target) or 1 (draft), got 7``). A reader that gets one from a
+    ring treats that frame as corrupt; nothing of it reaches a stream.
+    """
 
 
 class Kind(enum.IntEnum):
+    """What a frame carries: the target model's tokens (``TARGET``, 0) or a draft model's
+    proposals with their logprobs (``DRAFT``, 1; FastDeploy's ``message_flag`` 4). Every
+    record of a ``DRAFT`` frame has ``Flag.DRAFT`` set."""
+
     TARGET = L.KIND_TARGET
     DRAFT = L.KIND_DRAFT
 
 
 class Flag(enum.IntFlag):
+    """Bits of a record's ``flags`` word (within ``FLAG_MASK``, 0x3f; docs/wire-format.md).
+
+    ``FIRST_TOKEN``: the request's first token (a prefill node's record, possibly with the MTP
+    draft as a draft id); ``FINISHED``: the request ended with this record; ``PREEMPTED``: the
+    engine preempted it (it may resume); ``RECOVERY_STOP``: stopped by the engine's recovery
+    (FastDeploy's ``-3``); ``ABORTED``: aborted by the engine; ``DRAFT``: the tokens are a
+    draft model's. A record with flags and no tokens is valid.
+    """
+
     NONE = 0
     FIRST_TOKEN = L.FLAG_FIRST_TOKEN
     FINISHED = L.FLAG_FINISHED
@@ -153,12 +171,21 @@ def encode_frame(
     kind: int = Kind.TARGET,
     producer: int = 0,
 ) -> bytes:
-    """Encode one decoding step as a frame payload (see docs/wire-format.md).
+    """Encode one decoding step, given as records, as a frame payload (docs/wire-format.md).
 
-    ``handles`` u64[R]; ``token_offsets`` i32[R+1] prefix sums into ``token_ids`` i32[T];
-    ``flags`` u32[R]; with logprobs, ``logprobs`` f32[T] and ``ranks`` i32[T] and optionally
-    ``topk_ids`` i32[T, k] / ``topk_logprobs`` f32[T, k]; ``draft_offsets`` i32[R+1] into
-    ``draft_ids`` i32[D]. Records of a ``Kind.DRAFT`` frame get ``Flag.DRAFT`` set.
+    ``handles`` u64[R] (one per record, >= 0); ``token_offsets`` i32[R+1] prefix sums into
+    ``token_ids`` i32[T] (record ``i`` has ``token_ids[token_offsets[i]:token_offsets[i+1]]``);
+    ``flags`` u32[R] (``Flag`` bits; default 0); with logprobs, ``logprobs`` f32[T] and
+    ``ranks`` i32[T] and optionally ``topk_ids`` i32[T, k] / ``topk_logprobs`` f32[T, k];
+    ``draft_offsets`` i32[R+1] into ``draft_ids`` i32[D]; ``step`` (u64), ``kind`` (``Kind``)
+    and ``producer`` (u32) go to the header. Records of a ``Kind.DRAFT`` frame get
+    ``Flag.DRAFT`` set.
+
+    This is the pure-Python reference the C++ and CUDA writers match byte for byte; the emit
+    op's input (a batch in row order, ``aiospec.ops.EmitStep``) becomes these records through
+    ``aiospec.ops.build_step``. Raises ``FrameError`` for arrays that break the format
+    (negative handles, offsets that are not monotonic or do not end at T or D, a bad ``kind``,
+    ``k`` over ``MAX_TOPK``, ...).
     """
     h = np.asarray(handles)
     if h.ndim != 1:
@@ -264,8 +291,15 @@ def _check_offsets(offs: np.ndarray, name: str, total: int) -> None:
 class Frame:
     """One decoded frame: header fields plus zero-copy numpy views of the columns.
 
+    Header: ``version``, ``producer``, ``step``, ``kind`` (``Kind``), ``k`` (top-k columns),
+    ``has_logprobs``, ``nbytes`` (the payload's size). Columns, per record (R): ``handles``
+    u64, ``flags`` u32, ``token_offsets`` / ``draft_offsets`` i32[R+1]; per token (T):
+    ``token_ids`` i32, ``logprobs`` f32, ``ranks`` i32, ``topk_ids`` i32[T, k],
+    ``topk_logprobs`` f32[T, k]; ``draft_ids`` i32[D]. Absent columns are ``None``.
+    ``num_records`` and ``num_tokens`` are R and T.
+
     The views alias the buffer given to ``decode_frame``; keep the buffer alive (and
-    unchanged) while they are used. Absent columns are ``None``.
+    unchanged) while they are used. Made by ``decode_frame`` only.
     """
 
     __slots__ = (
@@ -311,8 +345,12 @@ class Frame:
 def decode_frame(buffer: Any, *, validate_offsets: bool = True) -> Frame:
     """Decode a frame payload; raises ``FrameError`` naming the first field that is wrong.
 
-    ``validate_offsets=False`` skips the O(R) monotonicity scans of the offset columns (the
-    header and sizes are still checked), for readers that trust their producer.
+    ``buffer`` is anything exporting the buffer protocol (bytes, a memoryview into the ring);
+    the returned ``Frame``'s columns are zero-copy views of it. The msgpack header is read
+    with one reused typed decoder and every count and offset is checked against the
+    canonical layout before a view is made. ``validate_offsets=False`` skips the O(R)
+    monotonicity scans of the offset columns (the header and sizes are still checked), for
+    readers that trust their producer.
     """
     mv = memoryview(buffer)
     if mv.ndim != 1 or mv.itemsize != 1:

@@ -472,11 +472,13 @@ def _cuda_emit_timing(torch: Any, shm: Any, Producer: Any, _cuda: Any, collect: 
                       args: argparse.Namespace) -> dict[str, Any]:  # fmt: skip
     """GPU time per emit (events, stream kept busy), graph replay time, host time per call,
     and the no-host-sync evidence. No reader is attached: nothing waits for space."""
+    from aiospec.ops import EmitStep
+
     out: dict[str, Any] = {}
     with shm.Ring.create(capacity=RING_CAPACITY, max_record=RING_MAX_RECORD) as ring:
         prod = _cuda.CudaProducer(ring.name, max_rows=max(args.rows), rows_per_block=args.rows_per_block)
         try:
-            x = collect(**dev)
+            x = collect(EmitStep.from_kwargs(**dev))
             for _ in range(20):  # warm-up: module load, caches
                 prod.emit(x)
             torch.cuda.synchronize()
@@ -558,12 +560,14 @@ def _cuda_latency(shm: Any, _cuda: Any, collect: Any, dev: dict[str, Any], reade
                   seen: np.memmap[Any, Any], steps: int, zero_copy: bool) -> dict[str, float]:  # fmt: skip
     """Publish -> seen: ``zero_copy`` stamps once the frame is decoded in place in the ring,
     otherwise once it is copied out and decoded (what the Hub does)."""
+    from aiospec.ops import EmitStep
+
     seen[:] = 0
     with shm.Ring.create(capacity=RING_CAPACITY, max_record=RING_MAX_RECORD) as ring:
         reader.start(steps, 1, ring.name, zero_copy)
         prod = _cuda.CudaProducer(ring.name, max_rows=dev["handles"].shape[0])
         try:
-            x = collect(**dev)
+            x = collect(EmitStep.from_kwargs(**dev))
             sent = []
             for i in range(steps):
                 x.step = i
@@ -631,7 +635,9 @@ def _ratios(res: dict[str, Any]) -> None:
 def _brief(res: dict[str, Any]) -> dict[str, Any]:
     keys = ("rows", "tokens", "k", "frame_bytes", "graph_step_us", "ratio")
     out = {k: res[k] for k in keys if k in res}
-    for k in ("emit_gpu_us", "latency_us", "latency_zero_copy_us", "fd_latency_us", "emit_cpu_us"):
+    timed = ("emit_gpu_us", "latency_us", "latency_zero_copy_us", "fd_latency_us", "emit_cpu_us")
+    timed += ("emit_host_us_producer",)
+    for k in timed:
         if k in res:
             out[k] = res[k]["p50"]
     return out
@@ -642,6 +648,7 @@ def _brief(res: dict[str, Any]) -> dict[str, Any]:
 
 def run_cpu(args: argparse.Namespace, fd_info: dict[str, Any]) -> list[dict[str, Any]]:
     import shm
+    from aiospec.ops import EmitStep, Producer
     from aiospec.ops._cpu import CpuBackend
     from aiospec.ops._inputs import collect
 
@@ -662,7 +669,7 @@ def run_cpu(args: argparse.Namespace, fd_info: dict[str, Any]) -> list[dict[str,
                     for k in args.k:
                         batch = make_batch(rng, rows, tokens, k)
                         res = _config(rows, tokens, k, batch)
-                        x = collect(**batch)
+                        x = collect(EmitStep.from_kwargs(**batch))
                         with shm.Ring.create(capacity=RING_CAPACITY, max_record=RING_MAX_RECORD) as ring:
                             backend = CpuBackend(ring.name)
                             try:
@@ -675,6 +682,17 @@ def run_cpu(args: argparse.Namespace, fd_info: dict[str, Any]) -> list[dict[str,
                                 res["emit_cpu_us"] = summary(t)
                             finally:
                                 backend.close()
+                        # the public Producer: the step built from keywords and checked in Python
+                        with (
+                            shm.Ring.create(capacity=RING_CAPACITY, max_record=RING_MAX_RECORD) as ring,
+                            Producer(ring, device="cpu", max_rows=max(args.rows)) as p,
+                        ):
+                            t = []
+                            for i in range(args.iters):
+                                t0 = time.perf_counter_ns()
+                                p.emit(**batch, step=i)
+                                t.append((time.perf_counter_ns() - t0) / 1000.0)
+                            res["emit_host_us_producer"] = summary(t)
                         seen[:] = 0
                         with shm.Ring.create(capacity=RING_CAPACITY, max_record=RING_MAX_RECORD) as ring:
                             ring_reader.start(steps, 1, ring.name)

@@ -108,8 +108,9 @@ class _Producer:
     def encode(self, kw: dict[str, Any], step: int) -> Any:
         from aiospec._codec import encode_frame
         from aiospec.baselines import gather
+        from aiospec.ops import EmitStep
 
-        g = gather(**kw, step=step)
+        g = gather(EmitStep.from_kwargs(**kw, step=step))
         if self.path == "ring":
             return encode_frame(**g.frame_args())
         return self.em.encode(g)

@@ -11,7 +11,7 @@
 #      msgmnb for the FastDeploy-style baseline when it runs as root (FastDeploy's own advice),
 #      unless RAISE_MSGMAX=0.
 # Optional stage "variants": rebuilds the driver with each measurement switch of
-# csrc/include/aiospec/emit_cuda_kernels.h and times them (docs/benchmarks.md).
+# csrc/cuda/emit_kernel.cuh and times them (docs/benchmarks.md).
 # $OUT (default /tmp/aiospec-gpu-check) gets summary.log, bench_emit.json and logs.tgz (every
 # stage's log). Every stage runs even when an earlier one failed; the exit status is the
 # number of failed stages. Stages can be picked: gpu_check.sh build driver tests sanitize
@@ -93,7 +93,7 @@ fi
 
 if has variants; then
   # measurement builds of the driver (AIOSPEC_FENCE_MODE, AIOSPEC_THREADS in
-  # emit_cuda_kernels.h): GPU time per emit for each, rows per block 4..32 for the default
+  # emit_kernel.cuh): GPU time per emit for each, rows per block 4..32 for the default
   build_variant() {  # NAME FLAGS...
     local name=$1
     shift

@@ -118,21 +118,23 @@ def test_uniform_stream_is_deterministic_and_uniform() -> None:
 def _run(core: EngineCore, steps: int = 10_000) -> dict[int, dict[str, list]]:
     out: dict[int, dict[str, list]] = {}
     for _ in range(steps):
-        o = core.step()
-        if o is None:
+        so = core.step()
+        if so is None:
             break
-        offs = o.lp_offsets
+        o = so.emit_step
+        lp, dr = o.logprobs, o.drafts
         for i, h in enumerate(o.handles.tolist()):
             rec = out.setdefault(h, {"tokens": [], "flags": [], "counts": [], "lp": [], "drafts": []})
             n = int(o.num_tokens[i])
             rec["tokens"] += o.token_ids[i, :n].tolist()
             rec["flags"].append(int(o.flags[i]))
             rec["counts"].append(n)
-            if o.num_draft is not None and o.num_draft[i]:
-                rec["drafts"] += o.draft_ids[i, : o.num_draft[i]].tolist()
-            if offs is not None:
+            if dr is not None and dr.counts[i]:
+                rec["drafts"] += dr.ids[i, : dr.counts[i]].tolist()
+            if lp is not None:
+                offs = lp.offsets
                 assert offs[i + 1] - offs[i] == n
-                rec["lp"].append((o.lp_ids[offs[i] : offs[i + 1]], o.lp_values[offs[i] : offs[i + 1]]))
+                rec["lp"].append((lp.ids[offs[i] : offs[i + 1]], lp.values[offs[i] : offs[i + 1]]))
     return out
 
 
@@ -217,7 +219,7 @@ def test_admission_waits_for_a_free_slot() -> None:
     for h in (1, 2, 3):
         core.admit(Admit(h, [1], max_tokens=3))
     o = core.step()
-    assert o is not None and sorted(o.handles.tolist()) == [1, 2] and core.waiting == 1
+    assert o is not None and sorted(o.emit_step.handles.tolist()) == [1, 2] and core.waiting == 1
     out = _run(core)
     assert 3 in out and out[3]["flags"][0] & Flag.FIRST_TOKEN
 
@@ -242,11 +244,12 @@ def test_pd_prefill_hands_off_after_first_token() -> None:
     pre.admit(Admit(2, [2], max_tokens=1, top_logprobs=3))
     o = pre.step()
     assert o is not None and pre.step() is None
-    assert o.flags.tolist() == [Flag.FIRST_TOKEN, Flag.FIRST_TOKEN | Flag.FINISHED]
-    assert o.num_tokens.tolist() == [1, 1]
-    assert o.num_draft is not None and o.num_draft.tolist() == [1, 0]
+    st = o.emit_step
+    assert st.flags.tolist() == [Flag.FIRST_TOKEN, Flag.FIRST_TOKEN | Flag.FINISHED]
+    assert st.num_tokens.tolist() == [1, 1]
+    assert st.drafts is not None and st.drafts.counts.tolist() == [1, 0]
     assert len(o.handoffs) == 1 and o.handoffs[0].request.handle == 1
-    assert o.handoffs[0].first_token == o.token_ids[0, 0] and o.handoffs[0].draft_token == o.draft_ids[0, 0]
+    assert o.handoffs[0].first_token == st.token_ids[0, 0] and o.handoffs[0].draft_token == st.drafts.ids[0, 0]
     dec.handoff(o.handoffs[0])
     out = _run(dec)
     assert len(out[1]["tokens"]) == 11 and not out[1]["flags"][0] & Flag.FIRST_TOKEN
@@ -278,9 +281,8 @@ def test_reference_frame_matches_the_emit_op_reference() -> None:
     for h in range(1, 20):
         core.admit(Admit(h * 7, [h], max_tokens=h % 5 + 1, top_logprobs=h % 6))
     while (o := core.step()) is not None:
-        kw = {"flags": o.flags, "step": o.step, "draft_ids": o.draft_ids, "num_draft": o.num_draft}
-        kw.update(lp_ids=o.lp_ids, lp_values=o.lp_values, lp_ranks=o.lp_ranks, lp_offsets=o.lp_offsets, k=o.k)
-        assert reference_payload(o) == ops.build_frame(o.handles, o.token_ids, o.num_tokens, **kw)
+        assert reference_payload(o) == ops.build_step(o.emit_step)
+        assert reference_payload(o) == ops.build_frame(**o.emit_step.to_kwargs())
 
 
 def test_handle_allocator_generations() -> None:

@@ -27,6 +27,7 @@ from aiospec.baselines import (
     gather,
 )
 from aiospec.baselines._fastdeploy import TOPK_MSG_BYTES
+from aiospec.ops import EmitStep, Logprobs
 from aiospec.ops._reference import build_frame
 
 pytestmark = pytest.mark.usefixtures("no_segment_left")
@@ -66,23 +67,17 @@ def test_gather_matches_the_emit_op_reference(b: int, k: int | None) -> None:
     kw["num_tokens"][::5] = 0  # with the flags above, some rows make records of no token
     kw["draft_ids"] = rng.integers(0, 50_000, (b, 2))
     kw["num_draft"] = (np.arange(b) % 3 == 0).astype(np.int32)
-    assert encode_frame(**gather(**kw).frame_args()) == build_frame(**kw)
+    assert encode_frame(**gather(EmitStep.from_kwargs(**kw)).frame_args()) == build_frame(**kw)
 
 
 def test_gather_errors() -> None:
     with pytest.raises(ValueError, match=r"^num_tokens\[1\] = 7: expected 0..6 \(max_tokens\)$"):
-        gather([1, 2], np.zeros((2, 6)), [1, 7])
+        gather(EmitStep([1, 2], np.zeros((2, 6)), [1, 7]))
     with pytest.raises(ValueError, match=r"^handles: expected >= 0 on every row that makes a record$"):
-        gather([-1], np.zeros((1, 1)), [1])
+        gather(EmitStep([-1], np.zeros((1, 1)), [1]))
     with pytest.raises(ValueError, match=r"^lp_offsets\[1\] - lp_offsets\[0\] = 1: expected >= 2$"):
         gather(
-            [1],
-            np.zeros((1, 2)),
-            [2],
-            lp_ids=np.zeros((2, 1)),
-            lp_values=np.zeros((2, 1)),
-            lp_ranks=[1, 1],
-            lp_offsets=[0, 1],
+            EmitStep([1], np.zeros((1, 2)), [2], logprobs=Logprobs(np.zeros((2, 1)), np.zeros((2, 1)), [1, 1], [0, 1]))
         )
 
 
@@ -96,7 +91,10 @@ Emit = Callable[..., Any]
 async def ring_path() -> AsyncIterator[tuple[Any, Emit]]:
     with shm.Ring.create(capacity=1 << 22) as ring:
         async with Hub(ring.name) as hub:
-            yield hub, lambda **kw: ring.write(encode_frame(**gather(**kw).frame_args()), timeout=T)
+            yield (
+                hub,
+                lambda **kw: ring.write(encode_frame(**gather(EmitStep.from_kwargs(**kw)).frame_args()), timeout=T),
+            )
 
 
 @contextlib.asynccontextmanager
@@ -106,7 +104,7 @@ async def vllm_path() -> AsyncIterator[tuple[Any, Emit]]:
         async with VllmStyleHub(addr) as hub:
             em = VllmStyleEmitter(addr)
             try:
-                yield hub, lambda **kw: em.emit(**kw)
+                yield hub, lambda **kw: em.emit(EmitStep.from_kwargs(**kw))
             finally:
                 em.close()
     finally:
@@ -119,7 +117,7 @@ async def fastdeploy_path() -> AsyncIterator[tuple[Any, Emit]]:
     async with FastDeployStyleHub() as hub:
         em = FastDeployStyleEmitter(hub.key)
         try:
-            yield hub, lambda **kw: em.emit(**kw)
+            yield hub, lambda **kw: em.emit(EmitStep.from_kwargs(**kw))
         finally:
             em.close()
             assert hub.error is None
@@ -244,7 +242,7 @@ async def test_fastdeploy_struct_round_trip(k: int | None) -> None:
             fl = np.zeros(9, np.int32)
             fl[4] = Flag.PREEMPTED if step == 1 else 0
             kw = step_inputs(rng, 9, step, k, fl)
-            g = gather(**kw)
+            g = gather(EmitStep.from_kwargs(**kw))
             got: list[tuple[int, Any, int]] = []
             msgs = em.encode(g)
             assert [len(m) for _, m in msgs][-1] == (530_448 if k is not None else 7_176)
@@ -276,15 +274,19 @@ async def test_fastdeploy_format_limits() -> None:
         tok = np.zeros((300, 7), np.int64)
         msg = r"^300 live requests: FastDeploy's speculate_save_output struct holds 256 slots \(MAX_BSZ\)$"
         with pytest.raises(shm.AiospecError, match=msg):
-            em.encode(gather(np.arange(300), tok, np.ones(300, np.int32)))
+            em.encode(gather(EmitStep(np.arange(300), tok, np.ones(300, np.int32))))
         lp = {"lp_ids": np.zeros((600, 1)), "lp_values": np.zeros((600, 1)), "lp_ranks": np.ones(600)}
         msg = r"^600 live requests: FastDeploy's speculate_save_output_topk struct holds 512 slots \(MAX_BSZ\)$"
         with pytest.raises(shm.AiospecError, match=msg):
             em.encode(
-                gather(np.arange(600), tok[:1].repeat(600, 0), np.ones(600, np.int32), lp_offsets=np.arange(601), **lp)
+                gather(
+                    EmitStep.from_kwargs(
+                        np.arange(600), tok[:1].repeat(600, 0), np.ones(600, np.int32), lp_offsets=np.arange(601), **lp
+                    )
+                )
             )
         with pytest.raises(shm.AiospecError, match=r"^cur_token_num\[0\] = 7: the struct holds 6 tokens per slot$"):
-            em.encode(gather([1000], tok[:1], [7]))
+            em.encode(gather(EmitStep([1000], tok[:1], [7])))
         em.close()
 
 
@@ -294,11 +296,11 @@ def test_vllm_encoding_sends_big_arrays_as_extra_frames() -> None:
         rng = np.random.default_rng(0)
         kw = step_inputs(rng, 3, 0, 20)
         kw["num_tokens"][:] = 6
-        frames = em.encode(gather(**kw))
+        frames = em.encode(gather(EmitStep.from_kwargs(**kw)))
         # per record, ids and logprobs [6, 21] (504 bytes) go out of line, ranks [6] inline
         assert len(frames) == 1 + 2 * 3
         assert [memoryview(f).nbytes for f in frames[1:]] == [6 * 21 * 4] * 6
         kw = step_inputs(rng, 3, 0, 0)  # [n, 1] arrays: everything inline
-        assert len(em.encode(gather(**kw))) == 1
+        assert len(em.encode(gather(EmitStep.from_kwargs(**kw)))) == 1
     finally:
         em.close()

@@ -105,6 +105,14 @@ def test_an_edited_header_or_other_flags_build_afresh(cache: Path, tree: Path) -
     assert third not in (first, second)
 
 
+def test_the_cache_key_covers_the_headers_beside_the_sources(tree: Path) -> None:
+    kernel = tree / "cuda" / "emit_kernel.cuh"
+    assert kernel.is_file()
+    headers = _build.source_headers(tree, [tree / "cuda" / "emit_cuda.cu"])
+    assert kernel in headers and tree / "include" / "aiospec" / "emit.h" in headers
+    assert kernel not in _build.source_headers(tree, [tree / "cpu" / "emit_cpu.cc"])
+
+
 def test_a_failed_build_raises_and_leaves_nothing(cache: Path, tree: Path) -> None:
     (tree / "cpu" / "emit_cpu.cc").write_text("this is not C++\n")
     with pytest.raises(_build.BuildError, match=r"^libaiospec_cpu\.so: build failed \(exit 1\):\n\$ ") as info:

@@ -25,8 +25,7 @@ import pytest
 import shm
 from aiospec._codec import decode_frame
 from aiospec.ops import EmitError, Producer, _cuda, build_frame
-from aiospec.ops._inputs import collect
-from tests._opshelpers import make_step, read_frames
+from tests._opshelpers import collect_kw, make_step, read_frames
 
 ROOT = Path(__file__).resolve().parent.parent
 NVCC = shutil.which("nvcc")
@@ -59,15 +58,35 @@ def test_cuda_sources_compile_for_sm90(tmp_path: Path) -> None:
         assert err.value, "device_ok must say why there is no usable device"
 
 
-@needs_nvcc
-def test_cuda_driver_program_compiles(tmp_path: Path) -> None:
-    """The self-checking driver scripts/gpu_check.sh runs under compute-sanitizer."""
+@pytest.fixture(scope="module")
+def emit_check(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The self-checking driver csrc/cuda/tools/emit_check.cu (GPU frames against the CPU
+    writer), built as scripts/gpu_check.sh builds it."""
+    if NVCC is None:
+        pytest.skip("nvcc is not on PATH")
+    exe = tmp_path_factory.mktemp("emit_check") / "emit_check"
     subprocess.run(
         [NVCC, "-arch=sm_90", "-O2", "-std=c++17", f"-I{ROOT / 'csrc' / 'include'}", f"-I{ROOT / 'shm' / 'include'}",
          str(ROOT / "csrc/cuda/tools/emit_check.cu"), str(ROOT / "csrc/cuda/emit_cuda.cu"),
-         str(ROOT / "csrc/cpu/emit_cpu.cc"), "-o", str(tmp_path / "emit_check")],
+         str(ROOT / "csrc/cpu/emit_cpu.cc"), "-o", str(exe)],
         check=True, capture_output=True, text=True,
     )  # fmt: skip
+    return exe
+
+
+def test_cuda_driver_program_compiles(emit_check: Path) -> None:
+    assert emit_check.is_file()
+
+
+def test_cuda_driver_program_passes_on_a_gpu(emit_check: Path) -> None:
+    """Runs the driver (as gpu_check.sh's "driver" stage, fewer iterations): every scenario's
+    frames match the CPU writer's, errors and a full ring are reported as documented."""
+    if _cuda._driver_devices() == 0:
+        pytest.skip("no CUDA device here (the driver needs one to run)")
+    proc = subprocess.run([str(emit_check), "40"], capture_output=True, text=True, timeout=600, check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"emit_check exited {proc.returncode}:\n{out[-4000:]}"
+    assert "OK: 0 failure(s)" in proc.stdout, out[-4000:]
 
 
 _LAYOUT_PROBE = r"""
@@ -201,7 +220,7 @@ def test_frames_wrap_the_ring_many_times(torch: Any) -> None:
                 inp = make_step(
                     rng, int(rng.integers(0, 24)), mode="speculative", k_max=int(rng.integers(0, 5)), step=step
                 )
-                prod.emit(collect(**_cuda_inputs(torch, inp)))
+                prod.emit(collect_kw(**_cuda_inputs(torch, inp)))
                 (frame,) = _frames(reader, 1)
                 assert frame == build_frame(**inp), f"step {step}"
             prod.check()
@@ -221,12 +240,12 @@ def test_graph_capture_replays_100_steps(torch: Any) -> None:
     with shm.Ring.create(capacity=64 << 20, max_record=8 << 20) as ring, ring.reader() as reader:
         prod = _cuda.CudaProducer(ring.name, max_rows=256)
         try:
-            prod.emit(collect(**dev), step_tensor=step)  # warm-up outside the capture
+            prod.emit(collect_kw(**dev), step_tensor=step)  # warm-up outside the capture
             assert _frames(reader, 1) == [build_frame(**inp)]
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 step.add_(1)
-                prod.emit(collect(**dev), step_tensor=step)
+                prod.emit(collect_kw(**dev), step_tensor=step)
             for _ in range(100):
                 graph.replay()
             got = _frames(reader, 100)
@@ -269,7 +288,7 @@ def test_back_pressure_bounded_wait_then_ring_full_and_frames_lost(torch: Any) -
             written = 0
             with pytest.raises(shm.RingFull, match=_RING_FULL):
                 for _ in range(64):  # the reader does not read
-                    prod.emit(collect(**dev))
+                    prod.emit(collect_kw(**dev))
                     torch.cuda.synchronize()
                     prod.check()
                     written += 1
@@ -277,7 +296,7 @@ def test_back_pressure_bounded_wait_then_ring_full_and_frames_lost(torch: Any) -
             assert ring.stats().frames_lost == 1
             assert stuck.new_losses() == 1
             assert len(_frames(stuck, written)) == written  # the frames before the loss are intact
-            prod.emit(collect(**dev))  # room again: frames flow
+            prod.emit(collect_kw(**dev))  # room again: frames flow
             assert _frames(stuck, 1) == [build_frame(**inp)]
             torch.cuda.synchronize()
             prod.check()
@@ -330,7 +349,7 @@ def test_invalid_input_reported_later_with_the_reference_message(torch: Any, kin
         try:
             # the stream is busy for ~0.1 s: emit must return before the GPU checked anything
             torch.cuda._sleep(200_000_000)
-            prod.emit(collect(**bad_dev))
+            prod.emit(collect_kw(**bad_dev))
             torch.cuda.synchronize()
             with pytest.raises(EmitError, match=message) as got:
                 prod.check()
@@ -342,10 +361,10 @@ def test_invalid_input_reported_later_with_the_reference_message(torch: Any, kin
             prod.check()  # each error is reported once
             # on the next emit instead of check(): that emit still writes its own frame
             torch.cuda._sleep(200_000_000)
-            prod.emit(collect(**bad_dev))
+            prod.emit(collect_kw(**bad_dev))
             torch.cuda.synchronize()
             with pytest.raises(EmitError, match=message):
-                prod.emit(collect(**good_dev))
+                prod.emit(collect_kw(**good_dev))
             assert _frames(reader, 1) == [build_frame(**good)]
             assert ring.stats().frames_lost == 2
         finally:
@@ -369,7 +388,7 @@ def test_reader_in_another_process_sees_every_frame(torch: Any) -> None:
             prod = _cuda.CudaProducer(ring.name, max_rows=512)
             try:
                 for inp in steps:
-                    prod.emit(collect(**_cuda_inputs(torch, inp)))
+                    prod.emit(collect_kw(**_cuda_inputs(torch, inp)))
                 torch.cuda.synchronize()
                 prod.notify()
                 prod.check()
@@ -394,7 +413,7 @@ def test_host_notify_wakes_a_sleeping_reader(torch: Any) -> None:
         try:
             assert reader.sleep_begin()  # asleep before the frame exists
             t0 = time.monotonic()
-            prod.emit(collect(**_cuda_inputs(torch, inp)))
+            prod.emit(collect_kw(**_cuda_inputs(torch, inp)))
             ready, _, _ = select.select([reader.fileno()], [], [], 10.0)
             reader.sleep_end()
             assert ready, "the host callback did not ring the bell"

@@ -10,21 +10,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from _opshelpers import MODES, frame_records, make_step, naive_records
+from _opshelpers import F32, I32, I64, INVALID, MODES, arr, base, frame_records, make_step, naive_records, with_
 
 from aiospec._codec import Flag, Kind, decode_frame
-from aiospec.ops import EmitError, build_frame
+from aiospec.ops import Drafts, EmitError, EmitStep, Logprobs, build_frame, build_step
 from aiospec.ops._errors import Arg, ErrorCode, format_error
 from shm import layout as L
-
-I64 = np.int64
-I32 = np.int32
-F32 = np.float32
-
-
-def arr(values: list[object], dtype: object) -> np.ndarray:
-    return np.array(values, dtype=dtype)
-
 
 # -- each mode by hand -------------------------------------------------------------------------
 
@@ -181,141 +172,6 @@ def test_random_steps_match_the_semantics(rows: int, mode: str, k_max: int | Non
 # -- validation: every check, with its message -------------------------------------------------
 
 
-def base() -> dict[str, object]:
-    """A valid call: 3 rows, 2 columns, logprobs with k_max 2, drafts."""
-    return {
-        "handles": arr([10, 11, 12], I64),
-        "token_ids": arr([[1, 2], [3, 4], [5, 6]], I64),
-        "num_tokens": arr([2, 1, 0], I32),
-        "flags": arr([0, Flag.FINISHED, 0], I32),
-        "draft_ids": arr([[7], [8], [9]], I64),
-        "num_draft": arr([0, 1, 0], I32),
-        "lp_ids": np.arange(12, dtype=I64).reshape(4, 3),
-        "lp_values": -np.ones((4, 3), F32),
-        "lp_ranks": arr([1, 1, 1, 1], I64),
-        "lp_offsets": arr([0, 2, 3, 4], I32),
-    }
-
-
-def with_(**changes: object) -> dict[str, object]:
-    b = base()
-    b.update(changes)
-    return {key: v for key, v in b.items() if v is not None}
-
-
-# (inputs, anchored message); shared with test_ops_cpu.py, which expects the same from C++
-INVALID: list[tuple[str, dict[str, object], str]] = [
-    ("lp_missing", with_(lp_values=None), r"^lp_values: required when lp_ids is given$"),
-    ("lp_missing_named_after_first", with_(lp_ids=None, lp_values=None), r"^lp_ids: required when lp_ranks is given$"),
-    ("draft_missing", with_(num_draft=None), r"^num_draft: required when draft_ids is given$"),
-    ("draft_ids_missing", with_(draft_ids=None), r"^draft_ids: required when num_draft is given$"),
-    ("handles_2d", with_(handles=arr([[1, 2, 3]], I64)), r"^handles: expected a 1-D tensor, got shape \[1, 3\]$"),
-    ("handles_dtype", with_(handles=arr([1, 2, 3], I32)), r"^handles: expected dtype int64, got int32$"),
-    ("token_ids_1d", with_(token_ids=arr([1, 2, 3], I64)), r"^token_ids: expected a 2-D tensor, got shape \[3\]$"),
-    (
-        "token_ids_float",
-        with_(token_ids=np.zeros((3, 2), F32)),
-        r"^token_ids: expected dtype int32 or int64, got float32$",
-    ),
-    ("token_ids_rows", with_(token_ids=np.zeros((4, 2), I64)), r"^token_ids: expected shape \[3, \*\], got \[4, 2\]$"),
-    (
-        "token_ids_strided",
-        with_(token_ids=np.zeros((3, 4), I64)[:, ::2]),
-        r"^token_ids: expected a C-contiguous tensor$",
-    ),
-    ("num_tokens_dtype", with_(num_tokens=arr([1, 1, 1], I64)), r"^num_tokens: expected dtype int32, got int64$"),
-    ("num_tokens_len", with_(num_tokens=arr([1, 1], I32)), r"^num_tokens: expected shape \[3\], got \[2\]$"),
-    ("flags_dtype", with_(flags=arr([0, 0, 0], np.uint32)), r"^flags: expected dtype int32, got uint32$"),
-    ("num_draft_len", with_(num_draft=arr([0, 0, 0, 0], I32)), r"^num_draft: expected shape \[3\], got \[4\]$"),
-    (
-        "lp_ids_no_columns",
-        with_(lp_ids=np.zeros((4, 0), I64)),
-        r"^lp_ids: expected at least 1 column \(the sampled token\), got shape \[4, 0\]$",
-    ),
-    ("lp_values_shape", with_(lp_values=np.zeros((4, 2), F32)), r"^lp_values: expected shape \[4, 3\], got \[4, 2\]$"),
-    (
-        "lp_values_dtype",
-        with_(lp_values=np.zeros((4, 3), np.float64)),
-        r"^lp_values: expected dtype float32, got float64$",
-    ),
-    ("lp_ranks_len", with_(lp_ranks=arr([1, 1, 1], I64)), r"^lp_ranks: expected shape \[4\], got \[3\]$"),
-    ("lp_offsets_len", with_(lp_offsets=arr([0, 2, 3], I32)), r"^lp_offsets: expected shape \[4\], got \[3\]$"),
-    ("kind", with_(kind=2), r"^kind = 2: expected 0 \(target\) or 1 \(draft\)$"),
-    ("k_too_big", with_(k=3), r"^k = 3: expected 0\.\.2 \(lp_ids width - 1\)$"),
-    ("k_negative", with_(k=-2), r"^k = -2: expected 0\.\.2 \(lp_ids width - 1\)$"),
-    ("step", with_(step=-1), r"^step = -1: expected an integer in 0\.\.18446744073709551615$"),
-    ("producer", with_(producer=1 << 32), r"^producer = 4294967296: expected an integer in 0\.\.4294967295$"),
-    (
-        "num_tokens_over",
-        with_(num_tokens=arr([2, 3, 0], I32)),
-        r"^num_tokens\[1\] = 3: expected 0\.\.2 \(max_tokens\)$",
-    ),
-    (
-        "num_tokens_negative",
-        with_(num_tokens=arr([2, 1, -1], I32)),
-        r"^num_tokens\[2\] = -1: expected 0\.\.2 \(max_tokens\)$",
-    ),
-    ("num_draft_over", with_(num_draft=arr([0, 2, 0], I32)), r"^num_draft\[1\] = 2: expected 0\.\.1 \(max_draft\)$"),
-    ("flags_unknown", with_(flags=arr([0, 64, 0], I32)), r"^flags\[1\] = 64: expected bits within 0x3f \(FLAG_MASK\)$"),
-    (
-        "flags_negative",
-        with_(flags=arr([-1, 0, 0], I32)),
-        r"^flags\[0\] = -1: expected bits within 0x3f \(FLAG_MASK\)$",
-    ),
-    (
-        "handle_negative",
-        with_(handles=arr([10, -1, 12], I64)),
-        r"^handles\[1\] = -1: expected >= 0 \(the row makes a record\)$",
-    ),
-    (
-        "lp_offsets_first",
-        with_(lp_offsets=arr([-1, 2, 3, 4], I32)),
-        r"^lp_offsets\[0\] = -1: expected 0\.\.4 \(non-decreasing, at most lp_rows\)$",
-    ),
-    (
-        "lp_offsets_decreasing",
-        with_(lp_offsets=arr([0, 2, 1, 4], I32)),
-        r"^lp_offsets\[2\] = 1: expected 2\.\.4 \(non-decreasing, at most lp_rows\)$",
-    ),
-    (
-        "lp_offsets_past_end",
-        with_(lp_offsets=arr([0, 2, 3, 5], I32)),
-        r"^lp_offsets\[3\] = 5: expected 3\.\.4 \(non-decreasing, at most lp_rows\)$",
-    ),
-    (
-        "lp_span_short",
-        with_(lp_offsets=arr([0, 1, 3, 4], I32)),
-        r"^lp_offsets\[1\] - lp_offsets\[0\] = 1: expected >= 2 \(num_tokens\[0\]\)$",
-    ),
-    (
-        "token_id_wide",
-        with_(token_ids=arr([[1, 1 << 31], [3, 4], [5, 6]], I64)),
-        r"^token_ids\[0, 1\] = 2147483648: expected -2147483648\.\.2147483647 \(int32\)$",
-    ),
-    (
-        "draft_id_wide",
-        with_(draft_ids=arr([[7], [-(1 << 40)], [9]], I64)),
-        r"^draft_ids\[1, 0\] = -1099511627776: expected -2147483648\.\.2147483647 \(int32\)$",
-    ),
-    (
-        "lp_rank_wide",
-        with_(lp_ranks=arr([1, 1 << 33, 1, 1], I64)),
-        r"^lp_ranks\[1\] = 8589934592: expected -2147483648\.\.2147483647 \(int32\)$",
-    ),
-    (
-        "lp_id_wide",
-        with_(lp_ids=np.where(np.arange(12).reshape(4, 3) == 8, 1 << 35, 1).astype(I64)),
-        r"^lp_ids\[2, 2\] = 34359738368: expected -2147483648\.\.2147483647 \(int32\)$",
-    ),
-    # the first error wins: row 0's span before row 1's count
-    (
-        "first_error_wins",
-        with_(num_tokens=arr([2, 5, 0], I32), lp_offsets=arr([0, 1, 3, 4], I32)),
-        r"^lp_offsets\[1\] - lp_offsets\[0\] = 1: expected >= 2 \(num_tokens\[0\]\)$",
-    ),
-]
-
-
 @pytest.mark.parametrize("case", INVALID, ids=[c[0] for c in INVALID])
 def test_invalid_inputs_raise_emit_error(case: tuple[str, dict[str, object], str]) -> None:
     _, kwargs, message = case
@@ -369,3 +225,29 @@ def test_emit_error_is_an_aiospec_error_and_a_value_error() -> None:
     from shm import AiospecError
 
     assert issubclass(EmitError, AiospecError) and issubclass(EmitError, ValueError)
+
+
+# -- one step, one value -----------------------------------------------------------------------
+
+
+def test_emit_step_parts_hold_all_their_tensors_or_raise() -> None:
+    b = base()
+    with pytest.raises(EmitError, match=r"^lp_ranks: required when lp_ids is given$"):
+        Logprobs(b["lp_ids"], b["lp_values"], None, b["lp_offsets"])
+    with pytest.raises(EmitError, match=r"^lp_ids: required when lp_values is given$"):
+        Logprobs(None, b["lp_values"], None, None)
+    with pytest.raises(EmitError, match=r"^num_draft: required when draft_ids is given$"):
+        Drafts(b["draft_ids"], None)
+    lp = Logprobs(b["lp_ids"], b["lp_values"], b["lp_ranks"], b["lp_offsets"], k=1)
+    assert lp.ids is b["lp_ids"]  # held as given: no conversion, no copy
+
+
+def test_emit_step_and_the_keyword_form_build_the_same_frame() -> None:
+    kw = with_(step=7, k=1)
+    step = EmitStep.from_kwargs(**kw)  # type: ignore[arg-type]
+    assert step.logprobs is not None and step.logprobs.k == 1 and step.drafts is not None
+    assert build_step(step) == build_frame(**kw) == build_frame(step)  # type: ignore[arg-type]
+    again = EmitStep.from_kwargs(**step.to_kwargs())
+    assert again.to_kwargs() == step.to_kwargs() and again != step  # the same tensors; identity equality
+    with pytest.raises(TypeError, match=r"^build_frame: an EmitStep carries the whole step; got flags, step as well$"):
+        build_frame(step, flags=kw["flags"], step=3)

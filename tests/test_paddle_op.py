@@ -17,8 +17,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _opshelpers import MODES, make_step
-from test_ops_reference import INVALID, base
+from _opshelpers import INVALID, MODES, base, make_step
 
 import shm
 from aiospec.ops import EmitError, _build, _paddle, build_frame

@@ -1,8 +1,8 @@
 """What the baselines share: the emit op's inputs gathered into records, and a stream base.
 
-``gather`` takes the same inputs as the emit op (docs: DESIGN section 5, ``aiospec_emit_args``)
-and returns the records the op would write, as flat columns; every baseline packs those columns
-in its own format. The stream base gives each baseline's per-request object the interface of
+``gather`` takes the emit op's input (one ``aiospec.ops.EmitStep``) and returns the records
+the op would write, as flat columns; every baseline packs those columns in its own format.
+The stream base gives each baseline's per-request object the interface of
 ``aiospec.RequestStream`` (``get``/``get_nowait``/``async for``/``aclose``) so that a server can
 swap the token path without other changes.
 """
@@ -26,6 +26,7 @@ from aiospec._stream import (
     StreamError,
     request_error,
 )
+from aiospec.ops._step import EmitStep
 
 __all__ = ("BaselineStream", "Gathered", "gather", "make_delta")
 
@@ -77,37 +78,21 @@ def _arr(value: Any, name: str, ndim: int, rows: int | None = None) -> np.ndarra
     return a
 
 
-def gather(
-    handles: Any,
-    token_ids: Any,
-    num_tokens: Any,
-    *,
-    flags: Any = None,
-    draft_ids: Any = None,
-    num_draft: Any = None,
-    lp_ids: Any = None,
-    lp_values: Any = None,
-    lp_ranks: Any = None,
-    lp_offsets: Any = None,
-    k: int = -1,
-    kind: int = L.KIND_TARGET,
-    step: int = 0,
-) -> Gathered:
-    """The records the emit op makes of these inputs (rows with no token and no flag make none)."""
-    h = _arr(handles, "handles", 1)
+def gather(step: EmitStep) -> Gathered:
+    """The records the emit op makes of one step (rows with no token and no flag make none)."""
+    flags, kind = step.flags, step.kind
+    h = _arr(step.handles, "handles", 1)
     b = h.shape[0]
-    tok = _arr(token_ids, "token_ids", 2, b)
-    n = _arr(num_tokens, "num_tokens", 1, b).astype(np.int64)
+    tok = _arr(step.token_ids, "token_ids", 2, b)
+    n = _arr(step.num_tokens, "num_tokens", 1, b).astype(np.int64)
     fl = np.zeros(b, np.uint32) if flags is None else _arr(flags, "flags", 1, b).astype(np.uint32)
     bad = np.flatnonzero((n < 0) | (n > tok.shape[1]))
     if bad.size:
         i = int(bad[0])
         raise ValueError(f"num_tokens[{i}] = {int(n[i])}: expected 0..{tok.shape[1]} (max_tokens)")
-    if (draft_ids is None) != (num_draft is None):
-        raise ValueError("draft_ids and num_draft: give both or neither")
-    if draft_ids is not None:
-        dr = _arr(draft_ids, "draft_ids", 2, b)
-        nd = _arr(num_draft, "num_draft", 1, b).astype(np.int64)
+    if step.drafts is not None:
+        dr = _arr(step.drafts.ids, "draft_ids", 2, b)
+        nd = _arr(step.drafts.counts, "num_draft", 1, b).astype(np.int64)
         bad = np.flatnonzero((nd < 0) | (nd > dr.shape[1]))
         if bad.size:
             i = int(bad[0])
@@ -128,13 +113,13 @@ def gather(
     dids = dr[rows][np.arange(dr.shape[1])[None, :] < dcounts[:, None]].astype(np.int32)
     lpi = lpv = rk = None
     kk = 0
-    if lp_ids is not None:
-        if lp_values is None or lp_ranks is None or lp_offsets is None:
-            raise ValueError("lp_ids: lp_values, lp_ranks and lp_offsets are needed too")
-        li = _arr(lp_ids, "lp_ids", 2)
-        lv = _arr(lp_values, "lp_values", 2, li.shape[0])
-        lr = _arr(lp_ranks, "lp_ranks", 1, li.shape[0])
-        lo = _arr(lp_offsets, "lp_offsets", 1, b + 1).astype(np.int64)
+    if step.logprobs is not None:
+        lp = step.logprobs
+        k = -1 if lp.k is None else lp.k
+        li = _arr(lp.ids, "lp_ids", 2)
+        lv = _arr(lp.values, "lp_values", 2, li.shape[0])
+        lr = _arr(lp.ranks, "lp_ranks", 1, li.shape[0])
+        lo = _arr(lp.offsets, "lp_offsets", 1, b + 1).astype(np.int64)
         if lv.shape[1] != li.shape[1]:
             raise ValueError(f"lp_values: expected {li.shape[1]} columns (as lp_ids), got {lv.shape[1]}")
         kk = li.shape[1] - 1 if k < 0 else k
@@ -166,7 +151,7 @@ def gather(
         lp_values=lpv,
         ranks=rk,
         k=kk,
-        step=int(step),
+        step=int(step.step),
         kind=int(kind),
     )
 

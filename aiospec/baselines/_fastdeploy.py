@@ -35,6 +35,7 @@ import sysv_ipc
 from aiospec import _payload_layout as L
 from aiospec._stream import TERMINAL_FLAGS, Delta, HubClosed
 from aiospec.baselines._common import BaselineStream, Gathered, gather, make_delta
+from aiospec.ops._step import EmitStep
 from shm import AiospecError
 
 __all__ = (
@@ -225,9 +226,9 @@ class FastDeployStyleEmitter:
             _send(self._mq, data, mtype)
         return sum(len(d) for _, d in msgs)
 
-    def emit(self, handles: Any, token_ids: Any, num_tokens: Any, **kw: Any) -> int:
+    def emit(self, step: EmitStep) -> int:
         """Pack and send one step; returns the bytes sent."""
-        return self.send(self.encode(gather(handles, token_ids, num_tokens, **kw)))
+        return self.send(self.encode(gather(step)))
 
     def close(self) -> None:
         self._mq = None

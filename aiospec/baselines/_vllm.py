@@ -30,6 +30,7 @@ import zmq.asyncio
 from aiospec import _payload_layout as L
 from aiospec._stream import TERMINAL_FLAGS, Delta, HubClosed
 from aiospec.baselines._common import BaselineStream, Gathered, gather, make_delta
+from aiospec.ops._step import EmitStep
 from shm import AiospecError
 
 __all__ = ("EngineCoreOutput", "EngineCoreOutputs", "LogprobsLists", "VllmStyleEmitter", "VllmStyleHub")
@@ -146,9 +147,9 @@ class VllmStyleEmitter:
         self._sock.send_multipart(frames, copy=False)
         return sum(memoryview(f).nbytes for f in frames)
 
-    def emit(self, handles: Any, token_ids: Any, num_tokens: Any, **kw: Any) -> int:
+    def emit(self, step: EmitStep) -> int:
         """Pack and send one step; returns the bytes sent."""
-        return self.send(self.encode(gather(handles, token_ids, num_tokens, **kw)))
+        return self.send(self.encode(gather(step)))
 
     def close(self) -> None:
         self._sock.close()

@@ -24,6 +24,7 @@ from aiospec._codec import Flag
 from aiospec.engine._model import SALT_ACCEPT, SALT_SAMPLE, ToyModel, request_key, sample, uniform
 from aiospec.engine._protocol import Admit, Handoff
 from aiospec.engine._vocab import Vocabulary, default_vocabulary
+from aiospec.ops._step import Drafts, EmitStep, Logprobs
 
 __all__ = ("EngineConfig", "EngineCore", "StepOutput")
 
@@ -66,31 +67,18 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class StepOutput:
-    """One step as the emit op's inputs (see ``aiospec.ops.Producer.emit``)."""
+    """One engine step: the emit op's input (``emit_step``) and what the step did besides."""
 
-    __slots__ = (
-        "draft_ids", "finished", "flags", "handles", "handoffs", "k", "lp_ids", "lp_offsets", "lp_ranks",
-        "lp_values", "num_draft", "num_tokens", "step", "token_ids",
-    )  # fmt: skip
+    __slots__ = ("emit_step", "finished", "handoffs")
 
-    handles: npt.NDArray[np.int64]
-    token_ids: npt.NDArray[np.int32]
-    num_tokens: npt.NDArray[np.int32]
-    flags: npt.NDArray[np.int32]
-    draft_ids: npt.NDArray[np.int32] | None
-    num_draft: npt.NDArray[np.int32] | None
-    lp_ids: npt.NDArray[np.int32] | None
-    lp_values: npt.NDArray[np.float32] | None
-    lp_ranks: npt.NDArray[np.int32] | None
-    lp_offsets: npt.NDArray[np.int32] | None
-    k: int
-    step: int
-    handoffs: list[Handoff]
-    finished: int
+    def __init__(self, emit_step: EmitStep, handoffs: list[Handoff], finished: int) -> None:
+        self.emit_step = emit_step
+        self.handoffs = handoffs  # requests a prefill engine hands to its decode engine
+        self.finished = finished  # requests this step finished
 
     @property
     def total_tokens(self) -> int:
-        return int(self.num_tokens.sum())
+        return int(self.emit_step.num_tokens.sum())
 
 
 class EngineCore:
@@ -327,31 +315,22 @@ class EngineCore:
         new_gen = gen + count
         finished = hit_eos | (new_gen >= self._max_tokens[rows])
         flags = np.where(prefill, int(Flag.FIRST_TOKEN), 0) | np.where(finished, int(Flag.FINISHED), 0)
-        out = StepOutput()
-        out.handles = self._handle[rows].copy()
-        out.token_ids = tokens
-        out.num_tokens = count
-        out.flags = flags.astype(np.int32)
-        out.k = k
-        out.step = self.step_no
-        out.draft_ids = out.num_draft = None
-        out.lp_ids = out.lp_values = out.lp_ranks = out.lp_offsets = None
-        out.handoffs = []
+        handles = self._handle[rows].copy()
         # the MTP head's guess for the position after the first token rides on FIRST_TOKEN
         new_draft = np.full(b, -1, dtype=np.int32)
         first = prefill & ~finished & (count > 0)
+        drafts = None
         if first.any() and cfg.num_draft:
             new_draft[first] = model.draft(prev[first])
-            out.draft_ids = new_draft[:, None].copy()
-            out.num_draft = first.astype(np.int32)
+            drafts = Drafts(new_draft[:, None].copy(), first.astype(np.int32))
+        logprobs = None
         if any_lp:
             mask = np.arange(width)[None, :] < count[:, None]
-            out.lp_ids = lp_ids[mask]
-            out.lp_values = lp_vals[mask]
-            out.lp_ranks = lp_rank[mask]
             offs = np.zeros(b + 1, dtype=np.int32)
             np.cumsum(count, out=offs[1:])
-            out.lp_offsets = offs
+            logprobs = Logprobs(lp_ids[mask], lp_vals[mask], lp_rank[mask], offs, k)
+        emit_step = EmitStep(handles, tokens, count, flags.astype(np.int32), logprobs, drafts, self.step_no)
+        handoffs: list[Handoff] = []
 
         # state updates
         self._prev[rows] = prev
@@ -369,12 +348,11 @@ class EngineCore:
         for slot in handoff_slots.tolist():
             req = self._requests[slot]
             assert req is not None
-            out.handoffs.append(Handoff(req, int(self._prev[slot]), int(self._draft[slot])))
+            handoffs.append(Handoff(req, int(self._prev[slot]), int(self._draft[slot])))
             del self._slot_of[req.handle]
             self._release(slot)
         self.handed_off += handoff_slots.size
-        out.finished = int(done_slots.size)
-        return out
+        return StepOutput(emit_step, handoffs, int(done_slots.size))
 
     def _sample_tempered(
         self,

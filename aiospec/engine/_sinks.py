@@ -1,6 +1,6 @@
 """Where an engine's steps go: the shared-memory ring through the emit op, or a baseline path.
 
-A sink takes a ``StepOutput`` (the emit op's inputs) once per step. The ring sink creates and
+A sink takes a ``StepOutput`` (its ``emit_step``: the emit op's input) once per step. The ring sink creates and
 owns the ring (the engine is its producer); the server's Hub attaches by the name the engine
 reports in its ``Ready`` message. The baseline sinks (``aiospec.baselines``) carry the same
 steps over ZeroMQ or a SysV queue, for the end-to-end benchmark.
@@ -13,11 +13,13 @@ import importlib.util
 import time
 from typing import Any, Protocol
 
+import msgspec
 import numpy as np
 
 import shm
 from aiospec._codec import encode_frame
 from aiospec.engine._core import EngineConfig, StepOutput
+from aiospec.ops._step import Drafts, Logprobs
 
 __all__ = ("Sink", "make_sink")
 
@@ -32,43 +34,35 @@ class Sink(Protocol):
     def close(self) -> None: ...
 
 
-def _op_kwargs(out: StepOutput) -> dict[str, Any]:
-    kw: dict[str, Any] = {"flags": out.flags, "step": out.step}
-    if out.draft_ids is not None:
-        kw["draft_ids"] = out.draft_ids
-        kw["num_draft"] = out.num_draft
-    if out.lp_ids is not None:
-        kw.update(lp_ids=out.lp_ids, lp_values=out.lp_values, lp_ranks=out.lp_ranks, lp_offsets=out.lp_offsets, k=out.k)
-    return kw
-
-
 def reference_payload(out: StepOutput, producer: int = 0) -> bytes:
     """The frame of one step by the emit op's record rule (rows with tokens, flags or drafts),
     encoded with the reference encoder."""
-    nt = out.num_tokens
-    nd = out.num_draft if out.num_draft is not None else np.zeros_like(nt)
-    keep = (nt > 0) | (out.flags != 0) | (nd > 0)
+    st = out.emit_step
+    nt = st.num_tokens
+    dr, lp = st.drafts, st.logprobs
+    nd = dr.counts if dr is not None else np.zeros_like(nt)
+    keep = (nt > 0) | (st.flags != 0) | (nd > 0)
     rows = np.flatnonzero(keep)
-    width = out.token_ids.shape[1]
+    width = st.token_ids.shape[1]
     tmask = np.arange(width)[None, :] < nt[rows][:, None]
     offs = np.zeros(rows.size + 1, dtype=np.int32)
     np.cumsum(nt[rows], out=offs[1:])
-    kw: dict[str, Any] = {"flags": out.flags[rows], "step": out.step, "producer": producer}
-    if out.draft_ids is not None and int(nd.sum()):
-        dmask = np.arange(out.draft_ids.shape[1])[None, :] < nd[rows][:, None]
+    kw: dict[str, Any] = {"flags": st.flags[rows], "step": st.step, "producer": producer}
+    if dr is not None and int(nd.sum()):
+        dmask = np.arange(dr.ids.shape[1])[None, :] < nd[rows][:, None]
         doffs = np.zeros(rows.size + 1, dtype=np.int32)
         np.cumsum(nd[rows], out=doffs[1:])
         kw["draft_offsets"] = doffs
-        kw["draft_ids"] = out.draft_ids[rows][dmask]
-    if out.lp_ids is not None and out.lp_offsets is not None and out.lp_values is not None:
-        starts = out.lp_offsets[:-1][rows]
+        kw["draft_ids"] = dr.ids[rows][dmask]
+    if lp is not None:
+        starts = lp.offsets[:-1][rows]
         sel = (starts[:, None] + np.arange(width)[None, :])[tmask]
-        kw["logprobs"] = out.lp_values[sel, 0]
-        kw["ranks"] = out.lp_ranks[sel] if out.lp_ranks is not None else None
-        if out.k:
-            kw["topk_ids"] = out.lp_ids[sel, 1 : out.k + 1]
-            kw["topk_logprobs"] = out.lp_values[sel, 1 : out.k + 1]
-    return encode_frame(out.handles[rows], offs, out.token_ids[rows][tmask], **kw)
+        kw["logprobs"] = lp.values[sel, 0]
+        kw["ranks"] = lp.ranks[sel]
+        if lp.k:
+            kw["topk_ids"] = lp.ids[sel, 1 : lp.k + 1]
+            kw["topk_logprobs"] = lp.values[sel, 1 : lp.k + 1]
+    return encode_frame(st.handles[rows], offs, st.token_ids[rows][tmask], **kw)
 
 
 def _pick_device(requested: str) -> str:
@@ -112,9 +106,8 @@ class RingSink:
     def emit(self, out: StepOutput) -> None:
         """Write one step; ``shm.RingFull`` after a bounded wait leaves nothing written, so
         the caller may retry the same step."""
-        kw = _op_kwargs(out)
         if self._torch is None:
-            self.producer.emit(out.handles, out.token_ids, out.num_tokens, **kw)
+            self.producer.emit_step(out.emit_step)
             return
         # a GPU worker's tensors: the kernel writes the frame into the ring from the device
         t = self._torch
@@ -122,8 +115,21 @@ class RingSink:
         def dev(a: Any) -> Any:
             return a if not isinstance(a, np.ndarray) else t.from_numpy(np.ascontiguousarray(a)).cuda()
 
-        kw = {key: dev(v) for key, v in kw.items()}
-        self.producer.emit(dev(out.handles), dev(out.token_ids), dev(out.num_tokens), **kw)
+        st = out.emit_step
+        lp, dr = st.logprobs, st.drafts
+        self.producer.emit_step(
+            msgspec.structs.replace(
+                st,
+                handles=dev(st.handles),
+                token_ids=dev(st.token_ids),
+                num_tokens=dev(st.num_tokens),
+                flags=dev(st.flags),
+                logprobs=None
+                if lp is None
+                else Logprobs(dev(lp.ids), dev(lp.values), dev(lp.ranks), dev(lp.offsets), lp.k),
+                drafts=None if dr is None else Drafts(dev(dr.ids), dev(dr.counts)),
+            )
+        )
         t.cuda.current_stream().synchronize()  # the step's own sync point; then wake readers
         self.producer.notify()
 
@@ -151,7 +157,7 @@ class BaselineSink:
             self._emitter = b.FastDeployStyleEmitter(int(config.transport_address))
 
     def emit(self, out: StepOutput) -> None:
-        self._emitter.emit(out.handles, out.token_ids, out.num_tokens, **_op_kwargs(out))
+        self._emitter.emit(out.emit_step)
 
     def idle(self) -> None:
         pass

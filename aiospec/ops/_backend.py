@@ -6,10 +6,10 @@ is emitted (or ``device="cuda"`` is asked for). The module provides:
     available() -> bool
         cheap, never raises: a GPU, the driver and a CUDA compiler (or a cached build).
     open_backend(ring_name: str, *, device_id: int, timeout: float | None, max_rows: int,
-                 reader_timeout: float | None, check_pids: bool) -> Backend
+                 reader_timeout: float | None, check_pids: bool) -> EmitBackend
         attach to the ring by name and become its producer.
 
-``Backend.emit`` gets the checked ``Inputs`` (``_inputs.collect``: dtypes, shapes, devices and
+``EmitBackend.emit`` gets the checked ``Inputs`` (``_inputs.collect``: dtypes, shapes, devices and
 scalars already validated; ``inputs.args()`` is the ``aiospec_emit_args`` block of emit.h with
 device pointers) and the caller's ``stream`` (an int handle, an object with ``cuda_stream`` /
 ``.ptr`` / ``.stream_base``, or None for the current/default stream). Value errors found by
@@ -24,10 +24,12 @@ from typing import Any, Protocol
 
 from aiospec.ops._inputs import Inputs
 
-__all__ = ("Backend",)
+__all__ = ("EmitBackend",)
 
 
-class Backend(Protocol):
+class EmitBackend(Protocol):
+    """An emit backend: writes checked steps (``Inputs``) into one ring as frames."""
+
     name: str
 
     def emit(self, inputs: Inputs, *, timeout: float | None, stream: Any = None) -> Any:

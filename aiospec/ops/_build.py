@@ -51,7 +51,11 @@ CXX_FLAGS = ("-O2", "-std=c++17", "-fPIC", "-shared", "-fvisibility=hidden", "-W
 
 
 class BuildError(AiospecError, RuntimeError):
-    """A native library could not be built (no compiler, or the compiler failed)."""
+    """A native library could not be built: no compiler (``CXX`` / ``NVCC``), a failed
+    compilation (the command and the compiler's output are in the message), a timeout, the
+    C++ sources missing from the installation, or ``AIOSPEC_FORCE_CPU`` asking for none.
+    Raised on first use of a backend (``Producer(device="cpu")``, the CUDA path, the Paddle
+    op), never by importing ``aiospec.ops``."""
 
 
 def force_cpu() -> bool:
@@ -103,6 +107,19 @@ def _digest(compiler: str, command: Sequence[str], files: Sequence[Path], root: 
     return h.hexdigest()[:24]
 
 
+_HEADER_SUFFIXES = (".h", ".cuh", ".hpp")
+
+
+def source_headers(root: Path, sources: Sequence[Path]) -> list[Path]:
+    """The headers a build of ``sources`` may include: every ``*.h`` under
+    ``root/include`` and the headers in each source's own directory (csrc/cuda/*.cuh, the
+    kernel's, which only its launcher includes)."""
+    found = set((root / "include").rglob("*.h"))
+    for d in {s.parent for s in sources}:
+        found.update(p for p in d.iterdir() if p.is_file() and p.suffix in _HEADER_SUFFIXES)
+    return sorted(found)
+
+
 def build_library(
     name: str,
     sources: Sequence[str],
@@ -115,8 +132,10 @@ def build_library(
     """Compile ``sources`` (paths relative to ``source_root()``) into the shared library
     ``name`` in the cache, unless it is there already; returns its path.
 
-    ``flags`` go before the sources, ``link_flags`` after them. Every header under
-    ``include/`` and ``shm_include_dir()`` count toward the cache key.
+    ``flags`` go before the sources, ``link_flags`` after them. The cache key covers the
+    compiler's version, the command, the sources and the headers they may include
+    (``source_headers``: every header under ``include/`` and the private headers beside each
+    source, and the ring's headers under ``shm_include_dir()``).
     """
     root = source_root()
     srcs = [root / s for s in sources]
@@ -127,7 +146,7 @@ def build_library(
     if exe is None:
         raise BuildError(f"{name}: compiler {compiler!r} not found (set CXX / NVCC)")
     shm_inc = shm_include_dir()
-    headers = sorted([*(root / "include").rglob("*.h"), *shm_inc.rglob("*.h")])
+    headers = sorted([*source_headers(root, srcs), *shm_inc.rglob("*.h")])
     includes = [f"-I{root / 'include'}", f"-I{shm_inc}"]
     command = [*flags, *includes, "<sources>", *link_flags]
     key = _digest(exe, [name, *command], [*srcs, *headers], root)

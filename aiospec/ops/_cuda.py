@@ -206,7 +206,7 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 class CudaProducer:
     """Writes frames into one ring from CUDA kernels (see the module docstring); the
-    ``aiospec.ops`` backend for CUDA tensors (``_backend.Backend``).
+    ``aiospec.ops`` backend for CUDA tensors (``_backend.EmitBackend``).
 
     ``device``: CUDA ordinal of the tensors; ``max_rows``: the largest batch an emit may
     carry; ``timeout``: seconds the kernel waits for ring space before the frame is dropped

@@ -19,9 +19,13 @@ __all__ = ("EmitError", "ErrorCode", "Arg", "format_error", "emit_error")
 class EmitError(AiospecError, ValueError):
     """The inputs of one emit call break the op's contract; nothing was written to the ring.
 
+    The message names the argument (with its row and column), the value found and what was
+    expected: ``num_tokens[3] = 7: expected 0..6 (max_tokens)``; the reference, the C++ writer,
+    the Paddle op and the CUDA kernel give the same one (docs/emit-op.md, section 3).
     ``code``, ``arg``, ``row``, ``col``, ``value``, ``lo``, ``hi`` describe the failed check
-    (emit.h ``aiospec_error``) when it is one of the op's value checks; shape, dtype and
-    device errors found before the op runs have ``code == 0``.
+    (``ErrorCode``, ``Arg``; emit.h ``aiospec_error``) when it is one of the op's value checks
+    or a missing part of ``Logprobs`` / ``Drafts``; shape, dtype and device errors found
+    before the op runs have ``code == 0``.
     """
 
     def __init__(

@@ -1,11 +1,12 @@
-"""Turning one emit call's tensors into checked, framework-free descriptions.
+"""Turning one ``EmitStep``'s tensors into checked, framework-free descriptions.
 
 Every backend starts here: ``collect`` views each input (numpy, anything with
 ``__array_interface__`` or DLPack on the CPU: PyTorch and Paddle CPU tensors; CUDA tensors
-through ``__cuda_array_interface__`` or DLPack) without copying, checks presence, dimensions,
-dtypes, shapes, contiguity and devices, and the scalar arguments, with the messages the Paddle
-op repeats. The value checks (counts, offsets, ids) belong to the op itself (emit.h) and to
-the Python reference (``_reference.check_rows``), which agree on every message.
+through ``__cuda_array_interface__`` or DLPack) without copying, checks dimensions, dtypes,
+shapes, contiguity and devices, and the scalar arguments, with the messages the Paddle op
+repeats (which inputs go together the step's ``Logprobs`` / ``Drafts`` types have checked).
+The value checks (counts, offsets, ids) belong to the op itself (emit.h) and to the Python
+reference (``_reference.check_rows``), which agree on every message.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import numpy as np
 from aiospec import _payload_layout as L
 from aiospec.ops._abi import EmitArgs
 from aiospec.ops._errors import Arg, EmitError, ErrorCode, emit_error
+from aiospec.ops._step import EmitStep
 
 __all__ = ("TensorRef", "Inputs", "as_tensor", "collect")
 
@@ -292,36 +294,16 @@ def _is_int(v: Any) -> bool:
 
 
 def collect(
-    handles: Any,
-    token_ids: Any,
-    num_tokens: Any,
+    step: EmitStep,
     *,
-    flags: Any = None,
-    lp_ids: Any = None,
-    lp_values: Any = None,
-    lp_ranks: Any = None,
-    lp_offsets: Any = None,
-    k: int | None = None,
-    draft_ids: Any = None,
-    num_draft: Any = None,
-    step: int = 0,
-    kind: int = L.KIND_TARGET,
     producer: int = 0,
     max_rows: int | None = None,
     host: bool = False,
 ) -> Inputs:
-    """Check one call's tensors and scalars (see the module docstring); ``host`` copies
+    """Check one step's tensors and scalars (see the module docstring); ``host`` copies
     CUDA tensors to the CPU first (the Python reference, ``AIOSPEC_FORCE_CPU``)."""
-    lp = {"lp_ids": lp_ids, "lp_values": lp_values, "lp_ranks": lp_ranks, "lp_offsets": lp_offsets}
-    given = [n for n, v in lp.items() if v is not None]
-    if given:
-        for arg_name, v in lp.items():
-            if v is None:
-                raise emit_error(ErrorCode.MISSING, Arg[arg_name.upper()], value=Arg[given[0].upper()])
-    if draft_ids is not None and num_draft is None:
-        raise emit_error(ErrorCode.MISSING, Arg.NUM_DRAFT, value=Arg.DRAFT_IDS)
-    if num_draft is not None and draft_ids is None:
-        raise emit_error(ErrorCode.MISSING, Arg.DRAFT_IDS, value=Arg.NUM_DRAFT)
+    lp = step.logprobs
+    dr = step.drafts
 
     def view(obj: Any, name: str) -> TensorRef:
         ref = as_tensor(obj, name)
@@ -329,7 +311,7 @@ def collect(
             ref = as_tensor(to_host(obj), name)
         return ref
 
-    h = view(handles, "handles")
+    h = view(step.handles, "handles")
     _check(h, 1, ("int64",), None)
     rows = h.shape[0]
     if max_rows is not None and rows > max_rows:
@@ -337,37 +319,38 @@ def collect(
     refs: dict[str, TensorRef | None] = dict.fromkeys(
         ("flags", "draft_ids", "num_draft", "lp_ids", "lp_values", "lp_ranks", "lp_offsets")
     )
-    tok = view(token_ids, "token_ids")
+    tok = view(step.token_ids, "token_ids")
     _check(tok, 2, _INT, rows)
-    nt = view(num_tokens, "num_tokens")
+    nt = view(step.num_tokens, "num_tokens")
     _check(nt, 1, ("int32",), rows)
-    if flags is not None:
-        refs["flags"] = r = view(flags, "flags")
+    if step.flags is not None:
+        refs["flags"] = r = view(step.flags, "flags")
         _check(r, 1, ("int32",), rows)
-    if draft_ids is not None:
-        refs["draft_ids"] = r = view(draft_ids, "draft_ids")
+    if dr is not None:
+        refs["draft_ids"] = r = view(dr.ids, "draft_ids")
         _check(r, 2, _INT, rows)
-        refs["num_draft"] = r = view(num_draft, "num_draft")
+        refs["num_draft"] = r = view(dr.counts, "num_draft")
         _check(r, 1, ("int32",), rows)
-    if given:
-        refs["lp_ids"] = ids = view(lp_ids, "lp_ids")
+    if lp is not None:
+        refs["lp_ids"] = ids = view(lp.ids, "lp_ids")
         _check(ids, 2, _INT, None)
         n, width = ids.shape
         if width < 1:
             raise EmitError(f"lp_ids: expected at least 1 column (the sampled token), got shape {_fmt_shape([n, 0])}")
-        refs["lp_values"] = r = view(lp_values, "lp_values")
+        refs["lp_values"] = r = view(lp.values, "lp_values")
         _check(r, 2, ("float32",), None)
         if r.shape != (n, width):
             raise EmitError(f"lp_values: expected shape {_fmt_shape([n, width])}, got {_fmt_shape(list(r.shape))}")
-        refs["lp_ranks"] = r = view(lp_ranks, "lp_ranks")
+        refs["lp_ranks"] = r = view(lp.ranks, "lp_ranks")
         _check(r, 1, _INT, n)
-        refs["lp_offsets"] = r = view(lp_offsets, "lp_offsets")
+        refs["lp_offsets"] = r = view(lp.offsets, "lp_offsets")
         _check(r, 1, ("int32",), rows + 1)
     for ref in (tok, nt, *refs.values()):
         if ref is not None and (ref.device, ref.device_id) != (h.device, h.device_id):
             raise EmitError(f"{ref.name}: on {ref.where}, expected {h.where} like handles")
-    if not _is_int(step) or not 0 <= int(step) <= _U64_MAX:
-        raise EmitError(f"step = {step!r}: expected an integer in 0..{_U64_MAX}")
+    step_no, kind = step.step, step.kind
+    if not _is_int(step_no) or not 0 <= int(step_no) <= _U64_MAX:
+        raise EmitError(f"step = {step_no!r}: expected an integer in 0..{_U64_MAX}")
     if not _is_int(kind):
         raise EmitError(f"kind = {kind!r}: expected 0 (target) or 1 (draft)")
     if int(kind) not in (L.KIND_TARGET, L.KIND_DRAFT):
@@ -375,9 +358,10 @@ def collect(
     if not _is_int(producer) or not 0 <= int(producer) <= _U32_MAX:
         raise EmitError(f"producer = {producer!r}: expected an integer in 0..{_U32_MAX}")
     k_res = 0
-    if given:
+    if lp is not None:
         width = refs["lp_ids"].shape[1]  # type: ignore[union-attr]
         kmax = min(width - 1, L.MAX_TOPK)
+        k = lp.k
         if k is None:
             k = -1
         if not _is_int(k):
@@ -394,7 +378,7 @@ def collect(
         token_ids=tok,
         num_tokens=nt,
         k=k_res,
-        step=int(step),
+        step=int(step_no),
         kind=int(kind),
         producer=int(producer),
         **refs,

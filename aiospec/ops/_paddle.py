@@ -7,9 +7,10 @@ variant is built here: Paddle's JIT build of a ``.cu`` source defines ``PADDLE_W
 for every source and needs Paddle's GPU wheel with its CUDA headers, so a GPU engine builds
 the op with its own toolchain (the same two sources plus csrc/cuda/*.cu).
 
-``emit(ring, handles, token_ids, num_tokens, ...)`` calls ``aiospec_emit`` with the
-producer cached per ring inside the op library and maps the op's errors back to the aiospec
-exceptions: ``EmitError``, ``shm.RingFull``, ``shm.BadSegment``, ``shm.RingError``.
+``emit_step(ring, step)`` (or the keyword form ``emit(ring, handles, token_ids, num_tokens,
+...)``) calls ``aiospec_emit`` with the producer cached per ring inside the op library and
+maps the op's errors back to the aiospec exceptions: ``EmitError``, ``shm.RingFull``,
+``shm.BadSegment``, ``shm.RingError``.
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ from typing import Any
 from aiospec import _payload_layout as L
 from aiospec.ops._build import BuildError, cache_root, shm_include_dir, source_root
 from aiospec.ops._errors import EmitError
+from aiospec.ops._step import EmitStep, as_step
 from shm import BadSegment, RingError, RingFull
 
-__all__ = ("load_ops", "emit", "notify", "release", "paddle_available")
+__all__ = ("load_ops", "emit", "emit_step", "notify", "release", "paddle_available")
 
 OP_MODULE = "aiospec_paddle_ops"
 SOURCES = ("paddle/emit_op.cc", "cpu/emit_cpu.cc")
@@ -129,11 +131,42 @@ def _meta(t: Any) -> list[int]:
     return [1, len(shape), *dims, _DTYPE_CODES.get(str(t.dtype), 0)]
 
 
+def emit_step(ring: str, step: EmitStep, *, producer: int = 0, timeout: float | None = 5.0) -> None:
+    """One decoding step of Paddle tensors -> one frame in ring ``ring`` (a name)."""
+    step_no, kind = step.step, step.kind
+    if isinstance(step_no, bool) or not isinstance(step_no, int) or not 0 <= step_no <= _U64_MAX:
+        raise EmitError(f"step = {step_no!r}: expected an integer in 0..{_U64_MAX}")
+    if isinstance(producer, bool) or not isinstance(producer, int) or not 0 <= producer <= 0xFFFFFFFF:
+        raise EmitError(f"producer = {producer!r}: expected an integer in 0..4294967295")
+    if isinstance(kind, bool) or not isinstance(kind, int):
+        raise EmitError(f"kind = {kind!r}: expected 0 (target) or 1 (draft)")
+    lp, dr = step.logprobs, step.drafts
+    k = lp.k if lp is not None else None
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int)):
+        raise EmitError(f"k = {k!r}: expected an integer")
+    ops = load_ops()
+    draft_ids, num_draft = (dr.ids, dr.counts) if dr is not None else (None, None)
+    lp_ids, lp_values, lp_ranks, lp_offsets = (
+        (lp.ids, lp.values, lp.ranks, lp.offsets) if lp is not None else (None, None, None, None)
+    )
+    optional = (step.flags, draft_ids, num_draft, lp_ids, lp_values, lp_ranks, lp_offsets)
+    meta = [x for t in optional for x in _meta(t)]
+    signed_step = step_no - (1 << 64) if step_no >= 1 << 63 else step_no  # the attribute is int64
+    t = 1e9 if timeout is None else float(timeout)
+    try:
+        ops.aiospec_emit(
+            step.handles, step.token_ids, step.num_tokens, *optional,
+            ring, meta, signed_step, int(kind), producer, -1 if k is None else int(k), t,
+        )  # fmt: skip
+    except Exception as exc:
+        raise _translate(exc) from None
+
+
 def emit(
     ring: str,
     handles: Any,
-    token_ids: Any,
-    num_tokens: Any,
+    token_ids: Any = None,
+    num_tokens: Any = None,
     *,
     flags: Any = None,
     lp_ids: Any = None,
@@ -148,27 +181,12 @@ def emit(
     producer: int = 0,
     timeout: float | None = 5.0,
 ) -> None:
-    """One decoding step of Paddle tensors -> one frame in ring ``ring`` (a name)."""
-    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= _U64_MAX:
-        raise EmitError(f"step = {step!r}: expected an integer in 0..{_U64_MAX}")
-    if isinstance(producer, bool) or not isinstance(producer, int) or not 0 <= producer <= 0xFFFFFFFF:
-        raise EmitError(f"producer = {producer!r}: expected an integer in 0..4294967295")
-    if isinstance(kind, bool) or not isinstance(kind, int):
-        raise EmitError(f"kind = {kind!r}: expected 0 (target) or 1 (draft)")
-    if k is not None and (isinstance(k, bool) or not isinstance(k, int)):
-        raise EmitError(f"k = {k!r}: expected an integer")
-    ops = load_ops()
-    optional = (flags, draft_ids, num_draft, lp_ids, lp_values, lp_ranks, lp_offsets)
-    meta = [x for t in optional for x in _meta(t)]
-    signed_step = step - (1 << 64) if step >= 1 << 63 else step  # the attribute is int64
-    t = 1e9 if timeout is None else float(timeout)
-    try:
-        ops.aiospec_emit(
-            handles, token_ids, num_tokens, flags, draft_ids, num_draft, lp_ids, lp_values, lp_ranks, lp_offsets,
-            ring, meta, signed_step, int(kind), producer, -1 if k is None else int(k), t,
-        )  # fmt: skip
-    except Exception as exc:
-        raise _translate(exc) from None
+    """``emit_step`` of an ``EmitStep`` passed alone, or of the op's keyword form."""
+    kw: dict[str, Any] = dict(
+        flags=flags, lp_ids=lp_ids, lp_values=lp_values, lp_ranks=lp_ranks, lp_offsets=lp_offsets,
+        k=k, draft_ids=draft_ids, num_draft=num_draft, step=step, kind=kind,
+    )  # fmt: skip
+    emit_step(ring, as_step(handles, token_ids, num_tokens, kw, "emit"), producer=producer, timeout=timeout)
 
 
 def _control(ring: str, action: str) -> None:

@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import importlib
+import os
 import threading
 import warnings
 from typing import Any
 
 from aiospec._codec import Kind
-from aiospec.ops._backend import Backend
+from aiospec.ops._backend import EmitBackend
 from aiospec.ops._build import BuildError, find_nvcc, force_cpu
 from aiospec.ops._errors import EmitError
 from aiospec.ops._inputs import Inputs, collect
+from aiospec.ops._step import EmitStep, as_step
 from shm import Ring, RingError
 
 __all__ = ("Producer", "emit", "available_backends")
@@ -26,42 +27,14 @@ def _cuda_module() -> Any:
 
 
 def _cuda_available() -> bool:
-    if force_cpu() or find_nvcc() is None:
+    # _cuda.available() decides (AIOSPEC_FORCE_CPU, a driver with a GPU, and nvcc or a
+    # prebuilt AIOSPEC_CUDA_LIB); checked here first so that a CPU-only machine never imports it
+    if force_cpu() or (find_nvcc() is None and not os.environ.get("AIOSPEC_CUDA_LIB")):
         return False
     try:
-        mod = _cuda_module()
-        if hasattr(mod, "available"):
-            return bool(mod.available())
-        lib = mod.load_library()
-        err = ctypes.create_string_buffer(256)
-        return bool(lib.aiospec_cuda_device_ok(0, err, len(err)) == 1)
+        return bool(_cuda_module().available())
     except Exception:  # no driver, no GPU, a failed build: the backend is simply not there
         return False
-
-
-# a "forever" the CUDA path can represent: its kernels count the wait in device clock ticks
-_CUDA_FOREVER = 1e6
-
-
-class _CudaBackend:
-    """Adapts ``_cuda.CudaProducer`` to the ``Backend`` protocol."""
-
-    name = "cuda"
-
-    def __init__(self, producer: Any) -> None:
-        self._p = producer
-
-    def emit(self, inputs: Inputs, *, timeout: float | None, stream: Any = None) -> None:
-        self._p.emit(inputs, stream=stream)
-
-    def check(self) -> None:
-        self._p.check()
-
-    def notify(self) -> int:
-        return int(self._p.notify())
-
-    def close(self) -> None:
-        self._p.close()
 
 
 def _cpu_available() -> bool:
@@ -75,8 +48,9 @@ def _cpu_available() -> bool:
 
 
 def available_backends() -> tuple[str, ...]:
-    """The backends that work here, best first: ``"cuda"``, ``"cpu"`` (builds the C++
-    library on first call), ``"python"`` (always)."""
+    """The backends that work here, best first: ``"cuda"`` (a GPU with its driver, and nvcc
+    or ``AIOSPEC_CUDA_LIB``; not under ``AIOSPEC_FORCE_CPU``; nothing is built), ``"cpu"``
+    (builds the C++ library on the first call, cached), ``"python"`` (always). Never raises."""
     out = []
     if _cuda_available():
         out.append("cuda")
@@ -87,7 +61,9 @@ def available_backends() -> tuple[str, ...]:
 
 
 class Producer:
-    """Writes one frame per decoding step into a ring.
+    """Writes one frame per decoding step into a ring: ``producer.emit_step(step)`` with one
+    ``EmitStep`` per step (or ``producer.emit(handles, token_ids, num_tokens, ...)``, the op's
+    keyword form).
 
     ``ring`` is a ``shm.Ring`` or a ring name (``/dev/shm/<name>``). ``device`` picks the
     backend: ``"cpu"`` (the C++ writer), ``"cuda"`` (the CUDA kernel), ``"python"`` (the
@@ -100,7 +76,13 @@ class Producer:
     declared dead and evicted.
 
     One producer per ring at a time, and while it writes, nothing else may write into the
-    ring (not even the ``shm.Ring`` that created it).
+    ring (not even the ``shm.Ring`` that created it). Calls are serialized by a lock, so one
+    producer may be shared by threads. Use it as a context manager or call ``close()``; an
+    unclosed producer warns (``ResourceWarning``) when collected.
+
+    Raises ``ValueError`` for a bad argument, ``BuildError`` when the chosen backend cannot
+    be built, and the ``shm`` errors (``BadSegment``, ``RingError``) when the ring cannot be
+    attached; with ``device=None`` the backend opens at the first emit, which may raise them.
     """
 
     def __init__(
@@ -114,7 +96,7 @@ class Producer:
         reader_timeout: float | None = None,
         check_pids: bool = True,
     ) -> None:
-        self._backend: Backend | None = None
+        self._backend: EmitBackend | None = None
         self._closed = False
         if isinstance(ring, Ring):
             self._ring: Ring | None = ring
@@ -148,6 +130,7 @@ class Producer:
 
     @property
     def ring_name(self) -> str:
+        """The ring's name (``/dev/shm/<name>``)."""
         return self._name
 
     @property
@@ -157,6 +140,7 @@ class Producer:
 
     @property
     def closed(self) -> bool:
+        """True once ``close()`` was called."""
         return self._closed
 
     def __repr__(self) -> str:
@@ -165,7 +149,7 @@ class Producer:
 
     # -- backends ------------------------------------------------------------------------
 
-    def _open(self, device: str, device_id: int) -> Backend:
+    def _open(self, device: str, device_id: int) -> EmitBackend:
         if device == "python":
             if self._ring is None or not self._ring.is_owner:
                 raise ValueError(
@@ -181,29 +165,17 @@ class Producer:
             return CpuBackend(self._name, reader_timeout=self._reader_timeout, check_pids=self._check_pids)
         if force_cpu():
             raise ValueError("device = 'cuda': the CUDA path is disabled by AIOSPEC_FORCE_CPU=1")
-        mod = _cuda_module()
-        if hasattr(mod, "open_backend"):
-            backend: Backend = mod.open_backend(
-                self._name,
-                device_id=max(device_id, 0),
-                timeout=self._timeout,
-                max_rows=self._max_rows,
-                reader_timeout=self._reader_timeout,
-                check_pids=self._check_pids,
-            )
-            return backend
-        return _CudaBackend(
-            mod.CudaProducer(
-                self._name,
-                device=max(device_id, 0),
-                max_rows=self._max_rows,
-                timeout=_CUDA_FOREVER if self._timeout is None else self._timeout,
-                reader_timeout=self._reader_timeout,
-                check_pids=self._check_pids,
-            )
+        backend: EmitBackend = _cuda_module().open_backend(
+            self._name,
+            device_id=max(device_id, 0),
+            timeout=self._timeout,
+            max_rows=self._max_rows,
+            reader_timeout=self._reader_timeout,
+            check_pids=self._check_pids,
         )
+        return backend
 
-    def _open_for_host(self) -> Backend:
+    def _open_for_host(self) -> EmitBackend:
         try:
             return self._open("cpu", -1)
         except BuildError:
@@ -213,11 +185,34 @@ class Producer:
 
     # -- the op --------------------------------------------------------------------------
 
+    def emit_step(self, step: EmitStep, *, stream: Any = None) -> None:
+        """Write one decoding step as one frame (docs/emit-op.md describes every input).
+
+        Raises ``EmitError`` for invalid inputs (nothing is written), ``shm.RingFull`` when
+        the readers leave no room within ``timeout``. On the CUDA path the frame is written
+        asynchronously on ``stream`` (an int handle, a framework stream object, or None for
+        the current stream); errors found on the GPU surface from ``check()`` or a later call.
+        """
+        with self._lock:
+            if self._closed:
+                raise RingError(f"emit: the producer of ring {self._name} is closed")
+            # AIOSPEC_FORCE_CPU on an unbound or auto producer: CUDA tensors are copied to the
+            # host while they are viewed, once, and the CPU writer takes them
+            host = self._device is None and force_cpu()
+            x = collect(step, producer=self._producer, max_rows=self._max_rows, host=host)
+            backend = self._backend
+            if backend is None:
+                backend = self._open("cuda", x.device_id) if x.device == "cuda" else self._open_for_host()
+                self._backend = backend
+            if (x.device == "cuda") != (backend.name == "cuda"):
+                raise self._wrong_device(x, backend)
+            backend.emit(x, timeout=self._timeout, stream=stream)
+
     def emit(
         self,
         handles: Any,
-        token_ids: Any,
-        num_tokens: Any,
+        token_ids: Any = None,
+        num_tokens: Any = None,
         *,
         flags: Any = None,
         lp_ids: Any = None,
@@ -231,38 +226,16 @@ class Producer:
         kind: int = Kind.TARGET,
         stream: Any = None,
     ) -> None:
-        """Write one decoding step as one frame (docs/emit-op.md has every argument).
-
-        Raises ``EmitError`` for invalid inputs (nothing is written), ``shm.RingFull`` when
-        the readers leave no room within ``timeout``. On the CUDA path the frame is written
-        asynchronously on ``stream``; errors found on the GPU surface from ``check()`` or a
-        later ``emit()``.
-        """
+        """``emit_step`` of an ``EmitStep`` passed alone, or of the op's keyword form
+        (``EmitStep.from_kwargs``: ``producer.emit(handles, token_ids, num_tokens,
+        flags=..., lp_ids=..., ...)``)."""
         kw: dict[str, Any] = dict(
             flags=flags, lp_ids=lp_ids, lp_values=lp_values, lp_ranks=lp_ranks, lp_offsets=lp_offsets,
-            k=k, draft_ids=draft_ids, num_draft=num_draft, step=step, kind=kind, producer=self._producer,
-            max_rows=self._max_rows,
+            k=k, draft_ids=draft_ids, num_draft=num_draft, step=step, kind=kind,
         )  # fmt: skip
-        with self._lock:
-            if self._closed:
-                raise RingError(f"emit: the producer of ring {self._name} is closed")
-            x = collect(handles, token_ids, num_tokens, **kw)
-            backend = self._backend
-            if backend is None:
-                if x.device == "cuda" and not force_cpu():
-                    backend = self._open("cuda", x.device_id)
-                else:
-                    backend = self._open_for_host()
-                self._backend = backend
-            if x.device == "cuda" and backend.name != "cuda":
-                if self._device is not None or not force_cpu():
-                    raise self._wrong_device(x, backend)
-                x = collect(handles, token_ids, num_tokens, host=True, **kw)
-            elif x.device == "cpu" and backend.name == "cuda":
-                raise self._wrong_device(x, backend)
-            backend.emit(x, timeout=self._timeout, stream=stream)
+        self.emit_step(as_step(handles, token_ids, num_tokens, kw, "Producer.emit"), stream=stream)
 
-    def _wrong_device(self, x: Inputs, backend: Backend) -> EmitError:
+    def _wrong_device(self, x: Inputs, backend: EmitBackend) -> EmitError:
         want = "cuda" if backend.name == "cuda" else "cpu"
         return EmitError(
             f"handles: on {x.handles.where}, expected {want} memory "
@@ -307,6 +280,8 @@ class Producer:
             self.close()
 
 
-def emit(producer: Producer, handles: Any, token_ids: Any, num_tokens: Any, **kwargs: Any) -> None:
-    """``producer.emit(handles, token_ids, num_tokens, **kwargs)``: one step, one frame."""
-    producer.emit(handles, token_ids, num_tokens, **kwargs)
+def emit(producer: Producer, *args: Any, **kwargs: Any) -> None:
+    """One step, one frame: ``producer.emit_step(step)`` for an ``EmitStep``, or the keyword
+    form ``emit(producer, handles, token_ids, num_tokens, flags=..., ...)`` of
+    ``Producer.emit``."""
+    producer.emit(*args, **kwargs)

@@ -1,7 +1,7 @@
 """The emit op's semantics in plain Python: the oracle for the C++ and CUDA writers.
 
-``build_frame`` takes the op's inputs (numpy or CPU tensors), runs the same checks in the
-same order with the same messages as emit.h, gathers the records and hands them to
+``build_step`` takes one ``EmitStep`` of numpy or CPU tensors (``build_frame`` the op's keyword
+form), runs the same checks in the same order with the same messages as emit.h, gathers the records and hands them to
 ``aiospec._codec.encode_frame``. It is also the ``device="python"`` backend, for machines
 without a C++ compiler.
 
@@ -21,9 +21,10 @@ from aiospec import _payload_layout as L
 from aiospec._codec import encode_frame, frame_layout
 from aiospec.ops._errors import Arg, ErrorCode, emit_error
 from aiospec.ops._inputs import Inputs, collect
+from aiospec.ops._step import EmitStep, as_step
 from shm import Ring
 
-__all__ = ("build_frame", "build_from_inputs", "check_rows", "PythonBackend")
+__all__ = ("build_frame", "build_step", "build_from_inputs", "check_rows", "PythonBackend")
 
 _I32_MIN, _I32_MAX = -(1 << 31), (1 << 31) - 1
 _I64_MAX = (1 << 63) - 1
@@ -171,10 +172,16 @@ def build_from_inputs(x: Inputs, max_record: int | None = None) -> bytes:
     )
 
 
+def build_step(step: EmitStep, *, producer: int = 0, max_record: int | None = None) -> bytes:
+    """One step's frame payload, or ``EmitError`` (see the module docstring). ``max_record``
+    bounds the frame as a ring would (default: the u32 limit)."""
+    return build_from_inputs(collect(step, producer=producer, host=True), max_record)
+
+
 def build_frame(
     handles: Any,
-    token_ids: Any,
-    num_tokens: Any,
+    token_ids: Any = None,
+    num_tokens: Any = None,
     *,
     flags: Any = None,
     lp_ids: Any = None,
@@ -189,14 +196,16 @@ def build_frame(
     producer: int = 0,
     max_record: int | None = None,
 ) -> bytes:
-    """One emit call's frame payload, or ``EmitError`` (the op's inputs; see the module
-    docstring). ``max_record`` bounds the frame as a ring would (default: the u32 limit)."""
-    x = collect(
-        handles, token_ids, num_tokens,
+    """The frame payload the emit op writes for one step: ``build_step`` of an ``EmitStep``
+    passed alone, or of the op's keyword form (``EmitStep.from_kwargs``). Raises
+    ``EmitError`` for inputs the op rejects, with the op's message."""
+    kw: dict[str, Any] = dict(
         flags=flags, lp_ids=lp_ids, lp_values=lp_values, lp_ranks=lp_ranks, lp_offsets=lp_offsets,
-        k=k, draft_ids=draft_ids, num_draft=num_draft, step=step, kind=kind, producer=producer, host=True,
+        k=k, draft_ids=draft_ids, num_draft=num_draft, step=step, kind=kind,
     )  # fmt: skip
-    return build_from_inputs(x, max_record)
+    return build_step(
+        as_step(handles, token_ids, num_tokens, kw, "build_frame"), producer=producer, max_record=max_record
+    )
 
 
 class PythonBackend:

@@ -2,7 +2,7 @@
 //
 // The ring is mapped and validated by aiospec::RingProducer (ring.h), which also owns the
 // producer's liveness words, reader eviction and the bells. This file registers the mapping
-// with CUDA once, keeps the device state, launches the kernels of aiospec/emit_cuda_kernels.h and reads
+// with CUDA once, keeps the device state, launches the kernel of emit_kernel.cuh (beside it) and reads
 // the mapped error word. A small thread does the liveness work (heartbeat, evicting dead or
 // silent readers that block the ring) so that a kernel waiting for space is released even
 // while the host thread waits on that kernel.
@@ -21,8 +21,8 @@
 #include "aiospec/emit.h"
 #include "aiospec/emit_cuda.h"
 #include "aiospec/layout.h"
-#include "aiospec/emit_cuda_kernels.h"
 #include "aiospec/ring.h"
+#include "emit_kernel.cuh"
 
 namespace {
 

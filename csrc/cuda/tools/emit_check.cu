@@ -459,6 +459,12 @@ void scenario_full(std::mt19937_64& rng) {
   }
   CHECK(reported && e.code == AIOSPEC_E_RING_FULL, "no ring-full error after %d frames", ok);
   CHECK(lost(seg) == 1, "frames_lost %" PRIu64 ", expected 1", lost(seg));
+  // the error word as emit_cuda.h documents it: value = frame bytes, lo = the tail needed, hi = head
+  CHECK(uint64_t(e.hi) == seg.u64(AIOSPEC_OFF_HEAD), "ring-full hi %lld, expected the head %" PRIu64,
+        (long long)e.hi, seg.u64(AIOSPEC_OFF_HEAD));
+  CHECK(e.lo > 0 && uint64_t(e.hi - e.lo) + uint64_t(e.value) + AIOSPEC_FRAME_HEADER <= seg.capacity,
+        "ring-full lo %lld: not head + frame + next header - capacity (value %lld)", (long long)e.lo,
+        (long long)e.value);
   char msg[512];
   aiospec_cuda_format_error(p, &e, msg, sizeof msg);
   CHECK(std::strstr(msg, "slot 0 (pid ") != nullptr, "ring-full message does not name the reader: %s", msg);

@@ -51,9 +51,15 @@ AIOSPEC_API int aiospec_producer_close(aiospec_producer* p, int32_t mark_closed)
 /* Validates, reserves (waiting up to timeout seconds, < 0 forever), writes the frame in
  * place and commits it; *position (may be NULL) gets its ring position. */
 AIOSPEC_API int aiospec_producer_emit(aiospec_producer* p, const aiospec_emit_args* args, double timeout, uint64_t* position);
+/* Rings the bell of every sleeping reader; *rung (may be NULL) gets how many were rung. */
 AIOSPEC_API int aiospec_producer_notify(aiospec_producer* p, int32_t* rung);
+/* Stores the producer's heartbeat (monotonic ns) in the control page, for a producer idle
+ * between steps (emits refresh it too). AIOSPEC_STATUS_CLOSED after close. */
 AIOSPEC_API int aiospec_producer_heartbeat(aiospec_producer* p);
+/* Adds `frames` to the ring's frames-lost counter and rings the bells: readers turn the rise
+ * into stream errors (for steps the caller could not write). AIOSPEC_STATUS_CLOSED after close. */
 AIOSPEC_API int aiospec_producer_add_lost(aiospec_producer* p, uint64_t frames);
+/* Fills *out (aiospec_producer_info above). AIOSPEC_STATUS_CLOSED after close. */
 AIOSPEC_API int aiospec_producer_get_info(aiospec_producer* p, aiospec_producer_info* out);
 
 /* Validation only (max_record 0 = no size limit): fills *layout on success. */
@@ -64,7 +70,9 @@ AIOSPEC_API int aiospec_emit_build(const aiospec_emit_args* args, uint64_t max_r
 AIOSPEC_API const char* aiospec_last_error(void);             /* this thread's last failure message */
 AIOSPEC_API int32_t aiospec_last_errno(void);                 /* its errno (AIOSPEC_STATUS_OS) */
 AIOSPEC_API void aiospec_last_error_detail(aiospec_error* out); /* its fields (AIOSPEC_STATUS_EMIT) */
-/* aiospec_format_error from emit.h, exported for callers that hold an error word. */
+/* aiospec_format_error from emit.h, exported for callers that hold an error word: the
+ * message into buf (always NUL-terminated); returns its length as snprintf reports it, or
+ * -1 when e or buf is NULL or size is 0. */
 AIOSPEC_API int32_t aiospec_error_message(const aiospec_error* e, char* buf, uint64_t size);
 
 #ifdef __cplusplus

@@ -4,7 +4,7 @@
  * and keeps its state (head, cached slowest tail, counters) in device memory and its error
  * word in mapped host memory. aiospec_cuda_emit enqueues one kernel on a stream and returns:
  * no host synchronization and no allocation per call, so a step can be captured in a CUDA
- * graph (aiospec/emit_cuda_kernels.h describes the kernel).
+ * graph (csrc/cuda/emit_kernel.cuh describes the kernel).
  * Input errors found on the device (counts, offsets, ids; same checks and order as
  * aiospec_check_row in emit.h) and a ring that stays full past the timeout are reported
  * through an error word in mapped host memory, which aiospec_cuda_check reads without
@@ -32,8 +32,12 @@ extern "C" {
 
 /* Error codes of the CUDA path beyond emit.h's AIOSPEC_E_* (same aiospec_error struct). */
 enum aiospec_cuda_error_code {
-  /* the ring had no room for value bytes (frame + PAD + next header) within the producer's
-   * timeout; lo = the bytes that were free at the last look, hi = capacity */
+  /* the ring had no room for a frame within the producer's timeout: value = the frame's size
+   * in bytes (header included), lo = the tail every active reader had to reach for it to
+   * fit (head + the PAD before it, the frame and the next header - capacity), hi = the head
+   * (the position where the frame, or its PAD, would have started); the lagging readers are
+   * those with a tail below lo, each lagging hi - tail bytes (aiospec_cuda_format_error
+   * names them) */
   AIOSPEC_E_RING_FULL = 64,
   /* rows = value exceeds the producer's max_rows = hi */
   AIOSPEC_E_MAX_ROWS = 65

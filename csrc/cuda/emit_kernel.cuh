@@ -1,6 +1,6 @@
 // The emit op's CUDA kernel: raw pointers in, one frame written into a mapped ring segment.
-// CUDA C++ only (included by csrc/cuda/emit_cuda.cu, the launcher); it lives beside the other
-// headers so that the build cache key (every header under include/) covers it.
+// CUDA C++ only, private to csrc/cuda/emit_cuda.cu (the launcher) beside it; the build cache
+// key (aiospec/ops/_build.py) covers the headers next to each source as well as include/.
 //
 // One launch per frame, a block per `rows_per_block` rows. Nothing passes between blocks
 // before the end, so no block ever waits for another:
@@ -26,11 +26,11 @@
 //
 // Only plain loads and stores touch host memory: the GPU this runs on cannot do atomics on
 // it (hostNativeAtomicSupported = 0). Atomics and counters live in device memory.
-#ifndef AIOSPEC_EMIT_CUDA_KERNELS_H_
-#define AIOSPEC_EMIT_CUDA_KERNELS_H_
+#ifndef AIOSPEC_CUDA_EMIT_KERNEL_CUH_
+#define AIOSPEC_CUDA_EMIT_KERNEL_CUH_
 
 #ifndef __CUDACC__
-#error "aiospec/emit_cuda_kernels.h is CUDA C++: compile with nvcc"
+#error "emit_kernel.cuh is CUDA C++: compile with nvcc"
 #endif
 
 #include <cuda_runtime.h>
@@ -272,6 +272,58 @@ __device__ void report_error(const aiospec_error& e, const RingRef& ring, State*
   __threadfence_system();
 }
 
+// ---- block 0's frame-wide words ---------------------------------------------------------------
+
+// Besides its rows, block 0 writes the words of the frame no row owns, one task per range of
+// threads (disjoint, so they run side by side; the header tasks fill warp 0's spare lanes).
+namespace block0 {
+// [kHeaderWords, + HEADER_SPACE / 8): the msgpack header, 8 bytes a thread
+constexpr int kHeaderWords = 0;
+// the frame's absolute position (readers use it to detect a frame from an earlier lap)
+constexpr int kPositionWord = 32;
+// token_offsets[R] = T and draft_offsets[R] = D: the offset columns' last entries
+constexpr int kTokenOffsetsEnd = 33;
+constexpr int kDraftOffsetsEnd = 34;
+// [kColumnPads, + NUM_COLUMNS): the zero word after a 4-byte column with an odd count
+constexpr int kColumnPads = 64;
+// [kAlignTail, + kAlignTailWords): the frame's alignment tail [16 + payload_len, frame_size)
+constexpr int kAlignTail = 96;
+constexpr int kAlignTailWords = AIOSPEC_FRAME_ALIGN / 8;
+
+static_assert(kHeaderWords + AIOSPEC_HEADER_SPACE / 8 <= kPositionWord, "header words overlap");
+static_assert(kColumnPads + AIOSPEC_NUM_COLUMNS <= kAlignTail, "column pads overlap the tail");
+static_assert(kAlignTail + kAlignTailWords <= kThreads, "block 0's tasks need more threads");
+
+__device__ __forceinline__ void write_frame_words(int tid, const aiospec_frame_layout& lay, uint8_t* frame,
+                                                  uint64_t pos, const uint8_t* header) {
+  uint8_t* pay = frame + AIOSPEC_FRAME_HEADER;
+  if (tid >= kHeaderWords && tid < kHeaderWords + AIOSPEC_HEADER_SPACE / 8) {
+    const int w = tid - kHeaderWords;
+    st_u64(pay + 8 * w, reinterpret_cast<const uint64_t*>(header)[w]);
+  }
+  if (tid == kPositionWord) st_u64(frame, pos);
+  if (tid == kTokenOffsetsEnd) st_u32(pay + lay.off[AIOSPEC_COL_TOKEN_OFFSETS] + 4 * lay.r, uint32_t(lay.t));
+  if (tid == kDraftOffsetsEnd && lay.d > 0) {
+    st_u32(pay + lay.off[AIOSPEC_COL_DRAFT_OFFSETS] + 4 * lay.r, uint32_t(lay.d));
+  }
+  if (tid >= kColumnPads && tid < kColumnPads + AIOSPEC_NUM_COLUMNS) {
+    // a column of 4-byte elements with an odd count ends 4 bytes before the next boundary
+    const int c = tid - kColumnPads;
+    const uint64_t tk = lay.t * lay.k;
+    const uint64_t counts[AIOSPEC_NUM_COLUMNS] = {lay.r, lay.r, lay.r + 1, lay.t, lay.r + 1,
+                                                  lay.d, lay.t, lay.t, tk, tk};
+    if (lay.off[c] != 0) {
+      const uint64_t end = lay.off[c] + counts[c] * (c == AIOSPEC_COL_HANDLES ? 8u : 4u);
+      if (end & 7) st_u32(pay + end, 0);
+    }
+  }
+  if (tid >= kAlignTail && tid < kAlignTail + kAlignTailWords) {
+    const uint64_t w = AIOSPEC_FRAME_HEADER + lay.payload_len + 8 * uint64_t(tid - kAlignTail);
+    if (w < lay.frame_size) st_u64(frame + w, 0);
+  }
+}
+}  // namespace block0
+
 // ---- the kernel ---------------------------------------------------------------------------------
 
 // Dynamic shared memory: 4 * (rows_per_block + 1) int64; rows_per_block <= kThreads.
@@ -401,29 +453,8 @@ __global__ void __launch_bounds__(kThreads)
   uint8_t* frame = ring.data + (pos & ring.mask);
   uint8_t* pay = frame + AIOSPEC_FRAME_HEADER;
 
-  // 4. Block 0: position word, header, the offset columns' last entries, padding words.
-  if (write && blockIdx.x == 0) {
-    if (tid < AIOSPEC_HEADER_SPACE / 8) st_u64(pay + 8 * tid, reinterpret_cast<const uint64_t*>(s_header)[tid]);
-    if (tid == 32) st_u64(frame, pos);
-    if (tid == 33) st_u32(pay + lay.off[AIOSPEC_COL_TOKEN_OFFSETS] + 4 * lay.r, uint32_t(lay.t));
-    if (tid == 34 && lay.d > 0) st_u32(pay + lay.off[AIOSPEC_COL_DRAFT_OFFSETS] + 4 * lay.r, uint32_t(lay.d));
-    if (tid >= 64 && tid < 64 + AIOSPEC_NUM_COLUMNS) {
-      // a column of 4-byte elements with an odd count ends 4 bytes before the next boundary
-      const int c = tid - 64;
-      const uint64_t tk = lay.t * lay.k;
-      const uint64_t counts[AIOSPEC_NUM_COLUMNS] = {lay.r, lay.r, lay.r + 1, lay.t, lay.r + 1,
-                                                    lay.d, lay.t, lay.t, tk, tk};
-      if (lay.off[c] != 0) {
-        const uint64_t end = lay.off[c] + counts[c] * (c == AIOSPEC_COL_HANDLES ? 8u : 4u);
-        if (end & 7) st_u32(pay + end, 0);
-      }
-    }
-    if (tid >= 96 && tid < 104) {
-      // the frame's alignment tail [16 + payload_len, frame_size)
-      const uint64_t w = AIOSPEC_FRAME_HEADER + lay.payload_len + 8 * uint64_t(tid - 96);
-      if (w < size) st_u64(frame + w, 0);
-    }
-  }
+  // 4. Block 0: the frame-wide words (block0::write_frame_words).
+  if (write && blockIdx.x == 0) block0::write_frame_words(tid, lay, frame, pos, s_header);
 
   // 5. This block's rows: records, then token ids with their logprobs and ranks, draft ids,
   //    top-k ids and logprobs. Int64 ids are checked even when nothing is written.
@@ -579,4 +610,4 @@ __global__ void __launch_bounds__(kThreads)
 }  // namespace cuda
 }  // namespace aiospec
 
-#endif  // AIOSPEC_EMIT_CUDA_KERNELS_H_
+#endif  // AIOSPEC_CUDA_EMIT_KERNEL_CUH_

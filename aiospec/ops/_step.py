@@ -1,0 +1,152 @@
+"""``EmitStep``: one decoding step of one producer, the emit op's input as one value.
+
+The engine builds one per step, ``Producer.emit_step`` (every backend) takes it, the baselines
+gather their records from it and the reference encoder builds its frame from it. Which inputs go
+together is the type: the four logprob tensors travel as one ``Logprobs``, the draft ids and
+their counts as one ``Drafts``; a part given with a piece missing raises ``EmitError`` when it is
+constructed, with the op's own message (``lp_values: required when lp_ids is given``).
+
+The parts hold the caller's tensors as they are (numpy, PyTorch, Paddle, CuPy; host or CUDA):
+construction neither converts nor copies, and the shapes, dtypes and devices are checked once,
+when a backend views them (``aiospec.ops._inputs.collect``). Equality and hashing are by
+identity: tensors have no single truth value to compare by.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from aiospec._codec import Kind
+from aiospec.ops._errors import Arg, ErrorCode, emit_error
+
+__all__ = ("Drafts", "EmitStep", "Logprobs")
+
+
+def _missing(given: tuple[tuple[Arg, Any], ...]) -> None:
+    """Raise for the first absent piece of a part, naming the first present one."""
+    first = next((arg for arg, v in given if v is not None), Arg.NONE)
+    for arg, v in given:
+        if v is None:
+            raise emit_error(ErrorCode.MISSING, arg, value=first)
+
+
+class Logprobs(msgspec.Struct, frozen=True, eq=False):
+    """The logprob inputs of one step: all four tensors, or no ``Logprobs`` at all.
+
+    ``ids`` int32/int64 ``[L, W]`` (column 0 the sampled token, columns ``1..k`` the top-k),
+    ``values`` float32 ``[L, W]`` (their logprobs), ``ranks`` int32/int64 ``[L]`` (the sampled
+    token's rank), ``offsets`` int32 ``[rows + 1]`` (row ``i``'s logprob rows start at
+    ``offsets[i]``). ``k``: top-k columns to emit, ``0..min(W - 1, MAX_TOPK)``; None or -1 for
+    ``W - 1``. Raises ``EmitError`` when one of the four tensors is None.
+    """
+
+    ids: Any
+    values: Any
+    ranks: Any
+    offsets: Any
+    k: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.ids is None or self.values is None or self.ranks is None or self.offsets is None:
+            _missing(
+                ((Arg.LP_IDS, self.ids), (Arg.LP_VALUES, self.values), (Arg.LP_RANKS, self.ranks),
+                 (Arg.LP_OFFSETS, self.offsets))
+            )  # fmt: skip
+
+
+class Drafts(msgspec.Struct, frozen=True, eq=False):
+    """The draft tokens of one step (MTP / speculative proposals), both tensors or none.
+
+    ``ids`` int32/int64 ``[rows, max_draft]``, ``counts`` int32 ``[rows]`` (row ``i`` proposes
+    ``ids[i, :counts[i]]``). Raises ``EmitError`` when either is None.
+    """
+
+    ids: Any
+    counts: Any
+
+    def __post_init__(self) -> None:
+        if self.ids is None or self.counts is None:
+            _missing(((Arg.DRAFT_IDS, self.ids), (Arg.NUM_DRAFT, self.counts)))
+
+
+class EmitStep(msgspec.Struct, frozen=True, eq=False):
+    """One decoding step of one producer: what the emit op turns into one frame.
+
+    ``handles`` int64 ``[rows]`` (the request handle of each batch row; negative on rows that
+    make no record), ``token_ids`` int32/int64 ``[rows, max_tokens]`` and ``num_tokens`` int32
+    ``[rows]`` (row ``i`` emits ``token_ids[i, :num_tokens[i]]``), ``flags`` int32 ``[rows]``
+    (``aiospec.Flag`` bits) or None, ``logprobs`` / ``drafts`` the optional parts, ``step`` the
+    engine's step number (u64), ``kind`` ``Kind.TARGET`` or ``Kind.DRAFT``.
+    docs/emit-op.md has the semantics; ``EmitStep.from_kwargs`` takes the op's flat keywords.
+    """
+
+    handles: Any
+    token_ids: Any
+    num_tokens: Any
+    flags: Any = None
+    logprobs: Logprobs | None = None
+    drafts: Drafts | None = None
+    step: int = 0
+    kind: int = Kind.TARGET
+
+    @classmethod
+    def from_kwargs(
+        cls,
+        handles: Any,
+        token_ids: Any,
+        num_tokens: Any,
+        *,
+        flags: Any = None,
+        lp_ids: Any = None,
+        lp_values: Any = None,
+        lp_ranks: Any = None,
+        lp_offsets: Any = None,
+        k: int | None = None,
+        draft_ids: Any = None,
+        num_draft: Any = None,
+        step: int = 0,
+        kind: int = Kind.TARGET,
+    ) -> EmitStep:
+        """The step of the op's keyword form (``lp_*`` and ``k`` make ``logprobs``,
+        ``draft_ids`` / ``num_draft`` make ``drafts``; either part given halfway raises
+        ``EmitError``)."""
+        lp = None
+        if lp_ids is not None or lp_values is not None or lp_ranks is not None or lp_offsets is not None:
+            lp = Logprobs(lp_ids, lp_values, lp_ranks, lp_offsets, k)
+        dr = None
+        if draft_ids is not None or num_draft is not None:
+            dr = Drafts(draft_ids, num_draft)
+        return cls(handles, token_ids, num_tokens, flags, lp, dr, step, kind)
+
+    def to_kwargs(self) -> dict[str, Any]:
+        """The op's keyword form of this step (the inverse of ``from_kwargs``; absent parts
+        are left out)."""
+        kw: dict[str, Any] = {
+            "handles": self.handles, "token_ids": self.token_ids, "num_tokens": self.num_tokens,
+            "flags": self.flags, "step": self.step, "kind": self.kind,
+        }  # fmt: skip
+        if self.logprobs is not None:
+            lp = self.logprobs
+            kw.update(lp_ids=lp.ids, lp_values=lp.values, lp_ranks=lp.ranks, lp_offsets=lp.offsets, k=lp.k)
+        if self.drafts is not None:
+            kw.update(draft_ids=self.drafts.ids, num_draft=self.drafts.counts)
+        return kw
+
+
+def as_step(
+    step_or_handles: Any,
+    token_ids: Any,
+    num_tokens: Any,
+    kwargs: dict[str, Any],
+    where: str,
+) -> EmitStep:
+    """The shims' argument handling: an ``EmitStep`` alone, or the op's keyword form."""
+    if type(step_or_handles) is not EmitStep and not isinstance(step_or_handles, EmitStep):
+        return EmitStep.from_kwargs(step_or_handles, token_ids, num_tokens, **kwargs)
+    extra = [n for n, v in (("token_ids", token_ids), ("num_tokens", num_tokens), *kwargs.items()) if v is not None]
+    if extra != ["step", "kind"] or kwargs["step"] != 0 or kwargs["kind"] != Kind.TARGET:
+        extra = [n for n in extra if n not in ("step", "kind") or kwargs[n] != 0]
+        raise TypeError(f"{where}: an EmitStep carries the whole step; got {', '.join(extra)} as well")
+    return step_or_handles
