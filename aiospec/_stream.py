@@ -16,14 +16,8 @@ import msgspec
 import numpy as np
 
 from aiospec._stream_errors import (
-    ERROR_FLAGS,
-    TERMINAL_FLAGS,
     EndOfStream,
-    HubClosed,
     StreamBusy,
-    StreamClosed,
-    StreamError,
-    request_error,
 )
 
 if TYPE_CHECKING:
@@ -34,15 +28,6 @@ __all__ = (
     "DeltaStream",
     "RequestStream",
     "StreamStatistics",
-    # defined in _stream_errors; the baselines' streams import them from here, with the streams
-    "ERROR_FLAGS",
-    "TERMINAL_FLAGS",
-    "EndOfStream",
-    "HubClosed",
-    "StreamBusy",
-    "StreamClosed",
-    "StreamError",
-    "request_error",
 )
 
 

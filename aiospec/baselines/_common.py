@@ -16,16 +16,8 @@ import msgspec
 import numpy as np
 
 from aiospec import _payload_layout as L
-from aiospec._stream import (
-    ERROR_FLAGS,
-    Delta,
-    DeltaStream,
-    EndOfStream,
-    StreamBusy,
-    StreamClosed,
-    StreamError,
-    request_error,
-)
+from aiospec._stream import Delta, DeltaStream
+from aiospec._stream_errors import ERROR_FLAGS, EndOfStream, StreamBusy, StreamClosed, StreamError, request_error
 from aiospec.ops._step import EmitStep
 
 __all__ = ("BaselineStream", "Gathered", "gather", "make_delta")

@@ -28,7 +28,8 @@ import zmq
 import zmq.asyncio
 
 from aiospec import _payload_layout as L
-from aiospec._stream import TERMINAL_FLAGS, Delta, HubClosed
+from aiospec._stream import Delta
+from aiospec._stream_errors import TERMINAL_FLAGS, HubClosed
 from aiospec.baselines._common import BaselineStream, Gathered, gather, make_delta
 from aiospec.ops._step import EmitStep
 from shm import AiospecError
