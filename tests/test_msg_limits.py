@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from aiospec.baselines import _fastdeploy as fd
+from aiospec.baselines import _msg_limits as fd
 from aiospec.server._cli import _max_batch, _settings, register
 
 

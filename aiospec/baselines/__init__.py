@@ -8,15 +8,14 @@ extra (``pyzmq``, ``sysv_ipc``).
 
 from __future__ import annotations
 
-from aiospec.baselines._common import BaselineStream, Gathered, gather
-from aiospec.baselines._fastdeploy import (
-    FastDeployStyleEmitter,
-    FastDeployStyleHub,
-    raise_msg_limits,
-    read_msg_limits,
-    restore_msg_limits,
-)
-from aiospec.baselines._vllm import VllmStyleEmitter, VllmStyleHub
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from aiospec.baselines._common import BaselineStream, Gathered, gather
+    from aiospec.baselines._fastdeploy import FastDeployStyleEmitter, FastDeployStyleHub
+    from aiospec.baselines._msg_limits import raise_msg_limits, read_msg_limits, restore_msg_limits
+    from aiospec.baselines._vllm import VllmStyleEmitter, VllmStyleHub
 
 __all__ = (
     "BaselineStream",
@@ -30,3 +29,25 @@ __all__ = (
     "read_msg_limits",
     "restore_msg_limits",
 )
+
+# loaded on first use: each path imports only its own transport (sysv_ipc or pyzmq), and the
+# kernel-limit helpers need neither
+_WHERE = {
+    "BaselineStream": "_common",
+    "Gathered": "_common",
+    "gather": "_common",
+    "FastDeployStyleEmitter": "_fastdeploy",
+    "FastDeployStyleHub": "_fastdeploy",
+    "raise_msg_limits": "_msg_limits",
+    "read_msg_limits": "_msg_limits",
+    "restore_msg_limits": "_msg_limits",
+    "VllmStyleEmitter": "_vllm",
+    "VllmStyleHub": "_vllm",
+}
+
+
+def __getattr__(name: str) -> Any:
+    mod = _WHERE.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'aiospec.baselines' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"aiospec.baselines.{mod}"), name)

@@ -36,6 +36,7 @@ from aiospec import _payload_layout as L
 from aiospec._stream import Delta
 from aiospec._stream_errors import TERMINAL_FLAGS, HubClosed
 from aiospec.baselines._common import BaselineStream, Gathered, gather, make_delta
+from aiospec.baselines._msg_limits import read_msg_limits
 from aiospec.ops._step import EmitStep
 from shm import AiospecError
 
@@ -44,7 +45,6 @@ __all__ = (
     "TOPK_MSG_BYTES",
     "FastDeployStyleEmitter",
     "FastDeployStyleHub",
-    "raise_msg_limits",
 )
 
 MAX_BSZ = 512  # SPEC_LOGPROB_MAX_BSZ
@@ -68,72 +68,13 @@ _MT_CONTROL = 2  # slot table: int64 rows (slot, handle, flags, draft ids in the
 _MT_TOPK = 3  # speculate_save_output_topk data
 _MT_STOP = 9  # wakes the receiving thread to exit
 
-_MSGMAX = "/proc/sys/kernel/msgmax"
-_MSGMNB = "/proc/sys/kernel/msgmnb"
-
-
-def raise_msg_limits(msgmax: int = 1 << 20, msgmnb: int = 256 << 20) -> dict[str, Any]:
-    """Raise kernel.msgmax / kernel.msgmnb (as FastDeploy's FAQ asks); report what happened.
-
-    The report is also what ``restore_msg_limits`` needs to put back what this call changed:
-    the settings are system-wide, so whoever raises them restores them when done.
-    """
-    out: dict[str, Any] = {}
-    for path, want in ((_MSGMAX, msgmax), (_MSGMNB, msgmnb)):
-        key = path.rsplit("/", 1)[1]
-        try:
-            with open(path) as f:
-                before = int(f.read())
-        except OSError as exc:
-            out[key] = {"error": f"cannot read {path}: {exc.strerror}"}
-            continue
-        if before < want:
-            try:
-                with open(path, "w") as f:
-                    f.write(str(want))
-            except OSError as exc:
-                out[key] = {"value": before, "error": f"cannot raise to {want}: {exc.strerror}"}
-                continue
-        with open(path) as f:
-            out[key] = {"before": before, "value": int(f.read())}
-    return out
-
-
-def restore_msg_limits(report: dict[str, Any]) -> None:
-    """Put back the values ``raise_msg_limits`` changed, unless somebody changed them since."""
-    for path in (_MSGMAX, _MSGMNB):
-        entry = report.get(path.rsplit("/", 1)[1], {})
-        if "before" not in entry or entry["before"] == entry["value"]:
-            continue
-        try:
-            with open(path) as f:
-                now = int(f.read())
-            if now == entry["value"]:
-                with open(path, "w") as f:
-                    f.write(str(entry["before"]))
-        except (OSError, ValueError):
-            pass  # reported by nobody: the value stays as whoever changed it left it
-
-
-def read_msg_limits() -> dict[str, int | None]:
-    """kernel.msgmax and kernel.msgmnb as they are now (None where unreadable)."""
-    out: dict[str, int | None] = {}
-    for path in (_MSGMAX, _MSGMNB):
-        try:
-            with open(path) as f:
-                out[path.rsplit("/", 1)[1]] = int(f.read())
-        except (OSError, ValueError):
-            out[path.rsplit("/", 1)[1]] = None
-    return out
-
 
 def _send(mq: Any, data: Any, mtype: int) -> None:
     try:
         mq.send(data, block=True, type=mtype)
     except OSError as exc:
         if exc.errno == errno.EINVAL:
-            with open(_MSGMAX) as f:
-                limit = int(f.read())
+            limit = read_msg_limits()["msgmax"]
             raise AiospecError(
                 f"msgsnd of {memoryview(data).nbytes} bytes failed: kernel.msgmax = {limit} "
                 "(FastDeploy prints 'full msg buffer' and drops the step here)"
