@@ -45,11 +45,11 @@ def test_bench_format_compares_the_three_joins() -> None:
         assert all(math.isfinite(t) and t > 0 for t in chunk.values()), r
         for name, t in chunk.items():  # per token = per chunk / tokens (each rounded)
             assert token[name] == pytest.approx(t / r["tokens"], abs=0.01), (name, r)
-        # the speed-ups are the ratios of the timings (computed before rounding)
+        # the speed-ups are the ratios of the timings (computed before the times were rounded)
         assert r["speedup_c_vs_python_join"] == pytest.approx(
-            chunk["python_join"] / chunk["c_join"], rel=0.02, abs=0.01
+            chunk["python_join"] / chunk["c_join"], rel=0.05, abs=0.01
         )
-        assert r["speedup_c_vs_structs"] == pytest.approx(chunk["structs"] / chunk["c_join"], rel=0.02, abs=0.01)
+        assert r["speedup_c_vs_structs"] == pytest.approx(chunk["structs"] / chunk["c_join"], rel=0.05, abs=0.01)
 
 
 @pytest.mark.slow
