@@ -20,12 +20,16 @@ VOCAB = ["<end>", " Hello", ",", " world", "!", " the", " a", " café", " 東京
 
 
 def step_inputs() -> dict[str, Any]:
-    """One speculative step of two rows, with top-2 logprobs: row 0 accepts two tokens, row 1
-    emits its last token and finishes (the emit op's arguments, docs/emit-op.md section 1)."""
+    """One speculative step of two rows, with top-2 logprobs and a draft id: row 0 accepts two
+    tokens, row 1 emits its last token and finishes (the emit op's inputs, docs/emit-op.md
+    section 1; the step number as ``step`` and ``step_no``)."""
     return {
         "rank": 0,
         "step": 7,
+        "step_no": 7,
         "top_k": 2,
+        "draft_ids": np.array([[4], [0]], dtype=np.int32),
+        "num_draft": np.array([1, 0], dtype=np.int32),
         "handles": np.array([11, 12], dtype=np.int64),
         "token_ids": np.array([[1, 2], [3, 0]], dtype=np.int32),
         "num_tokens": np.array([2, 1], dtype=np.int32),
