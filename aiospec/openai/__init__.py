@@ -1,4 +1,4 @@
-"""OpenAI-compatible logprobs and SSE chunks, built from ``Delta``s.
+"""OpenAI-compatible logprobs and SSE chunks, built from ``Delta`` objects.
 
 Rules (the bugs other servers had, research-notes B.4.11): one logprobs entry per token
 position of a multi-token delta, each with that position's own alternatives; ``top_logprobs``
@@ -10,7 +10,7 @@ not valid UTF-8 on their own is shown as ``"bytes:\\xNN..."``.
 Everything is a ``msgspec.Struct`` encoded by one reused JSON encoder; ``sse(chunk)`` gives the
 ``data: ...`` event bytes. For streaming chat, ``ChatLogprobsFormatter.format_json`` and
 ``ChatChunkEncoder`` write the same bytes without building Structs: per token id the JSON
-pieces of its entries are encoded once and a chunk is a join of them and the floats.
+pieces of its entries are encoded once and a chunk is a join of them and the floats. ::
 
     fmt = ChatLogprobsFormatter(tokenizer, top_logprobs=5)
     async for delta in stream:
