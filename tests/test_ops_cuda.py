@@ -78,6 +78,7 @@ def test_cuda_driver_program_compiles(emit_check: Path) -> None:
     assert emit_check.is_file()
 
 
+@pytest.mark.gpu
 def test_cuda_driver_program_passes_on_a_gpu(emit_check: Path) -> None:
     """Runs the driver (as gpu_check.sh's "driver" stage, fewer iterations): every scenario's
     frames match the CPU writer's, errors and a full ring are reported as documented."""

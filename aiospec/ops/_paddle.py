@@ -25,7 +25,6 @@ import warnings
 from types import ModuleType
 from typing import Any
 
-from aiospec import _payload_layout as L
 from aiospec.ops._build import BuildError, cache_root, shm_include_dir, source_root
 from aiospec.ops._errors import EmitError
 from aiospec.ops._step import EmitStep, as_step
@@ -162,31 +161,10 @@ def emit_step(ring: str, step: EmitStep, *, producer: int = 0, timeout: float | 
         raise _translate(exc) from None
 
 
-def emit(
-    ring: str,
-    handles: Any,
-    token_ids: Any = None,
-    num_tokens: Any = None,
-    *,
-    flags: Any = None,
-    lp_ids: Any = None,
-    lp_values: Any = None,
-    lp_ranks: Any = None,
-    lp_offsets: Any = None,
-    k: int | None = None,
-    draft_ids: Any = None,
-    num_draft: Any = None,
-    step: int = 0,
-    kind: int = L.KIND_TARGET,
-    producer: int = 0,
-    timeout: float | None = 5.0,
-) -> None:
-    """``emit_step`` of an ``EmitStep`` passed alone, or of the op's keyword form."""
-    kw: dict[str, Any] = dict(
-        flags=flags, lp_ids=lp_ids, lp_values=lp_values, lp_ranks=lp_ranks, lp_offsets=lp_offsets,
-        k=k, draft_ids=draft_ids, num_draft=num_draft, step=step, kind=kind,
-    )  # fmt: skip
-    emit_step(ring, as_step(handles, token_ids, num_tokens, kw, "emit"), producer=producer, timeout=timeout)
+def emit(ring: str, *args: Any, producer: int = 0, timeout: float | None = 5.0, **kwargs: Any) -> None:
+    """``emit_step`` of an ``EmitStep`` passed alone, or of the op's keyword form (the
+    arguments of ``EmitStep.from_kwargs``)."""
+    emit_step(ring, as_step("emit", args, kwargs), producer=producer, timeout=timeout)
 
 
 def _control(ring: str, action: str) -> None:

@@ -9,7 +9,6 @@ import threading
 import warnings
 from typing import Any
 
-from aiospec._codec import Kind
 from aiospec.ops._backend import EmitBackend
 from aiospec.ops._build import BuildError, find_nvcc, force_cpu
 from aiospec.ops._errors import EmitError
@@ -208,32 +207,11 @@ class Producer:
                 raise self._wrong_device(x, backend)
             backend.emit(x, timeout=self._timeout, stream=stream)
 
-    def emit(
-        self,
-        handles: Any,
-        token_ids: Any = None,
-        num_tokens: Any = None,
-        *,
-        flags: Any = None,
-        lp_ids: Any = None,
-        lp_values: Any = None,
-        lp_ranks: Any = None,
-        lp_offsets: Any = None,
-        k: int | None = None,
-        draft_ids: Any = None,
-        num_draft: Any = None,
-        step: int = 0,
-        kind: int = Kind.TARGET,
-        stream: Any = None,
-    ) -> None:
-        """``emit_step`` of an ``EmitStep`` passed alone, or of the op's keyword form
-        (``EmitStep.from_kwargs``: ``producer.emit(handles, token_ids, num_tokens,
+    def emit(self, *args: Any, stream: Any = None, **kwargs: Any) -> None:
+        """``emit_step`` of an ``EmitStep`` passed alone, or of the op's keyword form (the
+        arguments of ``EmitStep.from_kwargs``: ``producer.emit(handles, token_ids, num_tokens,
         flags=..., lp_ids=..., ...)``)."""
-        kw: dict[str, Any] = dict(
-            flags=flags, lp_ids=lp_ids, lp_values=lp_values, lp_ranks=lp_ranks, lp_offsets=lp_offsets,
-            k=k, draft_ids=draft_ids, num_draft=num_draft, step=step, kind=kind,
-        )  # fmt: skip
-        self.emit_step(as_step(handles, token_ids, num_tokens, kw, "Producer.emit"), stream=stream)
+        self.emit_step(as_step("Producer.emit", args, kwargs), stream=stream)
 
     def _wrong_device(self, x: Inputs, backend: EmitBackend) -> EmitError:
         want = "cuda" if backend.name == "cuda" else "cpu"

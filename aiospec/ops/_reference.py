@@ -178,34 +178,11 @@ def build_step(step: EmitStep, *, producer: int = 0, max_record: int | None = No
     return build_from_inputs(collect(step, producer=producer, host=True), max_record)
 
 
-def build_frame(
-    handles: Any,
-    token_ids: Any = None,
-    num_tokens: Any = None,
-    *,
-    flags: Any = None,
-    lp_ids: Any = None,
-    lp_values: Any = None,
-    lp_ranks: Any = None,
-    lp_offsets: Any = None,
-    k: int | None = None,
-    draft_ids: Any = None,
-    num_draft: Any = None,
-    step: int = 0,
-    kind: int = L.KIND_TARGET,
-    producer: int = 0,
-    max_record: int | None = None,
-) -> bytes:
+def build_frame(*args: Any, producer: int = 0, max_record: int | None = None, **kwargs: Any) -> bytes:
     """The frame payload the emit op writes for one step: ``build_step`` of an ``EmitStep``
-    passed alone, or of the op's keyword form (``EmitStep.from_kwargs``). Raises
-    ``EmitError`` for inputs the op rejects, with the op's message."""
-    kw: dict[str, Any] = dict(
-        flags=flags, lp_ids=lp_ids, lp_values=lp_values, lp_ranks=lp_ranks, lp_offsets=lp_offsets,
-        k=k, draft_ids=draft_ids, num_draft=num_draft, step=step, kind=kind,
-    )  # fmt: skip
-    return build_step(
-        as_step(handles, token_ids, num_tokens, kw, "build_frame"), producer=producer, max_record=max_record
-    )
+    passed alone, or of the op's keyword form (the arguments of ``EmitStep.from_kwargs``).
+    Raises ``EmitError`` for inputs the op rejects, with the op's message."""
+    return build_step(as_step("build_frame", args, kwargs), producer=producer, max_record=max_record)
 
 
 class PythonBackend:

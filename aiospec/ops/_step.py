@@ -135,18 +135,16 @@ class EmitStep(msgspec.Struct, frozen=True, eq=False):
         return kw
 
 
-def as_step(
-    step_or_handles: Any,
-    token_ids: Any,
-    num_tokens: Any,
-    kwargs: dict[str, Any],
-    where: str,
-) -> EmitStep:
-    """The shims' argument handling: an ``EmitStep`` alone, or the op's keyword form."""
-    if type(step_or_handles) is not EmitStep and not isinstance(step_or_handles, EmitStep):
-        return EmitStep.from_kwargs(step_or_handles, token_ids, num_tokens, **kwargs)
-    extra = [n for n, v in (("token_ids", token_ids), ("num_tokens", num_tokens), *kwargs.items()) if v is not None]
-    if extra != ["step", "kind"] or kwargs["step"] != 0 or kwargs["kind"] != Kind.TARGET:
-        extra = [n for n in extra if n not in ("step", "kind") or kwargs[n] != 0]
-        raise TypeError(f"{where}: an EmitStep carries the whole step; got {', '.join(extra)} as well")
-    return step_or_handles
+def as_step(where: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> EmitStep:
+    """The keyword shims' arguments (``Producer.emit``, ``build_frame``, the Paddle op's
+    ``emit``): an ``EmitStep`` alone, or the op's keyword form, whose one signature is
+    ``EmitStep.from_kwargs``."""
+    if args and isinstance(args[0], EmitStep):
+        extra = [f"argument {i + 1}" for i in range(1, len(args))] + list(kwargs)
+        if extra:
+            raise TypeError(f"{where}: an EmitStep carries the whole step; got {', '.join(extra)} as well")
+        return args[0]
+    try:
+        return EmitStep.from_kwargs(*args, **kwargs)
+    except TypeError as exc:  # a misspelt keyword, a missing argument: say whose call it was
+        raise TypeError(f"{where}: {exc}".replace("EmitStep.from_kwargs() ", "")) from None
