@@ -8,8 +8,9 @@ extra (``pyzmq``, ``sysv_ipc``).
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from aiospec._lazy import lazy_getattr
 
 if TYPE_CHECKING:
     from aiospec.baselines._common import BaselineStream, Gathered, gather
@@ -33,21 +34,17 @@ __all__ = (
 # loaded on first use: each path imports only its own transport (sysv_ipc or pyzmq), and the
 # kernel-limit helpers need neither
 _WHERE = {
-    "BaselineStream": "_common",
-    "Gathered": "_common",
-    "gather": "_common",
-    "FastDeployStyleEmitter": "_fastdeploy",
-    "FastDeployStyleHub": "_fastdeploy",
-    "raise_msg_limits": "_msg_limits",
-    "read_msg_limits": "_msg_limits",
-    "restore_msg_limits": "_msg_limits",
-    "VllmStyleEmitter": "_vllm",
-    "VllmStyleHub": "_vllm",
+    "BaselineStream": "aiospec.baselines._common",
+    "Gathered": "aiospec.baselines._common",
+    "gather": "aiospec.baselines._common",
+    "FastDeployStyleEmitter": "aiospec.baselines._fastdeploy",
+    "FastDeployStyleHub": "aiospec.baselines._fastdeploy",
+    "raise_msg_limits": "aiospec.baselines._msg_limits",
+    "read_msg_limits": "aiospec.baselines._msg_limits",
+    "restore_msg_limits": "aiospec.baselines._msg_limits",
+    "VllmStyleEmitter": "aiospec.baselines._vllm",
+    "VllmStyleHub": "aiospec.baselines._vllm",
 }
 
 
-def __getattr__(name: str) -> Any:
-    mod = _WHERE.get(name)
-    if mod is None:
-        raise AttributeError(f"module 'aiospec.baselines' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"aiospec.baselines.{mod}"), name)
+__getattr__ = lazy_getattr(__name__, _WHERE)

@@ -5,8 +5,9 @@ first use: the client needs the ``demo`` extra (httptools, uvloop, rich, matplot
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from aiospec._lazy import lazy_getattr
 
 if TYPE_CHECKING:
     from aiospec.loadtest._client import LoadConfig, LoadResult, RequestResult, run_load
@@ -25,8 +26,4 @@ _WHERE = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    mod = _WHERE.get(name)
-    if mod is None:
-        raise AttributeError(f"module 'aiospec.loadtest' has no attribute {name!r}")
-    return getattr(importlib.import_module(mod), name)
+__getattr__ = lazy_getattr(__name__, _WHERE)

@@ -8,8 +8,9 @@ use, so the ``aiospec`` command line does not pay for the HTTP stack it may not 
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from aiospec._lazy import lazy_getattr
 
 if TYPE_CHECKING:
     from aiospec.server._app import create_app
@@ -29,8 +30,4 @@ _WHERE = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    mod = _WHERE.get(name)
-    if mod is None:
-        raise AttributeError(f"module 'aiospec.server' has no attribute {name!r}")
-    return getattr(importlib.import_module(mod), name)
+__getattr__ = lazy_getattr(__name__, _WHERE)
