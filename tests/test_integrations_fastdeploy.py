@@ -371,3 +371,19 @@ def test_paddle_tensors_through_the_paddle_op(ring: shm.Ring) -> None:
     first, second = (e for e in reader.events(wait=False))
     assert [(e.slot, e.draft_token_ids) for e in first] == [(0, [101, 201]), (2, [103, 203])]
     assert [(e.slot, e.token_ids) for e in second] == []  # both rows ended with the first token
+
+
+def test_bench_reports_bytes_per_step_against_fastdeploys_messages() -> None:
+    import json
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "bench_emit.py"
+    out = subprocess.run(
+        [sys.executable, str(script), "--sizes-only", "--k", "20"], check=True, capture_output=True, text=True,
+        timeout=120,
+    ).stdout  # fmt: skip
+    table = {(e["op"], e["k"]): e for e in json.loads(out)["bytes_per_step"]}
+    full = table[("save_output_topk", 20)]["by_rows"][-1]
+    assert (full["rows"], full["aiospec"], full["fastdeploy"]) == (512, 96_376, 88_072)
+    spec = table[("speculate_save_output_topk", 20)]["by_rows"]
+    assert all(r["fastdeploy"] == 530_448 for r in spec) and spec[0]["aiospec"] < 2_000
