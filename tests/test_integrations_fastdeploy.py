@@ -387,3 +387,32 @@ def test_bench_reports_bytes_per_step_against_fastdeploys_messages() -> None:
     assert (full["rows"], full["aiospec"], full["fastdeploy"]) == (512, 96_376, 88_072)
     spec = table[("speculate_save_output_topk", 20)]["by_rows"]
     assert all(r["fastdeploy"] == 530_448 for r in spec) and spec[0]["aiospec"] < 2_000
+
+
+@pytest.mark.gpu
+def test_cuda_tensors_through_the_cuda_kernel(ring: shm.Ring) -> None:
+    torch = pytest.importorskip("torch", reason="PyTorch is not installed (the GPU test feeds it CUDA tensors)")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device visible to PyTorch")
+    from aiospec.ops import _cuda
+
+    if not _cuda.available():
+        pytest.skip("the CUDA emit library cannot be built here (no nvcc and no AIOSPEC_CUDA_LIB)")
+    bsz, w, n = 4, 3, 5
+    rng = np.random.default_rng(2)
+    counts = np.array([3, 0, 1, 2], np.int32)
+    sampled, ids, scores, ranks, cu = _spec_topk(rng, counts, w, n)
+    producer, reader = pair(ring, bsz)
+    cuda = [torch.from_numpy(a).cuda() for a in (sampled, ids, scores, ranks)]
+    producer.speculate_save_output_topk(*cuda, counts, cu, stop_flags=np.array([False, False, True, False]))
+    producer.notify()
+    torch.cuda.synchronize()
+    assert producer._producer.device == "cuda"  # every large input on the GPU: the kernel wrote it
+    (events,) = list(reader.events(timeout=10.0))
+    assert [(e.slot, e.token_ids, e.finished) for e in events] == [
+        (0, sampled[0, :3].tolist(), False),
+        (2, sampled[2, :1].tolist(), True),
+        (3, sampled[3, :2].tolist(), False),
+    ]
+    assert events[0].logprob_token_ids is not None
+    assert [row[1:] for row in events[0].logprob_token_ids] == ids[0:3, 1:].tolist()
