@@ -12,7 +12,9 @@ aiospec (``--device cuda``: the CUDA kernels; ``--device cpu``: the C++ writer, 
   * publish -> seen latency: from just before the emit call to the moment a reader in
     another process has the frame decoded (``decode_frame`` over a copy of the payload);
     one step in flight at a time;
-  * bytes per step (the frame, header and alignment included).
+  * bytes per step (the frame, header and alignment included); and ``bytes_per_step``, for
+    every FastDeploy save op, aiospec's frame against FastDeploy's fixed message across live
+    batch sizes (``--sizes-only`` prints just that table, without timing or a GPU).
 
 FastDeploy-style (research-notes A.2.5, ``speculate_save_output_topk``)
   * blocking device-to-host copies of the same tensors (each ``.cpu()`` synchronizes),
@@ -748,6 +750,47 @@ def _fd_host(fd: FdChannel, reader: ReaderProcess, batch: dict[str, np.ndarray],
 # -- main ---------------------------------------------------------------------------------------------
 
 
+# FastDeploy's fixed message sizes (msgsz of each msgsnd; research-notes A.2.9)
+FD_SIZES = {
+    "save_output": 2_056,  # (512 + 2) * 4
+    "save_output_topk": 88_072,  # (512 * 21 + 2) * 4 + 512 * 21 * 4 + 512 * 4
+    "speculate_save_output": 7_176,  # (256 * 6 + 256 + 2) * 4; also mtp_save_first_token
+    "speculate_save_output_topk": FD_MSGSZ,  # also mtp_save_first_token_with_topk
+}
+SIZE_ROWS = (1, 8, 32, 64, 97, 128, 256, 384, 468, 512)
+
+
+def byte_table(k_values: list[int]) -> list[dict[str, Any]]:
+    """Bytes per step of aiospec's frame (its payload, and the ring space with the 16-byte
+    header and 64-byte alignment) against the fixed message FastDeploy sends for the same
+    step, at each live batch size (rows that emit; FastDeploy's message is the same size
+    whatever that count). Speculative steps count 6 tokens per row (the worst case for
+    aiospec; FastDeploy's message always has room for 6)."""
+    from aiospec import _payload_layout as P
+    from aiospec._codec import frame_layout
+
+    out = []
+    cases: list[tuple[str, int, int, int | None, int]] = [("save_output", 1, 0, None, 512)]
+    cases += [("save_output_topk", 1, 0, k, 512) for k in k_values]
+    cases += [("speculate_save_output", 6, 0, None, 256), ("mtp_save_first_token", 1, 1, None, 256)]
+    cases += [("speculate_save_output_topk", 6, 0, k, 512) for k in k_values]
+    cases += [("mtp_save_first_token_with_topk", 1, 1, k, 512) for k in k_values]
+    for op, tokens, drafts, k, max_rows in cases:
+        fd_op = {"mtp_save_first_token": "speculate_save_output",
+                 "mtp_save_first_token_with_topk": "speculate_save_output_topk"}.get(op, op)  # fmt: skip
+        fd = FD_SIZES[fd_op]
+        rows_out = []
+        for rows in (r for r in SIZE_ROWS if r <= max_rows):
+            _, payload = frame_layout(rows, rows * tokens, rows * drafts, k or 0, k is not None)
+            ring = P.align(P.FRAME_HEADER + payload, P.FRAME_ALIGN)
+            rows_out.append({"rows": rows, "aiospec": payload, "aiospec_in_ring": ring, "fastdeploy": fd,
+                             "ratio": round(fd / payload, 3), "aiospec_larger": payload > fd})  # fmt: skip
+        fits = [r["rows"] for r in rows_out if not r["aiospec_larger"]]
+        out.append({"op": op, "tokens_per_row": tokens, "k": k, "by_rows": rows_out,
+                    "no_larger_up_to_rows": max(fits) if fits else 0})  # fmt: skip
+    return out
+
+
 def _ints(s: str) -> list[int]:
     return [int(x) for x in s.split(",") if x]
 
@@ -764,7 +807,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows-per-block", type=int, default=8)
     ap.add_argument("--raise-msgmax", action="store_true", help="raise kernel.msgmax/msgmnb for the run (put back)")
     ap.add_argument("--json", type=Path, help="also write the JSON here")
+    ap.add_argument("--sizes-only", action="store_true",
+                    help="only the bytes-per-step table across live batch sizes (no timing, no GPU)")  # fmt: skip
     args = ap.parse_args(argv)
+    if args.sizes_only:
+        text = json.dumps({"bench": "emit", "bytes_per_step": byte_table(args.k)}, indent=1)
+        if args.json:
+            args.json.write_text(text + "\n")
+        print(text)
+        return 0
     for t in args.tokens:
         if t not in ("1", "6", "mtp"):
             ap.error(f"--tokens: {t!r}: expected 1, 6 or mtp")
@@ -789,6 +840,7 @@ def main(argv: list[str] | None = None) -> int:
         "seconds": round(time.monotonic() - t0, 1),
         "cpu_pins": args.pins,
         "results": results,
+        "bytes_per_step": byte_table(args.k),
     }
     target = [r for r in results if r["rows"] == 256 and r["tokens"] == "6" and r["k"] == 20]
     if target and args.device == "cuda":

@@ -76,7 +76,8 @@ if has driver; then
 fi
 
 if has tests; then
-  stage tests 420 python3 -m pytest -p no:cacheprovider -v -rs -m gpu --junitxml="$LOGS/tests.xml" tests/test_ops_cuda.py
+  stage tests 420 python3 -m pytest -p no:cacheprovider -v -rs -m gpu --junitxml="$LOGS/tests.xml" tests/test_ops_cuda.py \
+    tests/test_integrations_fastdeploy.py
 fi
 
 if has sanitize; then

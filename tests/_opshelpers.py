@@ -247,7 +247,22 @@ INVALID: list[tuple[str, dict[str, object], str]] = [
     (
         "token_ids_strided",
         with_(token_ids=np.zeros((3, 4), I64)[:, ::2]),
-        r"^token_ids: expected a C-contiguous tensor$",
+        r"^token_ids: strides \[32, 16\] cannot be read in place \(expected \[n \* 8, 8\] bytes, n != 0\)$",
+    ),
+    (
+        "token_ids_broadcast",
+        with_(token_ids=np.broadcast_to(arr([[1, 2]], I64), (3, 2))),
+        r"^token_ids: strides \[0, 8\] cannot be read in place \(expected \[n \* 8, 8\] bytes, n != 0\)$",
+    ),
+    (
+        "lp_values_transposed",
+        with_(lp_values=np.zeros((3, 4), F32).T),
+        r"^lp_values: strides \[4, 16\] cannot be read in place \(expected \[n \* 4, 4\] bytes, n != 0\)$",
+    ),
+    (
+        "num_tokens_strided",
+        with_(num_tokens=arr([[2, 9], [1, 9], [0, 9]], I32)[:, 0]),
+        r"^num_tokens: strides \[8\] cannot be read in place \(expected \[4\] bytes\)$",
     ),
     ("num_tokens_dtype", with_(num_tokens=arr([1, 1, 1], I64)), r"^num_tokens: expected dtype int32, got int64$"),
     ("num_tokens_len", with_(num_tokens=arr([1, 1], I32)), r"^num_tokens: expected shape \[3\], got \[2\]$"),

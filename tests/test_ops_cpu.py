@@ -30,7 +30,7 @@ from aiospec.ops import (
     _cpu,
     build_frame,
 )
-from aiospec.ops._abi import EmitArgs, ErrorWord, FrameLayout
+from aiospec.ops._abi import EMIT_ABI_VERSION, EmitArgs, ErrorWord, FrameLayout
 from aiospec.ops._errors import Arg, ErrorCode, format_error
 from shm import layout as L
 
@@ -96,7 +96,7 @@ def test_ctypes_structs_match_the_c_header(tmp_path: Path) -> None:
 
 def test_abi_and_layout_versions() -> None:
     lib = _cpu.load_library()
-    assert lib.aiospec_abi_version() == 1
+    assert lib.aiospec_abi_version() == EMIT_ABI_VERSION == 2
     assert lib.aiospec_layout_version() == (L.VERSION << 16) | P.PAYLOAD_VERSION
 
 
@@ -314,3 +314,69 @@ def test_empty_tensors_with_null_pointers_are_still_given() -> None:
     lay = _cpu.validate(x)
     assert (lay.r, lay.k, lay.fflags) == (0, 3, P.FRAME_HAS_LOGPROBS)
     assert _cpu.build_payload(x) == build_frame(**kw)
+
+
+# -- strided views: read in place, the same bytes as a contiguous copy -------------------------------
+
+
+def _widened(a: np.ndarray, rng: np.random.Generator, *, reverse: bool = False) -> np.ndarray:
+    """``a`` as a column window of a wider buffer filled with junk (rows ``pad`` elements
+    apart), optionally stored with its rows in reverse memory order (a negative row stride)."""
+    rows, width = a.shape
+    left, right = int(rng.integers(0, 3)), int(rng.integers(1, 4))
+    buf = rng.integers(-(1 << 20), 1 << 20, (rows, left + width + right)).astype(a.dtype)
+    if reverse:
+        buf = buf[::-1]
+    buf[:, left : left + width] = a
+    view = buf[:, left : left + width]
+    assert not view.flags.c_contiguous or rows <= 1
+    return view
+
+
+_2D = ("token_ids", "draft_ids", "lp_ids", "lp_values")
+
+
+@pytest.mark.parametrize("rows", [1, 19, 99])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("reverse", [False, True], ids=["rows", "reversed_rows"])
+@pytest.mark.parametrize("i64", [True, False], ids=["i64", "i32"])
+def test_strided_2d_inputs_give_the_contiguous_bytes(rows: int, mode: str, reverse: bool, i64: bool) -> None:
+    rng = np.random.default_rng([rows, MODES.index(mode), reverse, i64, 7])
+    inp = make_step(rng, rows, mode=mode, k_max=5, k=3, i64=i64, extra_lp_rows=1)
+    want = build_frame(**inp)
+    strided = {k: _widened(v, rng, reverse=reverse) if k in _2D and v.shape[0] > 1 else v for k, v in inp.items()}
+    x = collect_kw(**strided)
+    if rows > 1:
+        assert x.token_ids.strides is not None and x.args().token_ids_stride != x.max_tokens
+    assert build_frame(**strided) == want
+    assert cpp_frame(**strided) == want
+
+
+def test_prefill_first_token_from_column_slices_of_one_buffer(ring: shm.Ring) -> None:
+    # FastDeploy's base_model_draft_tokens: column 0 the target's first token, column 1 the
+    # MTP draft; the op reads both columns of the one buffer, no copy
+    x = np.array([[101, 201], [102, 202], [103, 203]], np.int64)
+    kw: dict[str, Any] = {
+        "handles": np.array([5, 6, 7], np.int64),
+        "num_tokens": np.array([1, 0, 1], np.int32),
+        "num_draft": np.array([1, 0, 1], np.int32),
+        "flags": np.array([3, 0, 3], np.int32),
+    }
+    want = build_frame(token_ids=x[:, :1].copy(), draft_ids=x[:, 1:2].copy(), **kw)
+    reader = ring.reader()
+    with Producer(ring, device="cpu") as p:
+        p.emit(token_ids=x[:, :1], draft_ids=x[:, 1:2], **kw)
+    assert reader.read() == [want]
+    f = decode_frame(want)
+    assert f.token_ids.tolist() == [101, 103] and f.draft_ids is not None and f.draft_ids.tolist() == [201, 203]
+
+
+def test_logprob_views_narrower_than_their_buffer() -> None:
+    # the sampler's [N, 21] buffers, of which a batch with top-3 passes the first 4 columns
+    rng = np.random.default_rng(3)
+    ids = rng.integers(0, 1000, (4, 21)).astype(np.int64)
+    vals = -rng.random((4, 21)).astype(np.float32)
+    kw: dict[str, Any] = {**base(), "lp_ids": ids[:, :4], "lp_values": vals[:, :4]}
+    contiguous = {**kw, "lp_ids": ids[:, :4].copy(), "lp_values": vals[:, :4].copy()}
+    assert cpp_frame(**kw) == build_frame(**contiguous) == build_frame(**kw)
+    assert decode_frame(build_frame(**kw)).k == 3

@@ -196,6 +196,36 @@ def test_frames_byte_identical_to_reference(torch: Any, rows: int, k: int) -> No
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 19, 989])
+def test_column_slices_of_cuda_tensors_byte_identical(torch: Any, rows: int) -> None:
+    # every 2-D input a column window of a wider CUDA tensor (x[:, a:b]): the kernel reads the
+    # rows at their stride, and the frame is the contiguous copy's
+    rng = np.random.default_rng(rows + 5)
+    cases = [make_step(rng, rows, mode=m, k_max=20, k=k, step=i) for i, (m, k) in enumerate(
+        [("speculative", 5), ("pd_first_token", 20), ("normal", 0), ("draft", 3)])]  # fmt: skip
+
+    def widen(v: np.ndarray) -> Any:
+        full = torch.from_numpy(np.concatenate([np.full_like(v[:, :1], 7), v, np.full_like(v[:, :2], 9)], 1)).cuda()
+        return full[:, 1 : 1 + v.shape[1]]
+
+    with shm.Ring.create(capacity=32 << 20, max_record=8 << 20) as ring, ring.reader() as reader:
+        prod = Producer(ring, device="cuda", producer=3)
+        try:
+            for inp in cases:
+                tensors = _cuda_inputs(torch, inp)
+                for key in ("token_ids", "draft_ids", "lp_ids", "lp_values"):
+                    if key in inp:
+                        tensors[key] = widen(inp[key])
+                prod.emit(**tensors)
+            got = _frames(reader, len(cases))
+            prod.check()
+        finally:
+            prod.close()
+    for inp, frame in zip(cases, got, strict=True):
+        assert frame == build_frame(**inp, producer=3), f"step {inp['step']}"
+
+
+@pytest.mark.gpu
 def test_frames_from_cupy_arrays_on_a_cupy_stream(torch: Any) -> None:
     cupy = pytest.importorskip("cupy", reason="CuPy is not installed")
     rng = np.random.default_rng(7)

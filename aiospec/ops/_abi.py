@@ -11,7 +11,7 @@ import ctypes
 
 __all__ = ("EMIT_ABI_VERSION", "EmitArgs", "ErrorWord", "FrameLayout", "Status")
 
-EMIT_ABI_VERSION = 1  # AIOSPEC_EMIT_ABI_VERSION
+EMIT_ABI_VERSION = 2  # AIOSPEC_EMIT_ABI_VERSION
 
 
 class EmitArgs(ctypes.Structure):
@@ -41,6 +41,10 @@ class EmitArgs(ctypes.Structure):
         ("kind", ctypes.c_uint32),
         ("producer", ctypes.c_uint32),
         ("step", ctypes.c_uint64),
+        ("token_ids_stride", ctypes.c_int64),
+        ("draft_ids_stride", ctypes.c_int64),
+        ("lp_ids_stride", ctypes.c_int64),
+        ("lp_values_stride", ctypes.c_int64),
     )
 
 

@@ -3,10 +3,15 @@
 Every backend starts here: ``collect`` views each input (numpy, anything with
 ``__array_interface__`` or DLPack on the CPU: PyTorch and Paddle CPU tensors; CUDA tensors
 through ``__cuda_array_interface__`` or DLPack) without copying, checks dimensions, dtypes,
-shapes, contiguity and devices, and the scalar arguments, with the messages the Paddle op
+shapes, layouts and devices, and the scalar arguments, with the messages the Paddle op
 repeats (which inputs go together the step's ``Logprobs`` / ``Drafts`` types have checked).
 The value checks (counts, offsets, ids) belong to the op itself (emit.h) and to the Python
 reference (``_reference.check_rows``), which agree on every message.
+
+Layouts: a 1-D input is contiguous; a 2-D input needs contiguous columns, and its rows may lie
+any whole number of elements apart (``x[:, :1]``, ``x[:, 1:2]`` and ``x[:, :k + 1]`` are views
+the op reads in place; the row stride travels in the argument block). Anything else (a
+transposed tensor, every other column, broadcast rows) is refused with its strides named.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ class TensorRef:
     ptr: int
     device: str  # "cpu" or "cuda"
     device_id: int  # CUDA ordinal; -1 on the CPU or when unknown
-    contiguous: bool
+    strides: tuple[int, ...] | None  # bytes per step of each dimension; None = C-contiguous
     owner: Any  # the object whose memory ptr points into
     array: np.ndarray[Any, Any] | None  # the zero-copy numpy view (CPU only)
 
@@ -50,23 +55,17 @@ class TensorRef:
     def where(self) -> str:
         return "cpu" if self.device == "cpu" else f"cuda:{self.device_id}" if self.device_id >= 0 else "cuda"
 
-
-def _c_contiguous(shape: tuple[int, ...], strides: tuple[int, ...] | None, itemsize: int) -> bool:
-    if strides is None:
-        return True
-    expected = itemsize
-    for dim, stride in zip(reversed(shape), reversed(strides), strict=True):
-        if dim > 1 and stride != expected:
-            return False
-        expected *= dim
-    return True
+    def row_stride(self) -> int:
+        """Elements from one row of this 2-D tensor to the next (its width when C-contiguous)."""
+        if self.strides is None or self.shape[0] <= 1:
+            return self.shape[1]
+        return self.strides[0] // self.dtype.itemsize
 
 
 def _from_numpy(name: str, arr: np.ndarray[Any, Any], owner: Any) -> TensorRef:
     # positional and without conversions: this runs for every input of every emit call
-    dtype = arr.dtype
-    contiguous = arr.flags.c_contiguous and dtype.byteorder in "=|<"
-    return TensorRef(name, arr.shape, dtype, arr.ctypes.data, "cpu", -1, contiguous, owner, arr)
+    strides = None if arr.flags.c_contiguous else arr.strides
+    return TensorRef(name, arr.shape, arr.dtype, arr.ctypes.data, "cpu", -1, strides, owner, arr)
 
 
 def _from_cuda_array_interface(name: str, obj: Any, device_id: int) -> TensorRef:
@@ -81,8 +80,7 @@ def _from_cuda_array_interface(name: str, obj: Any, device_id: int) -> TensorRef
         ptr=int(cai["data"][0] or 0),
         device="cuda",
         device_id=device_id,
-        contiguous=_c_contiguous(shape, None if strides is None else tuple(strides), dtype.itemsize)
-        and dtype.byteorder in "=|<",
+        strides=None if strides is None else tuple(int(x) for x in strides),
         owner=obj,
         array=None,
     )
@@ -135,7 +133,7 @@ def _from_dlpack_cuda(name: str, obj: Any) -> TensorRef:
         ptr=int(t.data or 0) + int(t.byte_offset),
         device="cuda",
         device_id=int(t.device.device_id),
-        contiguous=_c_contiguous(shape, strides, dtype.itemsize),
+        strides=strides,
         owner=(obj, capsule),
         array=None,
     )
@@ -230,12 +228,14 @@ class Inputs:
         a.token_ids = _ptr(self.token_ids)
         a.token_ids_i64 = int(self.token_ids.dtype.itemsize == 8)
         a.max_tokens = self.max_tokens
+        a.token_ids_stride = self.token_ids.row_stride()
         a.num_tokens = _ptr(self.num_tokens)
         a.flags = _ptr(self.flags) if self.flags is not None else None
         if self.draft_ids is not None and self.num_draft is not None:
             a.draft_ids = _ptr(self.draft_ids)
             a.draft_ids_i64 = int(self.draft_ids.dtype.itemsize == 8)
             a.max_draft = self.max_draft
+            a.draft_ids_stride = self.draft_ids.row_stride()
             a.num_draft = _ptr(self.num_draft)
         if self.lp_ids is not None and self.lp_values is not None and self.lp_ranks is not None:
             assert self.lp_offsets is not None
@@ -247,6 +247,8 @@ class Inputs:
             a.lp_offsets = _ptr(self.lp_offsets)
             a.lp_rows = self.lp_rows
             a.lp_width = self.lp_width
+            a.lp_ids_stride = self.lp_ids.row_stride()
+            a.lp_values_stride = self.lp_values.row_stride()
             a.k = self.k
         a.kind = self.kind
         a.producer = self.producer
@@ -281,8 +283,25 @@ def _check(ref: TensorRef, ndim: int, dtypes: tuple[str, ...], lead: int | None)
     if lead is not None and ref.shape[0] != lead:
         want = [lead] if ndim == 1 else [lead, "*"]
         raise EmitError(f"{name}: expected shape {_fmt_shape(want)}, got {_fmt_shape(list(ref.shape))}")
-    if not ref.contiguous:
-        raise EmitError(f"{name}: expected a C-contiguous tensor")
+    if ref.strides is not None:
+        _check_layout(ref)
+
+
+def _check_layout(ref: TensorRef) -> None:
+    """A strided tensor the op can read in place: contiguous columns (1-D: contiguous), rows a
+    whole number of elements apart and not all at one address."""
+    size = ref.dtype.itemsize
+    strides = ref.strides
+    assert strides is not None
+    shape = ref.shape
+    inner_ok = shape[-1] <= 1 or strides[-1] == size
+    rows_ok = len(shape) == 1 or shape[0] <= 1 or (strides[0] % size == 0 and (strides[0] != 0 or shape[1] == 0))
+    if inner_ok and rows_ok:
+        return
+    got = _fmt_shape(list(strides))
+    if len(shape) == 1:
+        raise EmitError(f"{ref.name}: strides {got} cannot be read in place (expected [{size}] bytes)")
+    raise EmitError(f"{ref.name}: strides {got} cannot be read in place (expected [n * {size}, {size}] bytes, n != 0)")
 
 
 def _fmt_shape(dims: list[Any]) -> str:

@@ -68,7 +68,6 @@ void emit_write_payload(const aiospec_emit_args& a, const aiospec_frame_layout& 
   const bool has_lp = lay.fflags & AIOSPEC_FRAME_HAS_LOGPROBS;
   const bool has_draft = lay.d > 0;
   const uint64_t k = lay.k;
-  const int64_t width = a.lp_width;
   uint64_t rec = 0, tok = 0, dr = 0;
   put<int32_t>(col[AIOSPEC_COL_TOKEN_OFFSETS], 0, 0);
   if (has_draft) put<int32_t>(col[AIOSPEC_COL_DRAFT_OFFSETS], 0, 0);
@@ -77,17 +76,17 @@ void emit_write_payload(const aiospec_emit_args& a, const aiospec_frame_layout& 
     put<uint64_t>(col[AIOSPEC_COL_HANDLES], rec, uint64_t(a.handles[i]));
     put<uint32_t>(col[AIOSPEC_COL_FLAGS], rec, aiospec_row_flags(&a, i));
     const int64_t nt = a.num_tokens[i];
-    copy_ids(col[AIOSPEC_COL_TOKEN_IDS], tok, a.token_ids, a.token_ids_i64, i * a.max_tokens, nt);
+    copy_ids(col[AIOSPEC_COL_TOKEN_IDS], tok, a.token_ids, a.token_ids_i64, aiospec_token_row(&a, i), nt);
     if (has_lp) {
       const int64_t lp0 = a.lp_offsets[i];
       for (int64_t j = 0; j < nt; ++j) {
         const int64_t r = lp0 + j;
-        const float* vals = a.lp_values + r * width;
+        const float* vals = a.lp_values + aiospec_lp_values_row(&a, r);
         put<float>(col[AIOSPEC_COL_LOGPROBS], tok + uint64_t(j), vals[0]);
         put<int32_t>(col[AIOSPEC_COL_RANKS], tok + uint64_t(j), int32_t(aiospec_load_int(a.lp_ranks, a.lp_ranks_i64, r)));
         if (k > 0) {
           const uint64_t at = (tok + uint64_t(j)) * k;
-          copy_ids(col[AIOSPEC_COL_TOPK_IDS], at, a.lp_ids, a.lp_ids_i64, r * width + 1, int64_t(k));
+          copy_ids(col[AIOSPEC_COL_TOPK_IDS], at, a.lp_ids, a.lp_ids_i64, aiospec_lp_ids_row(&a, r) + 1, int64_t(k));
           std::memcpy(col[AIOSPEC_COL_TOPK_LOGPROBS] + at * 4, vals + 1, k * 4);
         }
       }
@@ -96,7 +95,7 @@ void emit_write_payload(const aiospec_emit_args& a, const aiospec_frame_layout& 
     put<int32_t>(col[AIOSPEC_COL_TOKEN_OFFSETS], rec + 1, int32_t(tok));
     if (has_draft) {
       const int64_t nd = a.num_draft[i];
-      copy_ids(col[AIOSPEC_COL_DRAFT_IDS], dr, a.draft_ids, a.draft_ids_i64, i * a.max_draft, nd);
+      copy_ids(col[AIOSPEC_COL_DRAFT_IDS], dr, a.draft_ids, a.draft_ids_i64, aiospec_draft_row(&a, i), nd);
       dr += uint64_t(nd);
       put<int32_t>(col[AIOSPEC_COL_DRAFT_OFFSETS], rec + 1, int32_t(dr));
     }

@@ -485,7 +485,7 @@ __global__ void __launch_bounds__(kThreads)
       const int li = find_row(s_tok, n, e);
       const int64_t i = row0 + li;
       const int64_t j = e - s_tok[li];
-      const int64_t v = aiospec_load_int(a.token_ids, a.token_ids_i64, i * a.max_tokens + j);
+      const int64_t v = aiospec_load_int(a.token_ids, a.token_ids_i64, aiospec_token_row(&a, i) + j);
       if (!aiospec_fits_i32(v)) key = min_key(key, id_error_key(i, AIOSPEC_CHECK_TOKEN_IDS, j));
       if (write) ids[e] = int32_t(v);
       if (has_lp) {
@@ -493,7 +493,7 @@ __global__ void __launch_bounds__(kThreads)
         const int64_t rank = aiospec_load_int(a.lp_ranks, a.lp_ranks_i64, lr);
         if (!aiospec_fits_i32(rank)) key = min_key(key, id_error_key(i, AIOSPEC_CHECK_LP, lr));
         if (write) {
-          lps[e] = a.lp_values[lr * a.lp_width];
+          lps[e] = a.lp_values[aiospec_lp_values_row(&a, lr)];
           ranks[e] = int32_t(rank);
         }
       }
@@ -506,7 +506,7 @@ __global__ void __launch_bounds__(kThreads)
       const int li = find_row(s_dr, n, e);
       const int64_t i = row0 + li;
       const int64_t j = e - s_dr[li];
-      const int64_t v = aiospec_load_int(a.draft_ids, a.draft_ids_i64, i * a.max_draft + j);
+      const int64_t v = aiospec_load_int(a.draft_ids, a.draft_ids_i64, aiospec_draft_row(&a, i) + j);
       if (!aiospec_fits_i32(v)) key = min_key(key, id_error_key(i, AIOSPEC_CHECK_DRAFT_IDS, j));
       if (write) ids[e] = int32_t(v);
     }
@@ -521,12 +521,11 @@ __global__ void __launch_bounds__(kThreads)
       const int64_t c = 1 + (e - t * k);
       const int li = find_row(s_tok, n, t);
       const int64_t lr = s_lp[li] + (t - s_tok[li]);
-      const int64_t src = lr * a.lp_width + c;
-      const int64_t v = aiospec_load_int(a.lp_ids, a.lp_ids_i64, src);
+      const int64_t v = aiospec_load_int(a.lp_ids, a.lp_ids_i64, aiospec_lp_ids_row(&a, lr) + c);
       if (!aiospec_fits_i32(v)) key = min_key(key, id_error_key(row0 + li, AIOSPEC_CHECK_LP, lr));
       if (write) {
         tk_ids[e] = int32_t(v);
-        tk_lps[e] = a.lp_values[src];
+        tk_lps[e] = a.lp_values[aiospec_lp_values_row(&a, lr) + c];
       }
     }
   }

@@ -28,12 +28,16 @@ extern "C" {
 #endif
 
 /* Bumped whenever aiospec_emit_args, aiospec_error or an exported C function changes. */
-#define AIOSPEC_EMIT_ABI_VERSION 1
+#define AIOSPEC_EMIT_ABI_VERSION 2
 
 /* ---- arguments ---------------------------------------------------------------------------
- * All pointers address the same memory space (host for the CPU writer, device for CUDA),
- * row-major and contiguous. "i64" flags select int64 (1) or int32 (0) elements. Rows are in
- * the worker's current order; every row carries its own handle, so no reordering is undone.
+ * All pointers address the same memory space (host for the CPU writer, device for CUDA).
+ * 1-D inputs are contiguous; a 2-D input's columns are contiguous and its rows lie
+ * `*_stride` elements apart (a column slice such as x[:, :1] of a [B, 2] tensor has stride 2),
+ * or exactly its width apart when the stride is 0 (a C-contiguous tensor). Strides may be
+ * negative (rows in reverse order in memory). "i64" flags select int64 (1) or int32 (0)
+ * elements. Rows are in the worker's current order; every row carries its own handle, so no
+ * reordering is undone.
  */
 typedef struct aiospec_emit_args {
   int64_t rows;                  /* B: batch rows, >= 0 */
@@ -66,6 +70,10 @@ typedef struct aiospec_emit_args {
                                     every record) */
   uint32_t producer;             /* producer id written to the frame header */
   uint64_t step;                 /* decoding step written to the frame header */
+  int64_t token_ids_stride;      /* elements from one row of token_ids to the next; 0 = max_tokens */
+  int64_t draft_ids_stride;      /* the same for draft_ids; 0 = max_draft */
+  int64_t lp_ids_stride;         /* the same for lp_ids; 0 = lp_width */
+  int64_t lp_values_stride;      /* the same for lp_values; 0 = lp_width */
 } aiospec_emit_args;
 
 /* ---- errors ------------------------------------------------------------------------------
@@ -201,6 +209,23 @@ AIOSPEC_HD int64_t aiospec_load_int(const void* p, int32_t is_i64, int64_t i) {
   return is_i64 ? ((const int64_t*)p)[i] : (int64_t)((const int32_t*)p)[i];
 }
 
+/* Elements between consecutive rows of a 2-D input: its stride, or its width when 0. */
+AIOSPEC_HD int64_t aiospec_row_stride(int64_t stride, int64_t width) { return stride != 0 ? stride : width; }
+
+/* Element offsets of row i of each 2-D input. */
+AIOSPEC_HD int64_t aiospec_token_row(const aiospec_emit_args* a, int64_t i) {
+  return i * aiospec_row_stride(a->token_ids_stride, a->max_tokens);
+}
+AIOSPEC_HD int64_t aiospec_draft_row(const aiospec_emit_args* a, int64_t i) {
+  return i * aiospec_row_stride(a->draft_ids_stride, a->max_draft);
+}
+AIOSPEC_HD int64_t aiospec_lp_ids_row(const aiospec_emit_args* a, int64_t r) {
+  return r * aiospec_row_stride(a->lp_ids_stride, a->lp_width);
+}
+AIOSPEC_HD int64_t aiospec_lp_values_row(const aiospec_emit_args* a, int64_t r) {
+  return r * aiospec_row_stride(a->lp_values_stride, a->lp_width);
+}
+
 AIOSPEC_HD int aiospec_fits_i32(int64_t v) { return v >= INT32_MIN && v <= INT32_MAX; }
 
 AIOSPEC_HD int aiospec_has_logprobs(const aiospec_emit_args* a) { return a->lp_ids != NULL; }
@@ -324,7 +349,7 @@ AIOSPEC_HD int aiospec_check_row(const aiospec_emit_args* a, int64_t i, aiospec_
                                AIOSPEC_CHECK_LP_SPAN);
   }
   if (a->token_ids_i64) {
-    const int64_t* t = (const int64_t*)a->token_ids + i * a->max_tokens;
+    const int64_t* t = (const int64_t*)a->token_ids + aiospec_token_row(a, i);
     for (int64_t j = 0; j < nt; ++j) {
       if (!aiospec_fits_i32(t[j]))
         return aiospec_set_error(e, AIOSPEC_E_ID, AIOSPEC_ARG_TOKEN_IDS, i, j, t[j], INT32_MIN, INT32_MAX,
@@ -332,7 +357,7 @@ AIOSPEC_HD int aiospec_check_row(const aiospec_emit_args* a, int64_t i, aiospec_
     }
   }
   if (nd > 0 && a->draft_ids_i64) {
-    const int64_t* t = (const int64_t*)a->draft_ids + i * a->max_draft;
+    const int64_t* t = (const int64_t*)a->draft_ids + aiospec_draft_row(a, i);
     for (int64_t j = 0; j < nd; ++j) {
       if (!aiospec_fits_i32(t[j]))
         return aiospec_set_error(e, AIOSPEC_E_ID, AIOSPEC_ARG_DRAFT_IDS, i, j, t[j], INT32_MIN, INT32_MAX,
@@ -352,7 +377,7 @@ AIOSPEC_HD int aiospec_check_row(const aiospec_emit_args* a, int64_t i, aiospec_
         }
       }
       if (a->lp_ids_i64) {
-        const int64_t* ids = (const int64_t*)a->lp_ids + r * a->lp_width;
+        const int64_t* ids = (const int64_t*)a->lp_ids + aiospec_lp_ids_row(a, r);
         for (int64_t c = 1; c <= k; ++c) {
           if (!aiospec_fits_i32(ids[c])) {
             aiospec_set_error(e, AIOSPEC_E_ID, AIOSPEC_ARG_LP_IDS, r, c, ids[c], INT32_MIN, INT32_MAX,

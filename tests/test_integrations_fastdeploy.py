@@ -1,0 +1,418 @@
+"""aiospec.integrations.fastdeploy: FastDeploy's save ops in, FastDeploy's get-output buffers out.
+
+Each test builds the inputs FastDeploy's model runner passes to one of its save ops (the shapes
+and sentinels of custom_ops/gpu_ops/*save_output*.cc and mtp_save_first_token*.cc), writes them
+through ``FastDeployProducer``, reads them back through ``FastDeployReader`` and compares the
+buffer with the message FastDeploy's own op would have sent, built here from the op's semantics
+(the ``fd_*`` functions), and the per-slot events with what ``TokenProcessor`` makes of it.
+Where FastDeploy's op has a bug (stale tokens for ``step_idx > 1``, stale draft scores, a fixed
+stride of 21), the expected message is the corrected one.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+import shm
+from aiospec.integrations.fastdeploy import (
+    MAX_BSZ,
+    MAX_DRAFT_TOKENS,
+    SPECULATE_MAX_BSZ,
+    FastDeployProducer,
+    FastDeployReader,
+    K,
+    ring_name,
+    slot_of,
+)
+from aiospec.ops import EmitError
+
+W21 = K + 1
+
+
+@pytest.fixture
+def ring() -> Iterator[shm.Ring]:
+    with shm.Ring.create(capacity=1 << 22, max_record=1 << 20) as r:
+        yield r
+
+
+_OPEN: list[Any] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_all() -> Iterator[None]:
+    yield
+    while _OPEN:
+        _OPEN.pop().close()
+
+
+def pair(ring: shm.Ring, bsz: int, **kw: Any) -> tuple[FastDeployProducer, FastDeployReader]:
+    reader = FastDeployReader(ring, max_num_seqs=bsz, **{k: v for k, v in kw.items() if k == "packed"})
+    producer = FastDeployProducer(ring, max_num_seqs=bsz, **{k: v for k, v in kw.items() if k != "packed"})
+    _OPEN.extend([reader, producer])
+    for row in range(bsz):
+        producer.insert(row)
+    return producer, reader
+
+
+# -- FastDeploy's messages, from its ops' semantics ------------------------------------------------
+
+
+def fd_save_output(x: np.ndarray, preempted: np.ndarray) -> np.ndarray:
+    out = np.full(MAX_BSZ + 2, 2, np.int64)  # TokenProcessor pre-fills with 2
+    bsz = x.shape[0]
+    out[0], out[1] = 1, bsz
+    out[2 : 2 + bsz] = np.where(preempted == 1, -9, x[:, 0])
+    return out
+
+
+def fd_save_output_topk(x, ids, scores, ranks, preempted, packed=True):  # type: ignore[no-untyped-def]
+    bsz, cols = ids.shape
+    stride = cols if packed else W21
+    tok = np.full((bsz, stride), -1, np.int64)
+    sc = np.zeros((bsz, stride), np.float32)
+    tok[:, 0] = x[:, 0]
+    tok[:, 1:cols] = ids[:, 1:cols]
+    sc[:, :cols] = scores  # reads the source at its own stride (not 21)
+    tok[preempted == 1] = -9
+    return (bsz | (cols << 16)) if packed else bsz, tok, sc, ranks.astype(np.int64)
+
+
+def fd_speculate_save_output(tokens, accept_num, sld, pl, preempted, skip_prefill):  # type: ignore[no-untyped-def]
+    bsz = tokens.shape[0]
+    counts = np.where(skip_prefill & (sld < pl), 0, accept_num)
+    counts = np.where(preempted == 1, -9, counts)
+    grid = np.zeros((bsz, MAX_DRAFT_TOKENS), np.int64)
+    for i in range(bsz):
+        n = max(int(counts[i]), 0)
+        grid[i, :n] = tokens[i, :n]
+    return counts, grid
+
+
+def read_normal(reader: FastDeployReader) -> np.ndarray:
+    buf = np.full((MAX_BSZ + 2, 1), 2, np.int64)
+    reader.get_output(buf, 0, False)
+    return buf[:, 0]
+
+
+# -- normal decoding -----------------------------------------------------------------------------------
+
+
+def test_save_output_gives_fastdeploys_message_and_events(ring: shm.Ring) -> None:
+    bsz = 6
+    producer, reader = pair(ring, bsz)
+    x = np.array([[11], [-1], [13], [14], [-1], [16]], np.int64)  # -1: stopped / empty slots
+    preempted = np.array([0, 0, 0, 1, 0, 0], np.int32)
+    stop = np.array([False, True, True, False, True, False])  # slot 2 stops on this token
+    producer.save_output(x, np.array([True]), preempted, 0, False, stop_flags=stop)
+    want = fd_save_output(x, preempted)
+    got = read_normal(reader)
+    assert got[: 2 + bsz].tolist() == want[: 2 + bsz].tolist()
+    producer.save_output(np.array([[21], [-1], [-1], [-1], [-1], [26]], np.int64), stop_flags=stop)
+    (events,) = list(reader.events(wait=False))
+    # slot 2 finished and slot 3 was preempted: their rows were cleared, so nothing more comes
+    assert [(e.slot, e.token_ids, e.finished) for e in events] == [(0, [21], False), (5, [26], False)]
+    reader.close()
+    producer.close()
+
+
+def test_events_carry_the_end_flags(ring: shm.Ring) -> None:
+    producer, reader = pair(ring, 4)
+    stop = np.array([False, True, False, False])
+    producer.save_output(np.array([[1], [2], [-9], [-3]], np.int64), stop_flags=stop)
+    (events,) = list(reader.events(wait=False))
+    assert [(e.slot, e.token_ids, e.finished, e.preempted, e.recovery_stop) for e in events] == [
+        (0, [1], False, False, False),
+        (1, [2], True, False, False),
+        (2, [], False, True, False),
+        (3, [], False, False, True),
+    ]
+    assert producer.slots.handles.tolist()[1:] == [-1, -1, -1]
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "fixed21"])
+@pytest.mark.parametrize("n", [0, 3, 20])
+def test_save_output_topk_layout(ring: shm.Ring, packed: bool, n: int) -> None:
+    bsz = 5
+    rng = np.random.default_rng(n)
+    producer, reader = pair(ring, bsz, packed=packed)
+    x = np.array([[5], [-1], [7], [8], [9]], np.int64)
+    ids = rng.integers(0, 1000, (bsz, n + 1)).astype(np.int64)
+    ids[:, 0] = x[:, 0]
+    scores = -rng.random((bsz, n + 1)).astype(np.float32)
+    ranks = rng.integers(1, 9, bsz).astype(np.int64)
+    preempted = np.array([0, 0, 0, 1, 0], np.int32)
+    producer.save_output_topk(x, ids, scores, ranks, np.array([True]), preempted, 0)
+    xb = np.full((MAX_BSZ * W21 + 2, 1), 2, np.int64)
+    sb = np.full((MAX_BSZ * W21, 1), 2, np.float32)
+    rb = np.full(MAX_BSZ, 2, np.int64)
+    reader.get_output_topk(xb, sb, rb, K, 0, False)
+    head, tok, sc, rk = fd_save_output_topk(x, ids, scores, ranks, preempted, packed)
+    stride = tok.shape[1]
+    assert xb[1, 0] == head
+    got_tok = xb[2 : 2 + bsz * stride, 0].reshape(bsz, stride)
+    got_sc = sb[: bsz * stride, 0].reshape(bsz, stride)
+    live = [0, 2, 4]  # slot 1 has no token (its row is -1), slot 3 preempted (all -9)
+    assert got_tok[live].tolist() == tok[live].tolist()
+    assert got_tok[3].tolist() == [-9] * stride and got_tok[1, 0] == -1
+    np.testing.assert_array_equal(got_sc[live], sc[live])
+    assert rb[live].tolist() == rk[live].tolist()
+
+
+# -- speculative decoding ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["mtp", "ngram", "suffix", "naive"])
+def test_speculate_save_output_any_proposer(ring: shm.Ring, method: str) -> None:
+    bsz, w = 7, 4 if method != "naive" else 1
+    rng = np.random.default_rng(len(method))
+    producer, reader = pair(ring, bsz)
+    tokens = rng.integers(0, 1000, (bsz, w)).astype(np.int64)
+    accept = np.array([w, 1, 0, -3, w, 1, -1], np.int32)  # -3 recovery stop, -1 nothing
+    sld = np.array([9, 9, 9, 9, 2, 9, 9], np.int32)  # slot 4: still in chunked prefill
+    pl = np.array([5, 5, 5, 5, 5, 5, 5], np.int64)
+    preempted = np.array([0, 0, 0, 0, 0, 1, 0], np.int32)
+    producer.speculate_save_output(tokens, accept, np.array([True]), sld, pl, preempted, 0, False, True)
+    buf = np.full(SPECULATE_MAX_BSZ * (MAX_DRAFT_TOKENS + 1) + 2, 2, np.int64)
+    reader.speculate_get_output(buf, 0, False, False)
+    counts, grid = fd_speculate_save_output(tokens, accept, sld, pl, preempted, True)
+    counts[6] = 0  # a -1 count makes no record: no empty output for the slot
+    assert buf[2 : 2 + bsz].tolist() == counts.tolist()
+    got = buf[2 + SPECULATE_MAX_BSZ :].reshape(SPECULATE_MAX_BSZ, MAX_DRAFT_TOKENS)[:bsz]
+    assert got.tolist() == grid.tolist()
+
+
+def test_counts_beyond_the_token_columns_are_refused(ring: shm.Ring) -> None:
+    producer, _ = pair(ring, 3)
+    tokens = np.zeros((3, 6), np.int64)
+    message = r"^accept_num\[1\] = 7: expected -9 \(preempted\), -3 \(recovery stop\), -1 or 0\.\.6 "
+    with pytest.raises(EmitError, match=message + r"\(the columns of accept_tokens\)$"):
+        producer.speculate_save_output(tokens, np.array([1, 7, 0], np.int32))
+    assert ring.stats().frames_written == 0
+
+
+def _spec_topk(rng: np.random.Generator, counts: np.ndarray, w: int, n: int) -> tuple[np.ndarray, ...]:
+    bsz = counts.shape[0]
+    sampled = rng.integers(0, 1000, (bsz, w)).astype(np.int64)
+    live = np.maximum(counts, 0)
+    cu = np.zeros(bsz + 1, np.int32)
+    np.cumsum(live, out=cu[1:])
+    total = int(cu[-1])
+    ids = rng.integers(0, 1000, (total, n + 1)).astype(np.int64)
+    scores = -rng.random((total, n + 1)).astype(np.float32)
+    ranks = rng.integers(1, 9, total).astype(np.int64)
+    return sampled, ids, scores, ranks, cu
+
+
+def _read_spec_topk(reader: FastDeployReader) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    tb = np.full((MAX_BSZ * MAX_DRAFT_TOKENS * W21 + MAX_BSZ + 3, 1), 2, np.int64)
+    sb = np.full((MAX_BSZ * MAX_DRAFT_TOKENS * W21, 1), 2, np.float32)
+    rb = np.full(MAX_BSZ * MAX_DRAFT_TOKENS, 2, np.int64)
+    reader.speculate_get_output_topk(tb, sb, rb, K, 0, False)
+    return tb[:, 0], sb[:, 0], rb
+
+
+@pytest.mark.parametrize("message_flag", [3, 4])
+@pytest.mark.parametrize("n", [0, 5])
+def test_speculate_save_output_topk(ring: shm.Ring, message_flag: int, n: int) -> None:
+    bsz, w = 5, 4
+    rng = np.random.default_rng([message_flag, n])
+    producer, reader = pair(ring, bsz)
+    counts = np.array([2, 0, 4, 1, 3], np.int32)
+    sampled, ids, scores, ranks, cu = _spec_topk(rng, counts, w, n)
+    sld = np.array([9, 9, 9, 9, 1], np.int32)  # slot 4: chunked prefill, no tokens
+    pl = np.full(bsz, 5, np.int64)
+    producer.speculate_save_output_topk(
+        sampled, ids, scores, ranks, counts, cu, np.array([True]), sld, pl, np.zeros(bsz, np.int32), message_flag, 0
+    )
+    tb, sb, rb = _read_spec_topk(reader)
+    assert tb[1] == message_flag | ((n + 1) << 8) and tb[2] == bsz
+    assert tb[3 : 3 + bsz].tolist() == [2, 0, 4, 1, 0]
+    tok = tb[3 + MAX_BSZ :].reshape(MAX_BSZ, MAX_DRAFT_TOKENS, W21)
+    sc = sb.reshape(MAX_BSZ, MAX_DRAFT_TOKENS, W21)
+    rk = rb.reshape(MAX_BSZ, MAX_DRAFT_TOKENS)
+    for i in range(4):
+        for j in range(int(counts[i])):
+            r = int(cu[i]) + j
+            assert tok[i, j, 0] == sampled[i, j]
+            assert tok[i, j, 1 : n + 1].tolist() == ids[r, 1:].tolist()
+            np.testing.assert_array_equal(sc[i, j, : n + 1], scores[r])
+            assert rk[i, j] == ranks[r]
+    reader.close()
+
+
+# -- the PD prefill node's first token -------------------------------------------------------------------
+
+
+def test_mtp_save_first_token_no_stale_tokens(ring: shm.Ring) -> None:
+    bsz = 4
+    producer, reader = pair(ring, bsz)
+    x = np.array([[101, 201], [102, 202], [103, 203], [104, 204]], np.int64)
+    step_idx = np.array([1, 0, 2, 1], np.int64)  # slot 2: step_idx 2, FastDeploy keeps stale tokens there
+    sld = np.array([9, 9, 9, 1], np.int32)
+    pl = np.full(bsz, 5, np.int64)
+    producer.mtp_save_first_token(x, np.array([True]), sld, pl, step_idx, 0, False, True)
+    buf = np.full(SPECULATE_MAX_BSZ * (MAX_DRAFT_TOKENS + 1) + 2, 777, np.int64)  # stale data everywhere
+    reader.speculate_get_output(buf, 0, False, False)
+    assert buf[2 : 2 + bsz].tolist() == [2, 0, 0, 0]
+    grid = buf[2 + SPECULATE_MAX_BSZ :].reshape(SPECULATE_MAX_BSZ, MAX_DRAFT_TOKENS)
+    assert grid[0, :2].tolist() == [101, 201] and grid[2].tolist() == [0] * MAX_DRAFT_TOKENS
+    assert producer.slots.handles[0] == -1  # the prefill node is done with the request
+
+
+def test_mtp_first_token_events_hold_the_draft(ring: shm.Ring) -> None:
+    producer, reader = pair(ring, 2)
+    x = np.array([[101, 201], [102, 202]], np.int64)
+    producer.mtp_save_first_token(x, None, None, None, np.array([1, 1], np.int64))
+    (events,) = list(reader.events(wait=False))
+    assert [(e.slot, e.token_ids, e.draft_token_ids, e.first_token, e.finished) for e in events] == [
+        (0, [101], [101, 201], True, True),
+        (1, [102], [102, 202], True, True),
+    ]
+
+
+def test_mtp_save_first_token_with_topk_drafts_have_no_stale_scores(ring: shm.Ring) -> None:
+    bsz, w, n = 3, 2, 4
+    rng = np.random.default_rng(9)
+    producer, reader = pair(ring, bsz)
+    counts = np.array([1, 0, 1], np.int32)  # token_num_per_batch: 1 target token per finished prefill
+    sampled, ids, scores, ranks, cu = _spec_topk(rng, counts, w, n)
+    producer.mtp_save_first_token_with_topk(
+        sampled, ids, scores, ranks, counts, cu, None, np.full(bsz, 9, np.int32), np.full(bsz, 5, np.int64),
+        np.zeros(bsz, np.int32), 3, 0, False,
+    )  # fmt: skip
+    tb, sb, rb = _read_spec_topk(reader)
+    assert tb[3 : 3 + bsz].tolist() == [2, 0, 2]  # FastDeploy's cur_token_num: first token + draft
+    tok = tb[3 + MAX_BSZ :].reshape(MAX_BSZ, MAX_DRAFT_TOKENS, W21)
+    sc = sb.reshape(MAX_BSZ, MAX_DRAFT_TOKENS, W21)
+    for i in (0, 2):
+        r = int(cu[i])
+        assert tok[i, 0, 0] == sampled[i, 0] and tok[i, 1, 0] == sampled[i, 1]
+        assert tok[i, 0, 1 : n + 1].tolist() == ids[r, 1:].tolist()
+        np.testing.assert_array_equal(sc[i, 0, : n + 1], scores[r])
+        assert sc[i, 1].tolist() == [0.0] * W21 and rb[i * MAX_DRAFT_TOKENS + 1] == 0
+
+
+def test_first_token_count_overflow_is_refused(ring: shm.Ring) -> None:
+    # the seed PR's cur_token_num = accept_num + 1 against a 6-column row wrote past it
+    bsz = 2
+    producer, _ = pair(ring, bsz)
+    counts = np.array([6, 1], np.int32)
+    sampled, ids, scores, ranks, cu = _spec_topk(np.random.default_rng(1), counts, 6, 2)
+    with pytest.raises(EmitError, match=r"^token_num_per_batch\[0\] = 6: expected -9, -1 or 0\.\.5 "):
+        producer.mtp_save_first_token_with_topk(sampled, ids, scores, ranks, counts, cu)
+    assert ring.stats().frames_written == 0
+
+
+# -- the slot table, ranks, recovery ------------------------------------------------------------------
+
+
+def test_swapped_rows_reach_their_engine_slots(ring: shm.Ring) -> None:
+    producer, reader = pair(ring, 4)
+    producer.swap(0, 3)  # PD reorder: row 0 now holds slot 3's request and back
+    producer.save_output(np.array([[30], [11], [-1], [0]], np.int64))
+    got = read_normal(reader)
+    assert got[2:6].tolist() == [0, 11, -1, 30]
+    producer.clear(1)
+    h = producer.insert(1)
+    assert slot_of(h) == 1 and h != producer.slots.handles[0]
+
+
+def test_rank_above_zero_is_silent_unless_save_each_rank(ring: shm.Ring) -> None:
+    silent = FastDeployProducer(ring, max_num_seqs=2, rank_id=1)
+    _OPEN.append(silent)
+    silent.insert(0)
+    assert silent.save_output(np.array([[1], [-1]], np.int64)) is False
+    assert ring.stats().frames_written == 0
+    with shm.Ring.create(ring_name(8123, 1) + "-" + str(id(ring)), capacity=1 << 16) as own:
+        each = FastDeployProducer(own, max_num_seqs=2, rank_id=1, save_each_rank=True)
+        each.insert(0)
+        assert each.save_output(np.array([[1], [-1]], np.int64)) is True
+        assert own.stats().frames_written == 1
+        each.close()
+
+
+def test_step_reschedule_is_a_recovery_stop(ring: shm.Ring) -> None:
+    producer, reader = pair(ring, 3)
+    producer.step_reschedule(np.array([0, 1, 0], np.int32))
+    got = read_normal(reader)
+    assert got[2:5].tolist() == [-1, -3, -1]
+
+
+def test_no_message_is_the_minus_two_sentinel(ring: shm.Ring) -> None:
+    _, reader = pair(ring, 2)
+    assert read_normal(reader)[0] == -2
+
+
+def test_import_needs_no_framework() -> None:
+    code = (
+        "import sys, aiospec.integrations.fastdeploy as fd; "
+        "bad = [m for m in ('paddle', 'torch', 'aiospec.ops._cuda', 'cupy') if m in sys.modules]; "
+        "assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_paddle_tensors_through_the_paddle_op(ring: shm.Ring) -> None:
+    paddle = pytest.importorskip("paddle", reason="paddlepaddle is not installed")
+    producer, reader = pair(ring, 3)
+    x = paddle.to_tensor(np.array([[101, 201], [102, 202], [103, 203]], np.int64))
+    try:
+        producer.mtp_save_first_token(x, None, None, None, paddle.to_tensor(np.array([1, 0, 1], np.int64)))
+        stop = paddle.to_tensor(np.array([False, True, False]))
+        producer.save_output(paddle.to_tensor(np.array([[7], [-1], [9]], np.int64)), stop_flags=stop)
+    finally:
+        producer.close()
+    first, second = (e for e in reader.events(wait=False))
+    assert [(e.slot, e.draft_token_ids) for e in first] == [(0, [101, 201]), (2, [103, 203])]
+    assert [(e.slot, e.token_ids) for e in second] == []  # both rows ended with the first token
+
+
+def test_bench_reports_bytes_per_step_against_fastdeploys_messages() -> None:
+    import json
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "bench_emit.py"
+    out = subprocess.run(
+        [sys.executable, str(script), "--sizes-only", "--k", "20"], check=True, capture_output=True, text=True,
+        timeout=120,
+    ).stdout  # fmt: skip
+    table = {(e["op"], e["k"]): e for e in json.loads(out)["bytes_per_step"]}
+    full = table[("save_output_topk", 20)]["by_rows"][-1]
+    assert (full["rows"], full["aiospec"], full["fastdeploy"]) == (512, 96_376, 88_072)
+    spec = table[("speculate_save_output_topk", 20)]["by_rows"]
+    assert all(r["fastdeploy"] == 530_448 for r in spec) and spec[0]["aiospec"] < 2_000
+
+
+@pytest.mark.gpu
+def test_cuda_tensors_through_the_cuda_kernel(ring: shm.Ring) -> None:
+    torch = pytest.importorskip("torch", reason="PyTorch is not installed (the GPU test feeds it CUDA tensors)")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device visible to PyTorch")
+    from aiospec.ops import _cuda
+
+    if not _cuda.available():
+        pytest.skip("the CUDA emit library cannot be built here (no nvcc and no AIOSPEC_CUDA_LIB)")
+    bsz, w, n = 4, 3, 5
+    rng = np.random.default_rng(2)
+    counts = np.array([3, 0, 1, 2], np.int32)
+    sampled, ids, scores, ranks, cu = _spec_topk(rng, counts, w, n)
+    producer, reader = pair(ring, bsz)
+    cuda = [torch.from_numpy(a).cuda() for a in (sampled, ids, scores, ranks)]
+    producer.speculate_save_output_topk(*cuda, counts, cu, stop_flags=np.array([False, False, True, False]))
+    producer.notify()
+    torch.cuda.synchronize()
+    assert producer._producer.device == "cuda"  # every large input on the GPU: the kernel wrote it
+    (events,) = list(reader.events(timeout=10.0))
+    assert [(e.slot, e.token_ids, e.finished) for e in events] == [
+        (0, sampled[0, :3].tolist(), False),
+        (2, sampled[2, :1].tolist(), True),
+        (3, sampled[3, :2].tolist(), False),
+    ]
+    assert events[0].logprob_token_ids is not None
+    assert [row[1:] for row in events[0].logprob_token_ids] == ids[0:3, 1:].tolist()
