@@ -114,7 +114,7 @@ def _engine_argv(a: argparse.Namespace) -> list[str]:
 
 
 def _limits(a: argparse.Namespace) -> Any:
-    from aiospec.server._limits import HttpLimits
+    from aiospec.server._bounds import HttpLimits
 
     lim = HttpLimits(
         max_request_line=a.max_request_line,
@@ -157,8 +157,6 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 def _serve(a: argparse.Namespace) -> int:
-    from aiospec.server._guard import parse_keys
-
     try:
         _require(a, "server")
         settings = _settings(a)
@@ -166,6 +164,8 @@ def _serve(a: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"aiospec serve: {exc}", file=sys.stderr)
         return 2
+    from aiospec.server._guard import parse_keys
+
     keys = parse_keys([*(a.api_key or []), os.environ.get("AIOSPEC_API_KEY", "")])
     settings.api_keys = keys
     settings.public_paths = tuple(p for p in a.public_paths.split(",") if p)
@@ -213,7 +213,7 @@ def _serve(a: argparse.Namespace) -> int:
 
 
 def _add_http_args(p: argparse.ArgumentParser) -> None:
-    from aiospec.server._limits import HttpLimits
+    from aiospec.server._bounds import HttpLimits
 
     d = HttpLimits()
     g = p.add_argument_group("access")

@@ -12,8 +12,9 @@ from collections.abc import Callable
 import uvicorn
 
 from aiospec.server._app import create_app
+from aiospec.server._bounds import HttpLimits
 from aiospec.server._engine_link import ServerSettings
-from aiospec.server._limits import HttpLimits, limited_protocol
+from aiospec.server._limits import limited_protocol
 
 __all__ = ("serve",)
 
