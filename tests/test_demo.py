@@ -47,8 +47,11 @@ def test_demo_once(tmp_path: os.PathLike[str], pd: bool) -> None:
     out = r.stdout
     assert "serving aiospec-toy at http://127.0.0.1:" in out
     assert "requests ok / total" in out and "24 / 24" in out
-    for label in ("tokens/s", "TTFT p50 / p99 (ms)", "inter-token latency p50 / p99 (ms)"):
+    for label in ("tokens/s", "TTFT p50 / p99 (ms)", "TPOT, per output token p50 / p99 (ms)",
+                  "ITL, between chunks p50 / p99 (ms)"):  # fmt: skip
         assert label in out
+    assert "still serving" not in out  # --once
+    assert f"latency plot: {os.path.join(tmp_path, 'aiospec-demo-latency.png')}" in out
     with open(os.path.join(tmp_path, "aiospec-demo-latency.png"), "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     assert os.path.getsize(os.path.join(tmp_path, "summary.json")) > 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -65,6 +66,8 @@ def test_command_line_writes_json_and_plot(server: ServerProcess, tmp_path: os.P
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "tokens/s" in r.stdout and "TTFT p50 / p99" in r.stdout
+    assert "TPOT, per output token p50 / p99 (ms)" in r.stdout and "ITL, between chunks p50 / p99 (ms)" in r.stdout
+    assert f"latency plot: {png}\n" in r.stdout
     with open(out) as f:
         s = json.load(f)
     assert s["ok"] == 8 and s["output_tokens"] == 80 and s["endpoint"] == "completions"
@@ -81,3 +84,44 @@ def test_plot_of_an_empty_run(tmp_path: os.PathLike[str]) -> None:
     assert summarize(res)["ok"] == 0
     path = plot(res, os.path.join(tmp_path, "e.png"))
     assert os.path.getsize(path) > 0
+
+
+def _walk(parser: argparse.ArgumentParser, where: str) -> Iterator[tuple[str, argparse.Action]]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _walk(sub, f"{where} {name}")
+        else:
+            yield where, action
+
+
+def test_every_option_has_help_and_the_top_level_says_what_aiospec_is() -> None:
+    from aiospec.cli import build_parser
+
+    parser = build_parser()
+    missing = [f"{where} {'/'.join(a.option_strings) or a.dest}" for where, a in _walk(parser, "aiospec")
+               if a.help is None or (a.help != argparse.SUPPRESS and not a.help.strip())]  # fmt: skip
+    assert not missing, missing
+    assert parser.description is not None and parser.description.startswith("aiospec: tokens and log-probabilities")
+    assert "module" not in parser.description
+
+
+def test_version() -> None:
+    import aiospec
+
+    r = subprocess.run([sys.executable, "-m", "aiospec.cli", "--version"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout == f"aiospec {aiospec.__version__}\n"
+
+
+def test_a_refused_connection_is_one_line() -> None:
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as s:
+        port = s.getsockname()[1]
+    r = subprocess.run([sys.executable, "-m", "aiospec.cli", "loadtest", f"http://127.0.0.1:{port}", "-q"],
+                       capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert r.returncode == 1
+    assert (
+        r.stderr
+        == f"aiospec loadtest: cannot connect to 127.0.0.1:{port}: connection refused (is the server running?)\n"
+    )

@@ -235,3 +235,72 @@ async def test_model_lookup_failures_name_the_request() -> None:
     async with _server(handle) as url:
         with pytest.raises(RuntimeError, match=r"^GET /v1/models: HTTP 401: no key$"):
             await run_load(_cfg(url, model=None))
+
+
+def _page(status: bytes, ctype: bytes, body: bytes) -> Callable[[asyncio.StreamReader, asyncio.StreamWriter], object]:
+    async def handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await _read_request(r)
+        w.write(b"HTTP/1.1 %s\r\nContent-Type: %s\r\nContent-Length: %d\r\n\r\n%s" % (status, ctype, len(body), body))
+        await w.drain()
+
+    return handle
+
+
+HTML = b"<!DOCTYPE html>\n<html><head><title>502 Bad\n Gateway</title></head><body>" + b"x" * 5000 + b"</body></html>"
+
+
+@pytest.mark.asyncio
+async def test_model_lookup_errors_are_one_clear_line() -> None:
+    async with _server(_page(b"404 Not Found", b"text/plain", b"404 page not found")) as url:
+        with pytest.raises(RuntimeError, match=r"^GET /v1/models: HTTP 404 \(404 page not found\): is this an "
+                           r"OpenAI-compatible server, and is the base URL right\?$"):  # fmt: skip
+            await run_load(_cfg(url, model=None))
+    async with _server(_page(b"502 Bad Gateway", b"text/html", HTML)) as url:
+        with pytest.raises(RuntimeError, match=r"^GET /v1/models: HTTP 502: an HTML page \(5\d\d\d bytes, title "
+                           r"'502 Bad Gateway'\)$"):  # fmt: skip
+            await run_load(_cfg(url, model=None))
+    async with _server(_page(b"200 OK", b"text/html", HTML)) as url:
+        with pytest.raises(RuntimeError, match=r"^GET /v1/models: not an OpenAI model list: an HTML page"):
+            await run_load(_cfg(url, model=None))
+    async with _server(lambda r, w: _read_request(r)) as url:
+        pass
+    host = url.removeprefix("http://")
+    with pytest.raises(
+        RuntimeError, match=rf"^cannot connect to {host}: connection refused \(is the server running\?\)$"
+    ):
+        await run_load(_cfg(url, model=None))
+
+
+@pytest.mark.asyncio
+async def test_an_html_error_page_of_a_request_is_summarized() -> None:
+    async with _server(_page(b"503 Service Unavailable", b"text/html", HTML)) as url:
+        res = await run_load(_cfg(url))
+    assert res.results[0].error == f"HTTP 503: an HTML page ({len(HTML)} bytes, title '502 Bad Gateway')"
+
+
+def _plain(text: str) -> bytes:
+    return json.dumps({"choices": [{"delta": {"content": text}}]}).encode()
+
+
+@pytest.mark.asyncio
+async def test_without_logprobs_the_usage_chunk_counts_the_tokens() -> None:
+    # 3 chunks carrying 7 tokens in all, no logprobs: only the usage chunk knows
+    usage = json.dumps({"choices": [], "usage": {"completion_tokens": 7}}).encode()
+    sse = (
+        b"".join(b"data: " + e + b"\n\n" for e in (_plain("ab"), _plain("cde"), _plain("fg"), usage))
+        + b"data: [DONE]\n\n"
+    )
+    seen: list[int] = []
+
+    async def handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        while True:
+            await _read_request(r)
+            w.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(sse) + sse)
+            await w.drain()
+
+    async with _server(handle) as url:
+        res = await run_load(_cfg(url, requests=2, logprobs=False), on_result=lambda r, n: seen.append(n))
+    assert [r.output_tokens for r in res.results] == [7, 7] and [r.chunks for r in res.results] == [3, 3]
+    assert res.token_counts == [3, 2, 2, 3, 2, 2] and seen == [7, 14]
+    s = summarize(res)
+    assert s["output_tokens"] == 14 and s["tokens_per_chunk"] == pytest.approx(7 / 3)

@@ -325,3 +325,36 @@ def test_metrics_in_prometheus_format(server: ServerProcess) -> None:
     ):  # fmt: skip
         assert re.search(rf"^{name}(\{{.*\}})? [-0-9.e+]+$", text, re.M), name
     assert re.search(r'^aiospec_requests_total\{endpoint="chat",status="200"\} [1-9]', text, re.M)
+
+
+def test_end_reasons_are_counted_apart(server: ServerProcess, client: openai.OpenAI) -> None:
+    before = _stats(server)
+    kw: dict[str, Any] = {"model": "aiospec-toy", "prompt": "x", "max_tokens": 200, "seed": 1234}
+    kw["extra_body"] = {"ignore_eos": True}
+    assert client.completions.create(stop=[" the"], **kw).choices[0].finish_reason == "stop"
+    assert client.completions.create(**kw).choices[0].finish_reason == "length"
+    after = _stats(server)
+    grew = {k: n - before["finished"].get(k, 0) for k, n in after["finished"].items()}
+    assert grew.get("completions:stop") == 1 and grew.get("completions:length") == 1
+    assert after["aborted"] == before["aborted"]  # a stop sequence is not a client gone
+    _, body = _get(server.url + "/metrics")
+    text = body.decode()
+    assert re.search(
+        r'^aiospec_requests_finished_total\{endpoint="completions",finish_reason="stop"\} [1-9]', text, re.M
+    )
+    assert re.search(r"^# TYPE aiospec_requests_aborted_total counter$", text, re.M)
+
+
+def test_no_cors_headers_unless_configured(server: ServerProcess) -> None:
+    req = urllib.request.Request(server.url + "/v1/models", headers={"Origin": "http://evil.example"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        assert not [k for k in r.headers if k.lower().startswith("access-control-")]
+    status, _ = _post(server.url + "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})
+    assert status == 200
+    data = json.dumps({"messages": [{"role": "user", "content": "x"}]}).encode()
+    req = urllib.request.Request(server.url + "/v1/chat/completions", data=data, headers={"Content-Type": "text/plain"})
+    try:
+        urllib.request.urlopen(req, timeout=60)
+        raise AssertionError("a text/plain body was accepted")
+    except urllib.error.HTTPError as e:
+        assert e.code == 415

@@ -238,6 +238,25 @@ class EngineGroup:
         """Every engine is up: its control socket is open (an engine that exits closes it)."""
         return bool(self._conns) and not self._stopped and all(not c.closed for c in self._conns)
 
+    def down(self) -> str | None:
+        """Why the group cannot serve now, or None: an engine exited or closed its control
+        socket (which it does when it dies). For a supervisor; ``exits()`` says how each ended."""
+        for c in self._conns:
+            rc = c.proc.poll()
+            if rc is not None:
+                return f"{c.role} engine (pid {c.proc.pid}) exited: {_describe_exit(rc)}"
+            if c.closed:
+                return f"{c.role} engine (pid {c.proc.pid}) closed its control socket"
+        return None
+
+    def exits(self) -> list[str]:
+        """How each engine process ended (or that it still runs), for the log."""
+        out = []
+        for c in self._conns:
+            rc = c.proc.poll()
+            out.append(f"{c.role} engine pid {c.proc.pid}: " + ("running" if rc is None else _describe_exit(rc)))
+        return out
+
     def _spawn(self) -> None:
         roles: list[tuple[str, EngineConfig]]
         if self.pd:
@@ -368,6 +387,15 @@ class EngineGroup:
             c.proc.wait()
             if self.config.transport == "ring" and c.transport:
                 _unlink_ring(c.transport)
+
+
+def _describe_exit(rc: int) -> str:
+    if rc < 0:
+        try:
+            return f"killed by {signal.Signals(-rc).name}"
+        except ValueError:
+            return f"killed by signal {-rc}"
+    return f"exit status {rc}"
 
 
 def _child_env() -> dict[str, str]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import time
 from collections.abc import Callable
 from typing import Literal
@@ -170,8 +171,9 @@ MAX_EVENT = 16 << 20  # bytes of one SSE event: a stream that never ends an even
 class _Stream:
     """Reads one streaming response as the connection delivers it (a ``Handler``)."""
 
-    __slots__ = ("buf", "conn", "crlf", "done", "err_body", "first", "fut", "itl", "keep_text", "last", "rec",
-                 "res", "stale", "start", "status", "text", "usage_tokens", "counted")  # fmt: skip
+    __slots__ = ("buf", "conn", "counted", "crlf", "done", "err_body", "err_size", "first", "fut", "guessed",
+                 "idx", "itl", "keep_text", "last", "rec", "res", "stale", "start", "status", "text",
+                 "usage_tokens")  # fmt: skip
 
     def __init__(self, conn: Connection, rec: _Recorder, keep_text: bool, fut: asyncio.Future[None]) -> None:
         self.conn = conn
@@ -186,20 +188,26 @@ class _Stream:
         self.buf = b""
         self.crlf = False
         self.done = False
-        self.err_body = b""
+        self.err_body = b""  # the start of an error response's body
+        self.err_size = 0
         self.counted = 0
         self.usage_tokens = -1
         self.itl: list[float] = []
         self.text: list[str] = []
         self.stale = False  # a reused connection the server had closed: nothing was answered
+        # without logprobs a chunk's tokens are not known until the usage chunk: each chunk
+        # counts one until then, and the counts are spread over the chunks at the end
+        self.guessed = False
+        self.idx: list[int] = []  # this request's entries in the recorder
 
     def on_head(self, status: int) -> None:
         self.status = status
 
     def on_body(self, data: bytes, now: float) -> None:
         if self.status != 200:
-            if len(self.err_body) < 300:
-                self.err_body += data
+            if len(self.err_body) < 4096:
+                self.err_body += data[: 4096 - len(self.err_body)]
+            self.err_size += len(data)
             return
         if b"\r" in data:
             self.crlf = True
@@ -238,12 +246,14 @@ class _Stream:
                 n += len(lp.content if lp.content is not None else lp.tokens or ())
             elif piece:
                 n += 1
+                self.guessed = True
             if self.keep_text and piece:
                 self.text.append(piece)
         if n:
             rec = self.rec
             self.res.chunks += 1
             self.counted += n
+            self.idx.append(len(rec.times))
             rec.times.append(now - rec.t0)
             rec.counts.append(n)
             rec.tokens += n
@@ -257,13 +267,24 @@ class _Stream:
     def on_end(self) -> None:
         res = self.res
         if self.status != 200:
-            res.error = f"HTTP {self.status}: {self.err_body.decode('utf-8', 'replace')[:300]}"
+            res.error = f"HTTP {self.status}: {summarize_body(self.err_body, size=self.err_size)}"
         elif not self.done:
             res.error = "stream ended without data: [DONE]"
         else:
             res.output_tokens = self.usage_tokens if self.usage_tokens >= 0 else self.counted
+            if self.guessed and self.usage_tokens >= 0 and self.idx:
+                self._spread(self.usage_tokens)
             res.ok = True
         self._finish()
+
+    def _spread(self, tokens: int) -> None:
+        """Give this request's chunks ``tokens`` in all, evenly (the usage chunk's count)."""
+        rec = self.rec
+        q, r = divmod(tokens, len(self.idx))
+        for j, i in enumerate(self.idx):
+            rec.counts[i] = q + (j < r)
+        rec.tokens += tokens - self.counted
+        self.counted = tokens
 
     def on_error(self, exc: BaseException) -> None:
         self.res.error = f"{type(exc).__name__}: {exc}"[:300]
@@ -320,28 +341,53 @@ async def _stream(conn: Connection, req: bytes, rec: _Recorder, keep_text: bool)
     return s
 
 
+_TITLE = re.compile(rb"<title[^>]*>(.*?)</title>", re.I | re.S)
+
+
+def summarize_body(body: bytes, limit: int = 200, *, size: int | None = None) -> str:
+    """An error response's body for one line: an HTML page by its title and size (``size``
+    when ``body`` is only its start), anything else cut at ``limit`` characters."""
+    head = body[:512].lstrip().lower()
+    if head.startswith((b"<!doctype html", b"<html")) or b"<body" in head or b"<head" in head:
+        m = _TITLE.search(body)
+        title = " ".join(m.group(1).decode("utf-8", "replace").split())[:80] if m else ""
+        n = len(body) if size is None else size
+        return f"an HTML page ({n} bytes" + (f", title {title!r})" if title else ")")
+    text = " ".join(body.decode("utf-8", "replace").split())
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 async def fetch_model(target: Target, headers: dict[str, str], timeout: float = 30.0) -> str:
-    """The first model that ``GET /models`` lists."""
+    """The first model that ``GET /models`` lists; ``RuntimeError`` with one line otherwise."""
     where = f"GET {target.path}/models"
     try:
         conn = await connect(target, timeout)
+    except ConnectionRefusedError:
+        why = "connection refused (is the server running?)"
+        raise RuntimeError(f"cannot connect to {target.hostport}: {why}") from None
     except (OSError, asyncio.TimeoutError) as exc:
-        raise RuntimeError(f"{where}: cannot connect to {target.hostport}: {exc}") from exc
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else (str(exc) or type(exc).__name__)
+        raise RuntimeError(f"cannot connect to {target.hostport}: {why}") from None
     try:
         fut: asyncio.Future[tuple[int, bytes]] = asyncio.get_running_loop().create_future()
         conn.request(request_bytes("GET", target, "/models", headers=headers), _Body(fut))
         try:
             status, body = await asyncio.wait_for(fut, timeout)
         except (OSError, ValueError, asyncio.TimeoutError) as exc:
-            raise RuntimeError(f"{where}: {type(exc).__name__}: {exc}") from exc
+            raise RuntimeError(f"{where}: {type(exc).__name__}: {exc}") from None
     finally:
         await conn.aclose()
+    if status == 404:
+        raise RuntimeError(
+            f"{where}: HTTP 404 ({summarize_body(body, 80)}): is this an OpenAI-compatible server, "
+            "and is the base URL right?"
+        )
     if status != 200:
-        raise RuntimeError(f"{where}: HTTP {status}: {body[:300].decode('utf-8', 'replace')}")
+        raise RuntimeError(f"{where}: HTTP {status}: {summarize_body(body)}")
     try:
         models = msgspec.json.decode(body, type=_Models)
-    except msgspec.DecodeError as exc:
-        raise RuntimeError(f"{where}: not a model list: {exc}") from exc
+    except msgspec.DecodeError:
+        raise RuntimeError(f"{where}: not an OpenAI model list: {summarize_body(body, 80)}") from None
     if not models.data:
         raise RuntimeError(f"{where}: the server lists no model")
     return str(models.data[0]["id"])

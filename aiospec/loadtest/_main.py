@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
@@ -68,9 +69,9 @@ def report(res: LoadResult, a: argparse.Namespace) -> dict[str, Any]:
         with open(a.json, "w") as f:
             json.dump(summary, f, indent=2)
     if a.plot:
-        plot(res, a.plot)
+        path = os.path.abspath(plot(res, a.plot))
         if not a.quiet:
-            print(f"latency plot: {a.plot}")
+            print(f"latency plot: {path}")
     return summary
 
 
@@ -80,6 +81,10 @@ def loadtest_command(a: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"aiospec loadtest: {exc}", file=sys.stderr)
         return 2
-    res = run_with_progress(cfg, quiet=a.quiet)
+    try:
+        res = run_with_progress(cfg, quiet=a.quiet)
+    except RuntimeError as exc:  # the server could not be asked for its model: one line
+        print(f"aiospec loadtest: {exc}", file=sys.stderr)
+        return 1
     summary = report(res, a)
     return 0 if summary["ok"] else 1

@@ -32,6 +32,9 @@ def summarize(res: LoadResult) -> dict[str, Any]:
     ok = [r for r in res.results if r.ok]
     errors = Counter(r.error for r in res.results if not r.ok)
     tokens = sum(r.output_tokens for r in ok)
+    # the names and definitions of vLLM's and SGLang's serving benchmarks: ITL is the gap
+    # between two chunks (whatever their tokens), TPOT a request's time per output token after
+    # the first, (e2e - ttft) / (tokens - 1) (what GuideLLM calls ITL), E2EL the request latency
     itl = [g for r in ok for g in r.itl]
     tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
     chunks = sum(r.chunks for r in ok)
@@ -70,7 +73,12 @@ def render_table(summary: dict[str, Any]) -> Any:
     t.add_row("tokens/s", f"{summary['tokens_per_s']:,.0f}")
     t.add_row("requests/s", f"{summary['requests_per_s']:,.2f}")
     t.add_row("tokens per chunk", f"{summary['tokens_per_chunk']:.2f}")
-    for key, label in (("ttft_ms", "TTFT"), ("itl_ms", "inter-token latency"), ("e2e_ms", "end to end")):
+    for key, label in (
+        ("ttft_ms", "TTFT"),
+        ("tpot_ms", "TPOT, per output token"),
+        ("itl_ms", "ITL, between chunks"),
+        ("e2e_ms", "E2EL, request latency"),
+    ):
         d = summary[key]
         t.add_row(f"{label} p50 / p99 (ms)", f"{d['p50']:,.1f} / {d['p99']:,.1f}")
     if summary["errors"]:
@@ -81,7 +89,8 @@ def render_table(summary: dict[str, Any]) -> Any:
 
 
 def plot(res: LoadResult, path: str) -> str:
-    """Write a PNG: TTFT and inter-token latency histograms and tokens/s over time."""
+    """Write a PNG: TTFT and ITL (inter-chunk gap) histograms and tokens/s over time; returns
+    ``path``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -98,7 +107,7 @@ def plot(res: LoadResult, path: str) -> str:
     if itl.size:
         hi = max(float(np.percentile(itl, 99.5)), 1e-3)
         axes[1].hist(np.clip(itl, 0, hi), bins=60, color="#55a868")
-    axes[1].set_title("inter-chunk latency (clipped at p99.5)")
+    axes[1].set_title("ITL: gap between chunks (clipped at p99.5)")
     axes[1].set_xlabel("ms")
     axes[1].set_ylabel("chunks")
     if res.token_times:

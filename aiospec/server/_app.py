@@ -28,6 +28,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from aiospec.server._engine_link import EngineLink, ServerSettings
 from aiospec.server._generation import Generation, send_json
+from aiospec.server._guard import Guard, check_json_content_type
 from aiospec.server._metrics import Metrics
 from aiospec.server._pacer import Pacer
 from aiospec.server._requests import ApiError, parse_chat, parse_completion
@@ -45,9 +46,15 @@ _Metric = tuple[str, str, str, float, dict[str, str] | None]  # name, type, help
 class AppState:
     """What one server process's handlers share: settings, the engine link, metrics, pacer."""
 
-    def __init__(self, settings: ServerSettings, on_ready: Callable[[], None] | None) -> None:
+    def __init__(
+        self,
+        settings: ServerSettings,
+        on_ready: Callable[[], None] | None,
+        on_fatal: Callable[[str], None] | None = None,
+    ) -> None:
         self.settings = settings
         self.link = EngineLink(settings)
+        self.link.on_fatal = on_fatal
         self.metrics = Metrics()
         self.metrics.loop_lag.interval = settings.loop_lag_interval
         self.metrics.loop_lag.manage_gc = settings.manage_gc
@@ -78,6 +85,7 @@ class Handlers:
         t_start = time.perf_counter()
         endpoint = "chat" if chat else "completions"
         try:
+            check_json_content_type(scope["headers"])
             body = await self._read_body(scope, receive)
             await st.pacer.turn()  # a burst of new requests is set up a few per loop iteration
             t0 = time.perf_counter()
@@ -156,9 +164,13 @@ class Handlers:
         )
 
     async def health(self, request: Request) -> Response:
-        """GET /health: 200 ``ok`` while the engines run, 503 otherwise."""
-        ok = self.state.link.alive
-        return Response(b"ok" if ok else b"engine down", status_code=200 if ok else 503, media_type="text/plain")
+        """GET /health: 200 ``ok`` while a request admitted now can get its tokens, 503 with the
+        engine's state otherwise (``engine down``, ``engine starting``, ``engine failed``)."""
+        link = self.state.link
+        if link.alive:
+            return Response(b"ok", media_type="text/plain")
+        state = "down" if link.state == "up" else link.state  # up, but a socket or ring is gone
+        return Response(f"engine {state}".encode(), status_code=503, media_type="text/plain")
 
     async def metrics(self, request: Request) -> Response:
         """GET /metrics: Prometheus text, the server's metrics with the Hub's and the engines'."""
@@ -166,6 +178,11 @@ class Handlers:
         extra = self._hub_metrics() + await self._engine_metrics()
         extra.append(
             ("process_cpu_seconds_total", "counter", "CPU time of the server process.", time.process_time(), None)
+        )
+        extra.append(("aiospec_engine_up", "gauge", "1 while requests can be admitted, 0 otherwise.",
+                      int(st.link.alive), None))  # fmt: skip
+        extra.append(
+            ("aiospec_engine_restarts_total", "counter", "Engine restarts after a failure.", st.link.restarts, None)
         )
         return Response(st.metrics.render(extra), media_type="text/plain; version=0.0.4")
 
@@ -216,11 +233,14 @@ class Handlers:
                 "pd": st.settings.pd,
                 "pid": os.getpid(),
                 "engine_pids": st.link.engines.pids if st.link.engines is not None else [],
+                "engine_state": st.link.state,
+                "engine_restarts": st.link.restarts,
                 "cpu_seconds": time.process_time(),
                 "tokens": m.tokens,
                 "tokens_per_s": m.tokens_per_second(),
                 "streams_open": m.streams_open,
                 "aborted": m.aborted,
+                "finished": {f"{e}:{r}": n for (e, r), n in m.finished.items()},
                 "requests": {f"{e}:{s}": n for (e, s), n in m.requests.items()},
                 "loop_lag": m.loop_lag.summary(),
                 "hub": None if hs is None else msgspec.to_builtins(hs),
@@ -317,9 +337,30 @@ class _App:
         await self.starlette(scope, receive, send)
 
 
-def create_app(settings: ServerSettings | None = None, *, on_ready: Callable[[], None] | None = None) -> ASGIApp:
+def create_app(
+    settings: ServerSettings | None = None,
+    *,
+    on_ready: Callable[[], None] | None = None,
+    on_fatal: Callable[[str], None] | None = None,
+) -> ASGIApp:
     """The ASGI app; its lifespan starts the engines and the token path and stops them.
 
-    ``on_ready`` is called once the engines are up and the app can serve.
+    ``on_ready`` is called once the engines are up and the app can serve; ``on_fatal`` with a
+    message when the engine is down for good (its restarts failed), to stop the server.
+    With ``settings.api_keys`` every path but ``settings.public_paths`` needs a key; with
+    ``settings.allowed_origins`` CORS headers are sent for those origins.
     """
-    return _App(Handlers(AppState(settings or ServerSettings(), on_ready)))
+    settings = settings or ServerSettings()
+    app: ASGIApp = _App(Handlers(AppState(settings, on_ready, on_fatal)))
+    if settings.api_keys:
+        app = Guard(app, settings.api_keys, settings.public_paths)
+    if settings.allowed_origins:
+        from starlette.middleware.cors import CORSMiddleware
+
+        app = CORSMiddleware(
+            app,
+            allow_origins=list(settings.allowed_origins),
+            allow_methods=["GET", "POST"],
+            allow_headers=["authorization", "content-type"],
+        )
+    return app

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 import socket
 import sys
@@ -36,9 +37,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="--token-path fastdeploy: raise kernel.msgmax / msgmnb for the run (needs root; put back at exit)",
     )
-    g.add_argument("--device", choices=("auto", "cpu", "python", "cuda"), default="auto", help="emit op backend")
-    g.add_argument("--max-model-len", type=int, default=8192)
-    g.add_argument("--default-max-tokens", type=int, default=256)
+    g.add_argument(
+        "--device", choices=("auto", "cpu", "python", "cuda"), default="auto", help="emit op backend (%(default)s)"
+    )
+    g.add_argument("--max-model-len", type=int, default=8192, help="context length: prompt + max_tokens (%(default)s)")
+    g.add_argument(
+        "--default-max-tokens", type=int, default=256, help="max_tokens of a request that sets none (%(default)s)"
+    )
     g.add_argument(
         "--loop-budget-ms",
         type=float,
@@ -108,14 +113,86 @@ def _engine_argv(a: argparse.Namespace) -> list[str]:
     return argv + (["--pd"] if a.pd else []) + (["--raise-msg-limits"] if a.raise_msg_limits else [])
 
 
+def _limits(a: argparse.Namespace) -> Any:
+    from aiospec.server._bounds import HttpLimits
+
+    lim = HttpLimits(
+        max_request_line=a.max_request_line,
+        max_header_bytes=a.max_header_bytes,
+        max_headers=a.max_headers,
+        max_head_bytes=a.max_head_bytes,
+        header_timeout=a.header_timeout,
+        body_timeout=a.body_timeout,
+        max_connections=a.max_connections,
+    )
+    lim.validate()
+    if not 0 < a.keep_alive_timeout <= 86400:
+        raise ValueError(f"--keep-alive-timeout = {a.keep_alive_timeout!r}: expected seconds in (0, 86400]")
+    return lim
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _exposure_warning(host: str, keys: tuple[str, ...]) -> str | None:
+    """The warning for a server any host may reach with no key, or None."""
+    if keys or _is_loopback(host):
+        return None
+    return (
+        f"warning: listening on {host}, which is not a loopback address, with no API key: "
+        "anyone who can reach it can use it (--api-key or $AIOSPEC_API_KEY)"
+    )
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before anything says the server is there."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host, port), family=family, backlog=4096, reuse_port=False)
+
+
 def _serve(a: argparse.Namespace) -> int:
     try:
         _require(a, "server")
         settings = _settings(a)
+        limits = _limits(a)
     except ValueError as exc:
         print(f"aiospec serve: {exc}", file=sys.stderr)
         return 2
-    sock = socket.socket(fileno=a.fd) if a.fd >= 0 else None
+    from aiospec.server._guard import parse_keys
+
+    keys = parse_keys([*(a.api_key or []), os.environ.get("AIOSPEC_API_KEY", "")])
+    settings.api_keys = keys
+    settings.public_paths = tuple(p for p in a.public_paths.split(",") if p)
+    if not 0 <= a.max_restarts <= 1000:
+        print(f"aiospec serve: --max-restarts = {a.max_restarts}: expected 0..1000", file=sys.stderr)
+        return 2
+    if not 0 < a.restart_backoff <= 3600:
+        print(f"aiospec serve: --restart-backoff = {a.restart_backoff}: expected seconds in (0, 3600]", file=sys.stderr)
+        return 2
+    settings.max_restarts = a.max_restarts
+    settings.restart_backoff = a.restart_backoff
+    settings.allowed_origins = tuple(o.strip() for o in (a.allowed_origins or "").split(",") if o.strip())
+    if a.fd >= 0:
+        sock = socket.socket(fileno=a.fd)
+    else:
+        try:
+            sock = _bind(a.host, a.port)
+        except OSError as exc:
+            print(
+                f"aiospec serve: cannot listen on {a.host}:{a.port}: {os.strerror(exc.errno) if exc.errno else exc}",
+                file=sys.stderr,
+            )
+            return 1
+        warning = _exposure_warning(a.host, keys)
+        if warning is not None:
+            print(f"aiospec serve: {warning}", file=sys.stderr)
+    host, port = sock.getsockname()[:2]
     ready_fd = a.ready_fd
     from aiospec.server._serve import serve
 
@@ -125,11 +202,101 @@ def _serve(a: argparse.Namespace) -> int:
             os.write(ready_fd, b"R")
             os.close(ready_fd)
             ready_fd = -1
-        elif sock is None:
-            print(f"aiospec: serving {settings.model} on http://{a.host}:{a.port}/v1", file=sys.stderr)
+        elif a.fd < 0:
+            shown = f"[{host}]" if ":" in host else host
+            print(f"aiospec: serving {settings.model} on http://{shown}:{port}/v1", file=sys.stderr)
 
     return serve(
-        settings, host=a.host, port=a.port, sock=sock, on_ready=on_ready, watch_fd=a.watch_fd, log_level=a.log_level
+        settings, sock=sock, on_ready=on_ready, watch_fd=a.watch_fd, log_level=a.log_level,
+        limits=limits, keep_alive_timeout=a.keep_alive_timeout,
+    )  # fmt: skip
+
+
+def _add_http_args(p: argparse.ArgumentParser) -> None:
+    from aiospec.server._bounds import HttpLimits
+
+    d = HttpLimits()
+    g = p.add_argument_group("access")
+    g.add_argument(
+        "--api-key", action="append", metavar="KEY",
+        help="a key clients must send as 'Authorization: Bearer KEY'; repeat for several; "
+        "$AIOSPEC_API_KEY adds more (comma-separated). Default: none, no authentication",
+    )  # fmt: skip
+    g.add_argument(
+        "--public-paths", default="/health,/metrics", metavar="PATHS",
+        help="comma-separated paths that need no key when keys are set; '' protects every path (%(default)s)",
+    )  # fmt: skip
+    g.add_argument(
+        "--allowed-origins", default="", metavar="ORIGINS",
+        help="comma-separated origins allowed by CORS ('*' for any); default: no CORS headers",
+    )  # fmt: skip
+    g = p.add_argument_group("limits (over a bound: 414/431/408/503 and the connection closed)")
+    g.add_argument(
+        "--max-request-line",
+        type=int,
+        default=d.max_request_line,
+        metavar="BYTES",
+        help="longest request target (%(default)s)",
+    )
+    g.add_argument(
+        "--max-header-bytes",
+        type=int,
+        default=d.max_header_bytes,
+        metavar="BYTES",
+        help="largest header, name and value (%(default)s)",
+    )
+    g.add_argument(
+        "--max-headers", type=int, default=d.max_headers, metavar="N", help="most headers in a request (%(default)s)"
+    )
+    g.add_argument(
+        "--max-head-bytes",
+        type=int,
+        default=d.max_head_bytes,
+        metavar="BYTES",
+        help="largest request head, request line and headers together (%(default)s)",
+    )
+    g.add_argument(
+        "--header-timeout",
+        type=float,
+        default=d.header_timeout,
+        metavar="S",
+        help="seconds for a request's head to arrive (%(default)s)",
+    )
+    g.add_argument(
+        "--body-timeout",
+        type=float,
+        default=d.body_timeout,
+        metavar="S",
+        help="seconds for a request's body to arrive after its head (%(default)s)",
+    )
+    g.add_argument(
+        "--keep-alive-timeout",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="seconds an idle keep-alive connection stays open (%(default)s)",
+    )
+    g.add_argument(
+        "--max-connections",
+        type=int,
+        default=d.max_connections,
+        metavar="N",
+        help="most open connections; one more is answered 503 (%(default)s)",
+    )
+    g = p.add_argument_group("supervision (the engine is restarted when it dies)")
+    g.add_argument(
+        "--max-restarts",
+        type=int,
+        default=5,
+        metavar="N",
+        help="restarts in a row (each failed or up less than 60 s) before the server exits with status 3 (%(default)s)",
+    )
+    g.add_argument(
+        "--restart-backoff",
+        type=float,
+        default=0.5,
+        metavar="S",
+        help="seconds before the first restart, doubled for each next one, at most 30 (%(default)s)",
     )
 
 
@@ -158,12 +325,15 @@ def register(sub: Any) -> None:
 
     p = sub.add_parser("serve", help="OpenAI-compatible server with the built-in engine")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (%(default)s)")
-    p.add_argument("--port", type=int, default=8000, help="port (%(default)s)")
-    p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
+    p.add_argument("--port", type=int, default=8000, help="port, 0 = a free one (%(default)s)")
+    p.add_argument(
+        "--log-level", default="warning", choices=("debug", "info", "warning", "error"), help="(%(default)s)"
+    )
     p.add_argument("--fd", type=int, default=-1, help=argparse.SUPPRESS)  # inherited listening socket
     p.add_argument("--ready-fd", type=int, default=-1, help=argparse.SUPPRESS)
     p.add_argument("--watch-fd", type=int, default=-1, help=argparse.SUPPRESS)
     _add_engine_args(p)
+    _add_http_args(p)
     p.set_defaults(func=_serve)
 
     d = sub.add_parser("demo", help="start the engine and server, run a load through it, show the numbers")

@@ -45,7 +45,7 @@ def run_demo(a: argparse.Namespace, engine_argv: list[str]) -> int:
             console.print(f"[dim]a sample of the output:[/] {sample[:200]!r}")
         if a.once:
             return 0 if summary["ok"] == summary["requests"] else 1
-        console.print(f"serving on at {url}/v1 - try: curl {url}/v1/models ; Ctrl-C to stop")
+        console.print(f"still serving at {url}/v1 - try: curl {url}/v1/models ; Ctrl-C to stop")
         stop = threading.Event()
         signal.signal(signal.SIGTERM, lambda *_: stop.set())
         assert server.proc is not None

@@ -7,9 +7,12 @@ from ``aiospec.baselines`` with the same ``open(handle)`` interface.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import importlib
+import logging
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import msgspec
@@ -20,6 +23,8 @@ from aiospec.engine import Admit, EngineConfig, EngineGroup, EngineStats, Handle
 from aiospec.engine._vocab import Vocabulary
 
 __all__ = ("EngineLink", "ServerSettings", "TokenSource")
+
+log = logging.getLogger("aiospec.server")
 
 
 class ServerSettings(msgspec.Struct, kw_only=True):
@@ -41,6 +46,18 @@ class ServerSettings(msgspec.Struct, kw_only=True):
     start_timeout: float = 120.0
     # --token-path fastdeploy: raise kernel.msgmax / msgmnb for the run (root), put back at exit
     raise_msg_limits: bool = False
+    # supervision (EngineLink): restart a dead engine after restart_backoff * 2**k seconds
+    # (at most restart_backoff_max); give up, and exit non-zero, after max_restarts restarts
+    # that failed or did not stay up for restart_window seconds
+    max_restarts: int = 5
+    restart_backoff: float = 0.5
+    restart_backoff_max: float = 30.0
+    restart_window: float = 60.0
+    supervise_interval: float = 0.05
+    # who may call what (_guard.py): with keys, every path but the public ones needs one
+    api_keys: tuple[str, ...] = ()
+    public_paths: tuple[str, ...] = ("/health", "/metrics")
+    allowed_origins: tuple[str, ...] = ()  # CORS: none unless configured
 
 
 class TokenSource(Protocol):
@@ -51,7 +68,17 @@ class TokenSource(Protocol):
 
 class EngineLink:
     """One server process's link to its engines: the engine processes, the token path their
-    steps reach the server by, and the allocation of request handles."""
+    steps reach the server by, and the allocation of request handles.
+
+    The link supervises its engines (docs/server.md, "Supervision"): ``state`` is ``starting``,
+    ``up``, ``down`` (an engine died or its ring failed; restarting), ``failed`` (gave up) or
+    ``stopped``. Only ``up`` with every engine's control socket open and every ring read by
+    the Hub admits requests. An engine that dies is logged with its exit status, the group is
+    stopped (its rings removed), the Hub closed (open streams end with a typed error), and a
+    new group with new rings and a new Hub started after a backoff; after ``max_restarts``
+    restarts that each failed or lived less than ``restart_window`` seconds, ``on_fatal`` is
+    called and the server exits non-zero.
+    """
 
     def __init__(self, settings: ServerSettings) -> None:
         self.settings = settings
@@ -61,42 +88,136 @@ class EngineLink:
         self.source: Any = None
         self._baseline: Any = None
         self.started_at = 0.0
+        self.state = "new"
+        self.restarts = 0
+        self.on_fatal: Callable[[str], None] | None = None
+        self._rings = 0  # rings the Hub must be reading (ring path)
+        self._inflight: set[int] = set()  # handles admitted to the current engines
+        self._supervisor: asyncio.Task[None] | None = None
 
     @property
     def token_path(self) -> str:
         return self.settings.engine.transport
 
     async def start(self) -> None:
+        """Start the engines and the token path, then supervise them."""
+        self.state = "starting"
+        await self._start_once()
+        self.state = "up"
+        self._supervisor = asyncio.get_running_loop().create_task(self._supervise(), name="aiospec-supervisor")
+
+    async def _start_once(self) -> None:
         cfg = self.settings.engine
-        if cfg.transport == "ring":
-            self.engines = EngineGroup(cfg, pd=self.settings.pd)
-            names = await self.engines.start(self.settings.start_timeout)
-            hub = Hub(names, producer_timeout=self.settings.producer_timeout, yield_every=self.settings.hub_yield_every)
-            await hub.__aenter__()
-            self.source = hub
-        else:
-            # the API side of a baseline binds first; the engine connects to its address
-            mod = importlib.import_module("aiospec.server._baselines")
-            self._baseline = await mod.open_api_side(cfg, raise_msg_limits=self.settings.raise_msg_limits)
-            cfg = msgspec.structs.replace(cfg, transport_address=self._baseline.address)
-            self.engines = EngineGroup(cfg, pd=self.settings.pd)
-            await self.engines.start(self.settings.start_timeout)
-            self.source = self._baseline.source
+        try:
+            if cfg.transport == "ring":
+                self.engines = EngineGroup(cfg, pd=self.settings.pd)
+                names = await self.engines.start(self.settings.start_timeout)
+                hub = Hub(
+                    names, producer_timeout=self.settings.producer_timeout, yield_every=self.settings.hub_yield_every
+                )
+                await hub.__aenter__()
+                self.source = hub
+                self._rings = len(names)
+            else:
+                # the API side of a baseline binds first; the engine connects to its address
+                mod = importlib.import_module("aiospec.server._baselines")
+                self._baseline = await mod.open_api_side(cfg, raise_msg_limits=self.settings.raise_msg_limits)
+                cfg = msgspec.structs.replace(cfg, transport_address=self._baseline.address)
+                self.engines = EngineGroup(cfg, pd=self.settings.pd)
+                await self.engines.start(self.settings.start_timeout)
+                self.source = self._baseline.source
+        except BaseException:
+            await self._teardown()
+            raise
         self.started_at = time.monotonic()
 
-    async def stop(self) -> None:
+    async def _teardown(self, timeout: float = 10.0) -> None:
+        self._inflight.clear()
         if self.source is not None and self._baseline is None:
             with contextlib.suppress(Exception):
                 await self.source.aclose()
         if self.engines is not None:
-            await self.engines.stop()
+            await self.engines.stop(timeout)
         if self._baseline is not None:
             await self._baseline.aclose()
+            self._baseline = None
         self.source = None
+
+    async def stop(self) -> None:
+        if self._supervisor is not None:
+            self._supervisor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._supervisor
+            self._supervisor = None
+        await self._teardown()
+        self.state = "stopped"
 
     @property
     def alive(self) -> bool:
-        return self.engines is not None and self.engines.alive
+        """Whether a request admitted now can get its tokens."""
+        if self.state != "up" or self.engines is None or not self.engines.alive:
+            return False
+        return self._baseline is not None or len(self.source.rings) == self._rings
+
+    def _down(self) -> str | None:
+        """Why the engines cannot serve, or None."""
+        assert self.engines is not None
+        why = self.engines.down()
+        if why is None and self._baseline is None and len(self.source.rings) != self._rings:
+            failed = [r for r in self.source.stats().rings if r.state != "live"]
+            why = "the Hub stopped reading " + ", ".join(f"ring {r.name} ({r.error})" for r in failed)
+        return why
+
+    async def _supervise(self) -> None:
+        s = self.settings
+        attempts = 0  # restarts since the engines last stayed up for restart_window
+        while True:
+            why = self._down()
+            while why is None:
+                await asyncio.sleep(s.supervise_interval)
+                why = self._down()
+            self.state = "down"
+            if time.monotonic() - self.started_at >= s.restart_window:
+                attempts = 0
+            log.error("engine down: %s", why)
+            assert self.engines is not None
+            rings = self.engines.transports if self._baseline is None else []
+            group = self.engines
+            await self._teardown(timeout=1.0)  # a paused engine is killed, not waited for
+            log.error("engine stopped (%s); %s", "; ".join(group.exits()),
+                      f"rings removed: {', '.join(rings)}" if rings else "no ring")  # fmt: skip
+            while True:
+                if attempts >= s.max_restarts or self._baseline_path:
+                    self.state = "failed"
+                    msg = (
+                        f"the engine is down and {attempts} restart(s) failed (--max-restarts {s.max_restarts})"
+                        if not self._baseline_path
+                        else f"the engine is down (token path {self.token_path} is not restarted)"
+                    )
+                    log.error("%s: the server exits", msg)
+                    if self.on_fatal is not None:
+                        self.on_fatal(msg)
+                    return
+                delay = min(s.restart_backoff_max, s.restart_backoff * 2**attempts)
+                attempts += 1
+                log.warning("restarting the engine in %.2g s (restart %d of at most %d)", delay, attempts,
+                            s.max_restarts)  # fmt: skip
+                await asyncio.sleep(delay)
+                self.state = "starting"
+                try:
+                    await self._start_once()
+                except Exception as exc:
+                    self.state = "down"
+                    log.error("engine restart %d failed: %s", attempts, exc)
+                    continue
+                self.restarts += 1
+                self.state = "up"
+                log.warning("engine up again (pids %s)", self.engines.pids)
+                break
+
+    @property
+    def _baseline_path(self) -> bool:
+        return self.settings.engine.transport != "ring"
 
     def submit(
         self, prompt_ids: list[int], max_tokens: int, top_logprobs: int, temperature: float, seed: int, ignore_eos: bool
@@ -115,13 +236,17 @@ class EngineLink:
             stream.close()
             self.handles.release(handle)
             raise
+        self._inflight.add(handle)
         return handle, stream
 
     def finish(self, handle: int, *, abort: bool) -> None:
         """The request is over for the server; ``abort`` tells the engine to drop it."""
-        if abort and self.engines is not None:
-            with contextlib.suppress(Exception):
-                self.engines.abort(handle)
+        # a request of engines that were since restarted is nobody's to abort
+        if handle in self._inflight:
+            self._inflight.discard(handle)
+            if abort and self.engines is not None:
+                with contextlib.suppress(Exception):
+                    self.engines.abort(handle)
         self.handles.release(handle)
 
     async def engine_stats(self, timeout: float = 2.0) -> list[EngineStats]:

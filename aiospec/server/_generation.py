@@ -117,6 +117,9 @@ class Generation(Response):
         self.rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         self.created = int(time.time())
         self.background = None
+        # how it ended: the finish_reason sent ("stop", "length"), "abort" (the client went
+        # away) or "error" (the engine side ended it early)
+        self.end = "abort"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         st = self.state
@@ -148,10 +151,12 @@ class Generation(Response):
             stream.close()
             m.streams_open -= 1
             m.requests_running -= 1
-            if not engine_done:
-                m.aborted += 1
+            endpoint = "chat" if self.chat else "completions"
+            if disconnected:
+                self.end = "abort"
+            m.request_finished(endpoint, self.end)
             st.link.finish(self.handle, abort=not engine_done)
-            m.request_done("chat" if self.chat else "completions", 499 if disconnected else status)
+            m.request_done(endpoint, 499 if disconnected else status)
 
     async def _stream(self, send: Send, gone: Callable[[], bool]) -> bool:
         """The SSE loop; returns whether the engine is done with the request."""
@@ -180,6 +185,7 @@ class Generation(Response):
                     return False
                 except StreamError as exc:
                     # the engine side ended it (aborted, preempted, producer lost): tell the client
+                    self.end = "error"
                     body = _error_event(exc) + SSE_DONE
                     await send({"type": "http.response.body", "body": body, "more_body": False})
                     return True
@@ -205,6 +211,7 @@ class Generation(Response):
                 body = sse(completion_chunk(rid, model, created, text=text, logprobs=lp, finish_reason=fr))
             first = False
             if fr is not None:
+                self.end = fr
                 if p.include_usage:
                     body += sse(
                         usage_chunk(
@@ -239,10 +246,12 @@ class Generation(Response):
                     lps.append(lp)
                 if out.finish_reason is not None:
                     engine_done = not out.stopped
+                    self.end = out.finish_reason
                     break
         except StreamClosed:
             return False, 499
         except StreamError as exc:
+            self.end = "error"
             err = ApiError(500, f"the request ended early: {exc}", code=type(exc).__name__)
             await send_json(send, err.status, err.body())
             return True, err.status

@@ -23,18 +23,26 @@ from typing import IO
 __all__ = ("ServerProcess",)
 
 
-def _child_env() -> dict[str, str]:
+def _child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ)
+    env.update(extra or {})
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env
 
 
 class ServerProcess:
-    """``aiospec serve ARGS`` in a child process on 127.0.0.1 (a free port by default)."""
+    """``aiospec serve ARGS`` in a child process on 127.0.0.1 (a free port by default);
+    ``env`` adds to the child's environment (``AIOSPEC_API_KEY``, say, kept off its command line)."""
 
     def __init__(
-        self, args: Sequence[str] = (), *, host: str = "127.0.0.1", port: int = 0, stderr: IO[bytes] | None = None
+        self,
+        args: Sequence[str] = (),
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        stderr: IO[bytes] | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.args = list(args)
         self.host = host
@@ -42,6 +50,7 @@ class ServerProcess:
         self.proc: subprocess.Popen[bytes] | None = None
         self._watch_w = -1
         self._stderr = stderr
+        self._env = env
 
     @property
     def url(self) -> str:
@@ -64,7 +73,7 @@ class ServerProcess:
             self.proc = subprocess.Popen(
                 cmd,
                 pass_fds=(sock.fileno(), ready_w, watch_r),
-                env=_child_env(),
+                env=_child_env(self._env),
                 stdin=subprocess.DEVNULL,
                 stderr=self._stderr,
                 start_new_session=True,

@@ -132,7 +132,8 @@ class Metrics:
         self.streams_open = 0
         self.requests_running = 0
         self.tokens = 0
-        self.aborted = 0
+        self.aborted = 0  # requests whose client went away before the end
+        self.finished: defaultdict[tuple[str, str], int] = defaultdict(int)
         self.ttft = Histogram(_TTFT_BOUNDS)
         self.loop_lag = LoopLag()
         self._rate: deque[tuple[float, int]] = deque(maxlen=64)
@@ -140,6 +141,13 @@ class Metrics:
 
     def request_done(self, endpoint: str, status: int) -> None:
         self.requests[(endpoint, status)] += 1
+
+    def request_finished(self, endpoint: str, reason: str) -> None:
+        """An admitted request ended: ``reason`` is its finish_reason (``stop``, ``length``),
+        ``abort`` (the client went away) or ``error`` (the engine side ended it)."""
+        self.finished[(endpoint, reason)] += 1
+        if reason == "abort":
+            self.aborted += 1
 
     def tokens_per_second(self, window: float = 10.0) -> float:
         now = time.monotonic()
@@ -176,7 +184,16 @@ class Metrics:
             "Tokens sent per second (10 s window).",
             [(None, self.tokens_per_second())],
         )
-        metric("aiospec_requests_aborted_total", "counter", "Requests aborted (client gone).", [(None, self.aborted)])
+        metric(
+            "aiospec_requests_finished_total",
+            "counter",
+            "Admitted requests by how they ended: finish_reason stop or length, abort (client gone), error.",
+            [({"endpoint": e, "finish_reason": r}, n) for (e, r), n in sorted(self.finished.items())] or [(None, 0)],
+        )
+        metric(
+            "aiospec_requests_aborted_total", "counter", "Requests whose client went away before the end.",
+            [(None, self.aborted)],
+        )  # fmt: skip
         by_name: dict[str, list[tuple[str, str, list[tuple[dict[str, str] | None, float]]]]] = {}
         for name, kind, help_, value, labels in extra:
             by_name.setdefault(name, []).append((kind, help_, [(labels, value)]))

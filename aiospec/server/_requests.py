@@ -8,6 +8,8 @@ range-checked here. Every failure is an ``ApiError`` that renders as OpenAI's er
 from __future__ import annotations
 
 import re
+import sys
+from typing import Any
 
 import msgspec
 
@@ -22,6 +24,7 @@ __all__ = (
 )
 
 MAX_TOP_LOGPROBS = 20
+_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class ApiError(Exception):
@@ -89,22 +92,62 @@ class CompletionRequest(_Common, kw_only=True, gc=False):
 _encoder = msgspec.json.Encoder()
 _chat_decoder = msgspec.json.Decoder(ChatRequest)
 _completion_decoder = msgspec.json.Decoder(CompletionRequest)
-_AT = re.compile(r" - at `\$\.([A-Za-z_][\w]*)")
+_AT = re.compile(r" - at `\$\.?(.*)`$")
 _MISSING = re.compile(r"^Object missing required field `(\w+)`")
+# a \uXXXX escape of a UTF-16 surrogate; msgspec rejects a lone one as "truncated" input
+_SURROGATE = re.compile(rb"\\u[dD][89abAB][0-9a-fA-F]{2}(\\u[dD][c-fC-F][0-9a-fA-F]{2})?|\\u[dD][c-fC-F][0-9a-fA-F]{2}")
 
 
-def _decode_error(exc: msgspec.DecodeError) -> ApiError:
+def _path(msg: str) -> str | None:
+    """The field path msgspec names (``$.messages[0].role``) as OpenAI's ``param``
+    (``messages[0].role``); None for the whole body."""
+    m = _AT.search(msg)
+    return m.group(1) or None if m else None
+
+
+def _lone_surrogate(body: bytes) -> int:
+    """The offset of the first escape of an unpaired UTF-16 surrogate in ``body``, or -1."""
+    for m in _SURROGATE.finditer(body):
+        if body[m.start() + 3 : m.start() + 4] in b"cdefCDEF" or m.group(1) is None:
+            return m.start()
+    return -1
+
+
+def _decode_error(exc: msgspec.DecodeError, body: bytes) -> ApiError:
     msg = str(exc)
     m = _MISSING.match(msg)
     if m:
-        field = m.group(1)
+        at = _path(msg)
+        field = f"{at}.{m.group(1)}" if at else m.group(1)
         return ApiError(400, f"Missing required parameter: '{field}'.", param=field, code="missing_required_parameter")
-    m = _AT.search(msg)
     if isinstance(exc, msgspec.ValidationError):
-        param = m.group(1) if m else None
+        param = _path(msg)
         where = f"'{param}'" if param else "request body"
         return ApiError(400, f"Invalid {where}: {msg}", param=param, code="invalid_type")
+    pos = _lone_surrogate(body)
+    if pos >= 0:
+        esc = body[pos : pos + 6].decode("ascii")
+        return ApiError(
+            400,
+            f"We could not parse the JSON body of your request: the escape {esc} at byte {pos} is a lone "
+            "UTF-16 surrogate, not a character (expected a high surrogate followed by a low one).",
+            code="invalid_json",
+        )
     return ApiError(400, f"We could not parse the JSON body of your request: {msg}", code="invalid_json")
+
+
+def _decode(decoder: msgspec.json.Decoder[Any], body: bytes) -> Any:
+    try:
+        return decoder.decode(body)
+    except msgspec.DecodeError as exc:
+        raise _decode_error(exc, body) from None
+    except RecursionError:
+        raise ApiError(
+            400,
+            "We could not parse the JSON body of your request: it is nested too deeply "
+            f"(expected arrays and objects nested at most {sys.getrecursionlimit()} levels).",
+            code="invalid_json",
+        ) from None
 
 
 def _int_range(name: str, value: int, lo: int, hi: int) -> None:
@@ -181,15 +224,16 @@ def _message_text(i: int, m: ChatMessage) -> str:
 
 
 def parse_chat(body: bytes, *, default_max: int, max_model_len: int) -> Parsed:
-    try:
-        req = _chat_decoder.decode(body)
-    except msgspec.DecodeError as exc:
-        raise _decode_error(exc) from None
+    req: ChatRequest = _decode(_chat_decoder, body)
     if not req.messages:
         raise ApiError(400, "Invalid 'messages': expected at least one message.", param="messages", code="empty_array")
     for i, m in enumerate(req.messages):
-        if m.role not in ("system", "developer", "user", "assistant", "tool"):
-            raise ApiError(400, f"Invalid 'messages[{i}].role': {m.role!r}.", param=f"messages[{i}].role")
+        if m.role not in _ROLES:
+            raise ApiError(
+                400,
+                f"Invalid 'messages[{i}].role': {m.role!r}: expected one of {', '.join(_ROLES)}.",
+                param=f"messages[{i}].role",
+            )
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     fields = _common(req, max_tokens, default_max, max_model_len)
     top = -1
@@ -207,10 +251,7 @@ def parse_chat(body: bytes, *, default_max: int, max_model_len: int) -> Parsed:
 
 
 def parse_completion(body: bytes, *, default_max: int, max_model_len: int) -> Parsed:
-    try:
-        req = _completion_decoder.decode(body)
-    except msgspec.DecodeError as exc:
-        raise _decode_error(exc) from None
+    req: CompletionRequest = _decode(_completion_decoder, body)
     if req.echo:
         raise ApiError(400, "Invalid 'echo': echo is not supported.", param="echo", code="unsupported_value")
     if req.suffix:

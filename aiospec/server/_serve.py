@@ -12,7 +12,9 @@ from collections.abc import Callable
 import uvicorn
 
 from aiospec.server._app import create_app
+from aiospec.server._bounds import HttpLimits
 from aiospec.server._engine_link import ServerSettings
+from aiospec.server._limits import limited_protocol
 
 __all__ = ("serve",)
 
@@ -48,16 +50,28 @@ def serve(
     watch_fd: int = -1,
     log_level: str = "warning",
     graceful_timeout: int = 5,
+    limits: HttpLimits | None = None,
+    keep_alive_timeout: float = 5.0,
 ) -> int:
-    """Serve until SIGINT/SIGTERM (or ``watch_fd`` reaches end of file); returns an exit status."""
+    """Serve until SIGINT/SIGTERM (or ``watch_fd`` reaches end of file); returns an exit status:
+    0 after a clean stop, 1 when it could not start, 3 when the engine failed its restarts."""
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    app = create_app(settings, on_ready=on_ready)
+    servers: list[_Server] = []
+    fatal: list[str] = []
+
+    def on_fatal(msg: str) -> None:
+        fatal.append(msg)
+        for srv in servers:
+            srv.should_exit = True
+
+    app = create_app(settings, on_ready=on_ready, on_fatal=on_fatal)
     config = uvicorn.Config(
         app,
         host=host,
         port=port,
         loop="uvloop",
-        http="auto",  # httptools when installed (a dependency), h11 otherwise
+        http=limited_protocol(limits or HttpLimits()),  # httptools with bounds (_limits.py)
+        timeout_keep_alive=keep_alive_timeout,  # type: ignore[arg-type]
         lifespan="on",
         log_level=log_level,
         access_log=False,
@@ -65,6 +79,9 @@ def serve(
         backlog=4096,
     )
     server = _Server(config)
+    servers.append(server)
     server.watch_fd = watch_fd
     server.run(sockets=[sock] if sock is not None else None)
+    if fatal:
+        return 3  # the engine is down for good: a supervisor should restart the server
     return 0 if server.started else 1

@@ -1,0 +1,194 @@
+"""Bounds on what one HTTP connection may send and how long it may take, enforced in the
+HTTP protocol (uvicorn's httptools protocol, subclassed), before a request reaches the app.
+
+uvicorn bounds none of these with httptools: llhttp hands header bytes over as they come and
+httptools joins them until the header ends, so one connection could make the server hold
+hundreds of megabytes, and a connection that sends a byte at a time is never closed. Here:
+
+- the head of a request (request line and headers) is fed to the parser in slices that never
+  take it past ``max_head_bytes``; past it the answer is 431 and the connection is closed, so
+  the parser holds at most that much (twice that at worst, when one read carries the end of a
+  request and the start of the next head);
+- the request line (the URL) is bounded by ``max_request_line`` (414), each header (name and
+  value) by ``max_header_bytes`` and their number by ``max_headers`` (431);
+- the head must arrive within ``header_timeout`` seconds of the request's first byte (or of
+  the connection's opening), the body within ``body_timeout`` seconds of the head: 408 and
+  close otherwise (a response already under way is not interrupted: the connection is closed);
+- at most ``max_connections`` connections are open; one more is answered 503 and closed at
+  once, before anything of it is parsed.
+
+The defaults are those of Apache httpd (``LimitRequestLine``, ``LimitRequestFieldSize``,
+``LimitRequestFields``: 8190, 8190, 100) with a 64 KiB head, and timeouts in the range of
+nginx's ``client_header_timeout`` / ``client_body_timeout`` (60 s there).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import httptools
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+from aiospec.server._bounds import HttpLimits
+
+__all__ = ("LimitedHttpToolsProtocol", "limited_protocol")
+
+log = logging.getLogger("aiospec.server")
+
+
+class _Reject(Exception):
+    """A bound was passed: answer ``status`` with ``message`` and close."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+_IDLE, _HEAD, _BODY = 0, 1, 2
+
+
+class LimitedHttpToolsProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with the bounds of ``limits``."""
+
+    limits: HttpLimits = HttpLimits()
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._phase = _IDLE
+        self._head_bytes = 0
+        self._nheaders = 0
+        self._timer: asyncio.TimerHandle | None = None
+        self._reject: _Reject | None = None
+        self._refused = False
+
+    # -- connection ----------------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if len(self.connections) > self.limits.max_connections:
+            self._refused = True
+            log.warning("refused a connection: %d open, --max-connections %d",
+                        len(self.connections) - 1, self.limits.max_connections)  # fmt: skip
+            self._answer(503, f"too many connections: expected at most {self.limits.max_connections}")
+            return
+        # a connection that opens and sends nothing is waiting for its first head
+        self._arm(self.limits.header_timeout, "the request head")
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def _arm(self, delay: float, what: str) -> None:
+        self._disarm()
+        self._timer = self.loop.call_later(delay, self._timed_out, what, delay)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _timed_out(self, what: str, delay: float) -> None:
+        self._timer = None
+        if self.transport.is_closing():
+            return
+        if self.cycle is not None and not self.cycle.response_started and self._phase == _BODY:
+            self.cycle.disconnected = True
+            self.cycle.message_event.set()
+        if self.cycle is None or self.cycle.response_complete or not self.cycle.response_started:
+            self._answer(408, f"{what} did not arrive within {delay:g} s")
+        else:
+            self.transport.close()
+
+    def _answer(self, status: int, message: str) -> None:
+        """Write a plain-text ``status`` response and close the connection."""
+        body = (message + "\n").encode()
+        self.transport.write(
+            b"".join((STATUS_LINE[status], b"content-type: text/plain; charset=utf-8\r\n",
+                      b"content-length: ", str(len(body)).encode(), b"\r\nconnection: close\r\n\r\n", body))
+        )  # fmt: skip
+        self.transport.close()
+
+    # -- reading -------------------------------------------------------------------------------
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused or self.transport.is_closing():
+            return
+        lim = self.limits.max_head_bytes
+        pos, n = 0, len(data)
+        while pos < n:
+            if self._phase == _BODY:
+                piece = data[pos:] if pos else data
+            else:
+                room = lim - self._head_bytes
+                if room <= 0:
+                    self._reject = _Reject(431, f"request head over {lim} bytes: expected at most {lim}")
+                    break
+                piece = data[pos : pos + room] if pos or n > room else data
+                self._head_bytes += len(piece)
+            pos += len(piece)
+            try:
+                super().data_received(piece)
+            except _Reject as exc:  # raised by the callbacks below, through feed_data
+                self._reject = exc
+            if self._reject is not None or self.transport.is_closing():
+                break
+        if self._reject is not None and not self.transport.is_closing():
+            r, self._reject = self._reject, None
+            log.info("rejected a request: %d %s", r.status, r.message)
+            self._disarm()
+            self._answer(r.status, r.message)
+
+    def _fail(self, status: int, message: str) -> None:
+        self._reject = _Reject(status, message)
+        raise self._reject
+
+    # httptools turns an exception raised by a callback into HttpParserCallbackError, which
+    # uvicorn answers with 400; the pending ``_reject`` is checked first (``send_400_response``)
+    def send_400_response(self, msg: str) -> None:
+        if self._reject is not None:
+            return
+        super().send_400_response(msg)
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._phase = _HEAD
+        self._nheaders = 0
+        if self._timer is None:
+            self._arm(self.limits.header_timeout, "the request head")
+
+    def on_url(self, url: bytes) -> None:
+        super().on_url(url)
+        if len(self.url) > self.limits.max_request_line:
+            self._fail(414, f"request target over {self.limits.max_request_line} bytes")
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        lim = self.limits
+        self._nheaders += 1
+        if self._nheaders > lim.max_headers:
+            self._fail(431, f"more than {lim.max_headers} request headers: expected at most {lim.max_headers}")
+        if len(name) + len(value) > lim.max_header_bytes:
+            shown = name[:40].decode("latin-1")
+            self._fail(431, f"request header {shown!r} of {len(name) + len(value)} bytes: "
+                            f"expected at most {lim.max_header_bytes}")  # fmt: skip
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        self._phase = _BODY
+        self._head_bytes = 0
+        self._arm(self.limits.body_timeout, "the request body")
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        self._phase = _IDLE
+        self._disarm()
+        super().on_message_complete()
+
+
+def limited_protocol(limits: HttpLimits) -> type[LimitedHttpToolsProtocol]:
+    """The protocol class for uvicorn's ``http=`` with these bounds."""
+    if not hasattr(httptools, "HttpRequestParser"):  # pragma: no cover - the server extra has it
+        raise RuntimeError("the server needs httptools (the 'server' extra)")
+    return type("LimitedHttpToolsProtocol", (LimitedHttpToolsProtocol,), {"limits": limits})

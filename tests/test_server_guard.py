@@ -1,0 +1,345 @@
+"""``aiospec serve`` as an exposed server: API keys, content types, CORS, malformed bodies and
+the bounds on what a connection may send (raw sockets for what a client library will not send)."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from typing import IO, Any
+
+import openai
+import pytest
+
+import aiospec
+from aiospec.server import ServerProcess
+from aiospec.server._cli import _exposure_warning
+
+KEYS = ("key-one-0123456789", "key-two-0123456789", "key-three-0123456789")
+ORIGIN = "http://allowed.example"
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def log_file(tmp_path_factory: pytest.TempPathFactory) -> Iterator[IO[bytes]]:
+    with open(tmp_path_factory.mktemp("guard") / "server.log", "w+b") as f:
+        yield f
+
+
+@pytest.fixture(scope="module")
+def server(log_file: IO[bytes]) -> Iterator[ServerProcess]:
+    args = ["--step-ms", "5", "--max-batch", "64", "--api-key", KEYS[2], "--allowed-origins", ORIGIN,
+            "--header-timeout", "1", "--body-timeout", "1", "--max-connections", "40"]  # fmt: skip
+    # two keys from the environment (kept off the command line), one from --api-key
+    srv = ServerProcess(args, stderr=log_file, env={"AIOSPEC_API_KEY": f"{KEYS[0]}, {KEYS[1]}"})
+    srv.start(timeout=180)
+    try:
+        yield srv
+    finally:
+        assert srv.stop() == 0
+        log_file.seek(0)
+        log = log_file.read().decode(errors="replace")
+        assert "Traceback" not in log, log
+
+
+def _request(
+    port: int, method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None
+) -> tuple[int, dict[str, str], bytes]:
+    """One HTTP/1.1 request on a fresh connection: status, headers (lower-case), body."""
+    hdrs = {"Host": "x", "Connection": "close", **(headers or {})}
+    if body or method == "POST":
+        hdrs["Content-Length"] = str(len(body))
+    head = f"{method} {path} HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in hdrs.items()) + "\r\n"
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(head.encode() + body)
+        return _read_response(s)
+
+
+def _read_response(s: socket.socket) -> tuple[int, dict[str, str], bytes]:
+    got = b""
+    while True:
+        try:
+            chunk = s.recv(65536)
+        except ConnectionResetError:
+            break
+        if not chunk:
+            break
+        got += chunk
+    head, _, body = got.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split()[1])
+    headers = {k.lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:])}
+    return status, headers, body
+
+
+def _auth(key: str = KEYS[0]) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+
+
+def _rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+# -- API keys -----------------------------------------------------------------------------------
+
+
+def test_every_key_works_with_the_openai_client(server: ServerProcess) -> None:
+    for key in KEYS:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=60)
+        r = client.chat.completions.create(model="aiospec-toy", messages=[{"role": "user", "content": "x"}],
+                                           max_tokens=4, extra_body={"ignore_eos": True})  # fmt: skip
+        assert r.usage is not None and r.usage.completion_tokens == 4
+
+
+def test_a_wrong_key_gets_openais_401(server: ServerProcess) -> None:
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="sk-wrong-key-123456", max_retries=0, timeout=60)
+    with pytest.raises(openai.AuthenticationError) as info:
+        client.models.list()
+    assert info.value.status_code == 401
+    body: Any = info.value.body
+    assert body["code"] == "invalid_api_key" and body["type"] == "invalid_request_error" and body["param"] is None
+    assert body["message"] == "Incorrect API key provided: sk-************3456."
+    # a key of the right length and prefix is no better than any other
+    status, _, raw = _request(server.port, "GET", "/v1/models", headers={"Authorization": f"Bearer {KEYS[0][:-1]}X"})
+    assert status == 401 and json.loads(raw)["error"]["code"] == "invalid_api_key"
+
+
+def test_a_missing_key_gets_openais_401(server: ServerProcess) -> None:
+    for headers in ({}, {"Authorization": "Basic dXNlcjpwYXNz"}, {"Authorization": "Bearer "}):
+        status, hdrs, raw = _request(server.port, "POST", "/v1/chat/completions", json.dumps(CHAT).encode(),
+                                     {"Content-Type": "application/json", **headers})  # fmt: skip
+        assert status == 401 and hdrs["www-authenticate"].startswith("Bearer")
+        err = json.loads(raw)["error"]
+        assert set(err) == {"message", "type", "param", "code"}
+        assert err["message"].startswith("You didn't provide an API key.") and err["code"] is None
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [("GET", "/v1/models"), ("POST", "/v1/chat/completions"), ("POST", "/v1/completions"),
+     ("GET", "/stats"), ("POST", "/stats/reset"), ("GET", "/v1/nothing")],
+)  # fmt: skip
+def test_every_other_route_needs_a_key(server: ServerProcess, method: str, path: str) -> None:
+    assert _request(server.port, method, path, headers={"Content-Type": "application/json"})[0] == 401
+    status = _request(server.port, method, path, headers=_auth(KEYS[1]))[0]
+    assert status != 401
+
+
+def test_health_and_metrics_stay_open(server: ServerProcess) -> None:
+    status, _, body = _request(server.port, "GET", "/health")
+    assert (status, body) == (200, b"ok")
+    status, _, body = _request(server.port, "GET", "/metrics")
+    assert status == 200 and b"aiospec_requests_total" in body
+
+
+def test_the_exposure_warning() -> None:
+    assert _exposure_warning("127.0.0.1", ()) is None
+    assert _exposure_warning("::1", ()) is None
+    assert _exposure_warning("localhost", ()) is None
+    assert _exposure_warning("0.0.0.0", ("k",)) is None
+    msg = _exposure_warning("0.0.0.0", ())
+    assert msg is not None and msg.startswith("warning: listening on 0.0.0.0, which is not a loopback address")
+    assert "--api-key" in msg
+
+
+# -- content types and CORS ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("ctype", [None, "text/plain", "application/x-www-form-urlencoded", "multipart/form-data"])
+def test_a_body_that_is_not_json_is_415(server: ServerProcess, ctype: str | None) -> None:
+    headers = {"Authorization": f"Bearer {KEYS[0]}"} | ({"Content-Type": ctype} if ctype else {})
+    status, _, raw = _request(server.port, "POST", "/v1/chat/completions", json.dumps(CHAT).encode(), headers)
+    assert status == 415
+    err = json.loads(raw)["error"]
+    assert err["code"] == "unsupported_media_type"
+    assert err["message"] == f"Unsupported Content-Type {ctype or 'none'!r}: expected 'application/json'."
+    headers["Content-Type"] = "application/json; charset=utf-8"
+    assert _request(server.port, "POST", "/v1/chat/completions", json.dumps(CHAT).encode(), headers)[0] == 200
+
+
+def test_cors_only_for_the_allowed_origin(server: ServerProcess) -> None:
+    _, hdrs, _ = _request(server.port, "GET", "/v1/models", headers={**_auth(), "Origin": ORIGIN})
+    assert hdrs["access-control-allow-origin"] == ORIGIN
+    _, hdrs, _ = _request(server.port, "GET", "/v1/models", headers={**_auth(), "Origin": "http://evil.example"})
+    assert not any(k.startswith("access-control-") for k in hdrs)
+    pre = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST",
+           "Access-Control-Request-Headers": "authorization, content-type"}  # fmt: skip
+    status, hdrs, _ = _request(server.port, "OPTIONS", "/v1/chat/completions", headers=pre)
+    assert status == 200 and hdrs["access-control-allow-origin"] == ORIGIN
+    status, hdrs, _ = _request(server.port, "OPTIONS", "/v1/chat/completions", headers=pre | {"Origin": "http://x.y"})
+    assert status == 400 and "access-control-allow-origin" not in hdrs
+
+
+# -- malformed bodies -----------------------------------------------------------------------------
+
+
+BAD_BODIES = [
+    (b'{"x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", None, "invalid_json",
+     r"^We could not parse the JSON body of your request: it is nested too deeply \(expected arrays and objects "
+     r"nested at most \d+ levels\)\.$"),
+    (b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}', None, "invalid_json",
+     r"^We could not parse the JSON body of your request: the escape \\ud800 at byte 44 is a lone UTF-16 "
+     r"surrogate, not a character \(expected a high surrogate followed by a low one\)\.$"),
+    (b'{"messages": [{"role": "user", "content": "\\udc00"}]}', None, "invalid_json", r"^.* the escape \\udc00 "),
+    (b'{"messages": [{"role": "user", "content": "x"', None, "invalid_json",
+     r"^We could not parse the JSON body of your request: Input data was truncated$"),
+    (b'{"messages": [{"content": "x"}]}', "messages[0].role", "missing_required_parameter",
+     r"^Missing required parameter: 'messages\[0\]\.role'\.$"),
+    (b'{"messages": [{"role": 7}]}', "messages[0].role", "invalid_type",
+     r"^Invalid 'messages\[0\]\.role': Expected `str`, got `int` - at `\$\.messages\[0\]\.role`$"),
+    (b'{"messages": [{"role": "bob"}]}', "messages[0].role", None,
+     r"^Invalid 'messages\[0\]\.role': 'bob': expected one of system, developer, user, assistant, tool\.$"),
+    (b'{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', "messages[0].content[0]", None,
+     r"^Invalid 'messages\[0\]\.content\[0\]': type 'image_url' is not supported \(text only\)\.$"),
+    (b'{"messages": [{"role": "user", "content": [{"text": "x"}]}]}', "messages[0].content[0].type",
+     "missing_required_parameter", r"^Missing required parameter: 'messages\[0\]\.content\[0\]\.type'\.$"),
+    (b'{"messages": [{"role": "user"}], "stream_options": {"include_usage": 1}, "stream": true}',
+     "stream_options.include_usage", "invalid_type", r"^Invalid 'stream_options\.include_usage': "),
+    (b"[1, 2]", None, "invalid_type", r"^Invalid request body: Expected `object`, got `array`$"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("body", "param", "code", "message"), BAD_BODIES, ids=[f"bad-{i}" for i in range(11)])
+def test_a_malformed_body_is_a_400_that_says_what(
+    server: ServerProcess, body: bytes, param: str | None, code: str | None, message: str
+) -> None:
+    import re
+
+    status, _, raw = _request(server.port, "POST", "/v1/chat/completions", body, _auth())
+    assert status == 400, raw[:300]
+    err = json.loads(raw)["error"]
+    assert (err["param"], err["code"], err["type"]) == (param, code, "invalid_request_error")
+    assert re.match(message, err["message"]), err["message"]
+
+
+# -- bounds on a connection -----------------------------------------------------------------------
+
+
+def test_headers_past_the_bounds(server: ServerProcess) -> None:
+    many = "".join(f"X-H{i}: v\r\n" for i in range(150))
+    status, hdrs, body = _raw(server.port, f"GET /health HTTP/1.1\r\nHost: x\r\n{many}\r\n".encode())
+    assert status == 431 and hdrs["connection"] == "close"
+    assert body == b"more than 100 request headers: expected at most 100\n"
+    big = "v" * 9000
+    status, _, body = _raw(server.port, f"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: {big}\r\n\r\n".encode())
+    assert status == 431 and body == b"request header 'X-Big' of 9005 bytes: expected at most 8190\n"
+    status, _, body = _raw(server.port, f"GET /health?{'q' * 9000} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+    assert status == 414 and body == b"request target over 8190 bytes\n"
+    head = "".join(f"X-H{i}: {'v' * 8000}\r\n" for i in range(9))  # each header fits, not all of them
+    status, _, body = _raw(server.port, f"GET /health HTTP/1.1\r\nHost: x\r\n{head}\r\n".encode())
+    assert status == 431 and body == b"request head over 65536 bytes: expected at most 65536\n"
+    # and just under the bounds it is served
+    ok = "".join(f"X-H{i}: {'v' * 8000}\r\n" for i in range(7)) + "".join(f"X-S{i}: v\r\n" for i in range(90))
+    assert _raw(server.port, f"GET /health HTTP/1.1\r\nHost: x\r\n{ok}Connection: close\r\n\r\n".encode())[0] == 200
+
+
+def _raw(port: int, data: bytes) -> tuple[int, dict[str, str], bytes]:
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(data)
+        return _read_response(s)
+
+
+def test_300_mb_of_headers_keep_the_memory_flat(server: ServerProcess) -> None:
+    rss0 = _rss(server.pid)
+    line = b"X-Filler: " + b"a" * 1000 + b"\r\n"
+    block = line * 1024  # 1 MB
+    sent_total = 0
+    for _ in range(30):  # 30 connections, each trying to send 10 MB of headers
+        with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+            try:
+                for _ in range(10):
+                    s.sendall(block)
+                    sent_total += len(block)
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # the server answered 431 and closed: it reads no more of this
+    grown = _rss(server.pid) - rss0
+    assert grown < 20 << 20, f"the server grew by {grown >> 20} MB"
+    assert sent_total < 300 << 20  # no connection got all its headers in
+    assert _request(server.port, "GET", "/health")[0] == 200
+
+
+def test_slow_and_idle_connections_are_closed(server: ServerProcess) -> None:
+    t0 = time.monotonic()
+    socks = [socket.create_connection(("127.0.0.1", server.port), timeout=10) for _ in range(10)]
+    idle = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+    try:
+        head = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 100
+        closed: set[int] = set()
+        for i in range(len(head)):  # a byte at a time, 20 ms apart: the head would take 2 s
+            for k, s in enumerate(socks):
+                if k not in closed and select.select([s], [], [], 0)[0]:
+                    closed.add(k)  # answered: send no more, read the answer below
+                if k not in closed:
+                    try:
+                        s.send(head[i : i + 1])
+                    except (BrokenPipeError, ConnectionResetError):
+                        closed.add(k)
+            time.sleep(0.02)
+        for s in [*socks, idle]:
+            status, _, body = _read_response(s)
+            assert status == 408 and body == b"the request head did not arrive within 1 s\n"
+        assert time.monotonic() - t0 < 5
+    finally:
+        for s in [*socks, idle]:
+            s.close()
+
+
+def test_a_slow_body_is_408(server: ServerProcess) -> None:
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEYS[0].encode()
+                  + b"\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"mess")  # fmt: skip
+        t0 = time.monotonic()
+        status, _, body = _read_response(s)
+        assert status == 408 and body == b"the request body did not arrive within 1 s\n"
+        assert 0.8 < time.monotonic() - t0 < 4
+
+
+def test_connections_past_the_bound_are_refused(server: ServerProcess) -> None:
+    socks = []
+    try:
+        for _ in range(50):
+            socks.append(socket.create_connection(("127.0.0.1", server.port), timeout=10))
+            time.sleep(0.005)  # in order
+        refused = []
+        for s in socks:
+            s.settimeout(0.3)
+            try:
+                got = s.recv(4096)
+            except TimeoutError:
+                continue
+            if got.startswith(b"HTTP/1.1 503"):
+                refused.append(got)
+        # 40 at most: the ones over it (and over what other clients of this server hold) refused
+        assert 10 <= len(refused) <= 50 - 30, len(refused)
+        assert refused[0].endswith(b"too many connections: expected at most 40\n")
+    finally:
+        for s in socks:
+            s.close()
+    time.sleep(0.2)
+    assert _request(server.port, "GET", "/health")[0] == 200
+
+
+# -- start-up --------------------------------------------------------------------------------------
+
+
+def test_a_busy_port_is_one_line() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        env = dict(os.environ)
+        root = os.path.dirname(os.path.dirname(os.path.abspath(aiospec.__file__)))
+        env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+        r = subprocess.run([sys.executable, "-m", "aiospec.cli", "serve", "--port", str(port)],
+                           env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert r.returncode == 1
+    assert r.stderr == f"aiospec serve: cannot listen on 127.0.0.1:{port}: Address already in use\n"
+    assert r.stdout == ""
