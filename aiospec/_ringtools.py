@@ -38,9 +38,10 @@ def register(sub: Any) -> None:
     g = sub.add_parser("gc", help="remove rings whose producer and creator are gone (and their bells)")
     g.add_argument("names", nargs="*", help="segments to consider (default: every ring in /dev/shm)")
     g.add_argument("--dry-run", action="store_true", help="list what would be removed, remove nothing")
-    g.add_argument("--min-age", type=float, default=10.0, help="keep rings whose producer heartbeat is "
-                   "younger than this many seconds (default 10): a guard for producers in another pid "
-                   "namespace, whose pids this one cannot see")  # fmt: skip
+    g.add_argument("--min-age", type=float, default=10.0, help="for rings whose processes are in "
+                   "another pid namespace (their pids cannot be checked from here): keep them while the "
+                   "producer heartbeat is younger than this many seconds (default 10); a process of this "
+                   "namespace is known dead at once")  # fmt: skip
     g.add_argument("--json", action="store_true", help="print JSON instead of lines")
     g.set_defaults(func=_gc)
 
@@ -73,18 +74,25 @@ def _inspect(args: argparse.Namespace) -> int:
         return 0
     print(f"ring        {st.name}")
     print(f"capacity    {st.capacity} bytes (max record {st.max_record})")
-    print(f"producer    pid {st.producer_pid}, {st.producer_state}, heartbeat {st.heartbeat_age_s:.3f} s ago")
+    print(
+        f"producer    pid {st.producer_pid} ({_alive(st.producer_alive)}), {st.producer_state}, "
+        f"epoch {st.producer_epoch}, heartbeat {st.heartbeat_age_s:.3f} s ago"
+    )
     print(f"head        {st.head}")
     print(f"written     {st.frames_written} frames, {st.bytes_written} bytes; lost {st.frames_lost}")
     if not st.readers:
         print("readers     none")
     for r in st.readers:
         print(
-            f"reader {r.slot:<4} pid {r.pid}, {r.state}, tail {r.tail}, lag {r.lag} bytes, "
+            f"reader {r.slot:<4} pid {r.pid} ({_alive(r.alive)}), {r.state}, tail {r.tail}, lag {r.lag} bytes, "
             f"{r.frames_read} frames read, {'sleeping' if r.sleeping else 'awake'}, "
             f"heartbeat {r.heartbeat_age_s:.3f} s ago"
         )
     return 0
+
+
+def _alive(state: bool | None) -> str:
+    return "not visible from this pid namespace" if state is None else "running" if state else "dead"
 
 
 # -- gc ------------------------------------------------------------------------------------------
@@ -94,7 +102,8 @@ def orphaned_rings(
     names: list[str] | None = None, min_age: float = 10.0, *, remove: bool = False
 ) -> list[tuple[str, str]]:
     """(name, reason) of every ring among ``names`` (default: all of /dev/shm) that nobody will
-    remove: ``Ring.orphaned()``, and no producer heartbeat for ``min_age`` seconds; with
+    remove: ``Ring.orphaned(min_age)`` (processes of this pid namespace are known dead at once;
+    for pids it cannot see, no producer heartbeat for ``min_age`` seconds); with
     ``remove``, each is unlinked (segment and bells) while it is mapped for the check. Anything
     that is not a ring this user can open is left alone."""
     if names is None:
@@ -110,9 +119,7 @@ def orphaned_rings(
         except (OSError, ValueError, shm.BadSegment):
             continue  # gone meanwhile, not ours, or not a ring
         try:
-            reason = ring.orphaned()
-            if reason is not None and ring.stats().heartbeat_age_s < min_age:
-                reason = None
+            reason = ring.orphaned(min_age)
             if reason is not None and remove:
                 ring.unlink()
         finally:
