@@ -326,9 +326,12 @@ class Ring:
         spin: float = 50e-6,
         recheck: float = 0.05,
         producer_timeout: float | None = None,
+        start: str = "head",
     ) -> Reader:
         """Take a reader slot. The reader starts at the current head: it sees the frames
-        committed from now on, not earlier ones.
+        committed from now on, not earlier ones; with ``start="oldest"`` it starts at the
+        oldest frame still whole in the data area instead (recovery: what a producer that
+        died left behind; docs/wire-format.md section 8).
 
         Args:
             spin: seconds ``Reader.wait()`` polls before it sleeps on the bell (latency
@@ -336,19 +339,24 @@ class Ring:
             recheck: the longest sleep, in seconds, before ``wait()`` looks at the ring
                 again; it bounds the cost of a lost wake-up and how late a dead producer is
                 noticed.
-            producer_timeout: seconds; the reader declares the producer gone
-                (``ProducerGone``) when its heartbeat is older. ``None``: only a closed ring
-                or an exited producer process count.
+            producer_timeout: seconds; a producer whose heartbeat is older is stalled
+                (``ProducerStalled``) while its process is alive in this pid namespace, and
+                presumed gone (``ProducerGone``) when its pid cannot be checked. ``None``:
+                only a closed ring or an exited producer process count.
+            start: ``"head"`` (the default) or ``"oldest"``.
 
         Raises:
             RingError: this handle is closed, or every slot is taken.
-            ValueError: ``spin`` is negative or ``recheck`` not positive.
+            UnsafeBell: the slot's bell path holds something another uid planted.
+            ValueError: ``spin`` is negative, ``recheck`` not positive, or ``start`` unknown.
         """
         if self._seg.closed:
             raise RingError(f"reader: ring {self._name} is closed")
         if spin < 0 or recheck <= 0:
             raise ValueError(f"reader: spin = {spin!r}, recheck = {recheck!r}: expected spin >= 0, recheck > 0")
-        slot, gen, bell, tail = self._seg.claim_slot()
+        if start not in ("head", "oldest"):
+            raise ValueError(f"reader: start = {start!r}: expected 'head' or 'oldest'")
+        slot, gen, bell, tail = self._seg.claim_slot(oldest=start == "oldest")
         r = Reader(
             sys_.PRIVATE,
             self,

@@ -327,9 +327,10 @@ class Segment:
     def active_slots(self) -> list[int]:
         return [i for i in range(self.max_readers) if self.w[self.state[i]] == L.READER_ACTIVE]
 
-    def claim_slot(self) -> tuple[int, int, int, int]:
+    def claim_slot(self, oldest: bool = False) -> tuple[int, int, int, int]:
         """Take the first free slot for this process and open its bell (section 4); returns
-        ``(slot, generation, bell fd, tail)``: the new reader starts at the current head."""
+        ``(slot, generation, bell fd, tail)``: the new reader starts at the current head, or
+        with ``oldest`` at the oldest frame still whole in the data area (section 8)."""
         w, q = self.w, self.q
         with self.slot_lock():
             free = [i for i in range(self.max_readers) if w[self.state[i]] != L.READER_ACTIVE]
@@ -350,7 +351,56 @@ class Segment:
             full_fence()  # store(state) -> load(head): pairs with the producer's commit fence
             tail = q[L.OFF_HEAD // 8]
             q[self.tail[slot]] = tail
+            if oldest:
+                tail = self._start_at_oldest(slot, tail)
         return slot, gen, bell, tail
+
+    def _start_at_oldest(self, slot: int, head: int) -> int:
+        # Move the new tail back to the oldest whole frame. A live producer may write on
+        # meanwhile (it does not take the lock): once the tail is stored, it holds the producer
+        # back, so a head that still leaves the frames at the tail untouched proves them safe.
+        q = self.q
+        for _attempt in range(8):
+            start = self.oldest_frame(head)
+            q[self.tail[slot]] = start
+            full_fence()
+            head = q[L.OFF_HEAD // 8]
+            if head + L.FRAME_HEADER - start <= self.capacity:
+                return start
+        q[self.tail[slot]] = head
+        return head
+
+    def oldest_frame(self, head: int) -> int:
+        """The position of the oldest frame still whole in the data area below ``head``: the
+        first 64-byte aligned position at or above ``head - capacity + FRAME_HEADER`` (the
+        bytes below were overwritten by the zeroed header at the head) whose frame header
+        stamps that position and from which committed frames lead exactly to ``head``
+        (section 8). ``head`` itself when there is none."""
+        q, mask, cap = self.q, self.mask, self.capacity
+        lo = max(0, L.align(head - cap + L.FRAME_HEADER, L.FRAME_ALIGN)) if head > cap else 0
+        for cand in range(lo, head, L.FRAME_ALIGN):
+            w = (L.CONTROL_SIZE + (cand & mask)) >> 3
+            if q[w] != cand or q[w + 1] == 0:
+                continue
+            pos = cand
+            while pos < head:
+                off = pos & mask
+                word = (L.CONTROL_SIZE + off) >> 3
+                commit = q[word + 1]
+                length, ftype = commit & 0xFFFFFFFF, commit >> 32
+                size = L.align(length, L.FRAME_ALIGN)
+                if (
+                    q[word] != pos
+                    or length < L.FRAME_HEADER
+                    or size > cap - off
+                    or ftype not in (L.FRAME_DATA, L.FRAME_PAD)
+                    or (ftype == L.FRAME_PAD and size != cap - off)
+                ):
+                    break
+                pos += size
+            if pos == head:
+                return cand
+        return head
 
     def free_slot(self, slot: int, generation: int) -> None:
         """Give the slot back, unless it stopped being ours (evicted, then taken again)."""

@@ -133,3 +133,20 @@ def test_gc_keeps_live_rings_young_foreign_orphans_and_other_files(
         os.unlink(other)
     assert main(["gc", "--min-age", "-1"]) == 2
     assert "--min-age -1.0: expected a number of seconds >= 0" in capsys.readouterr().err
+
+
+def test_inspect_frames_lists_what_a_dead_producer_left(capsys: pytest.CaptureFixture[str]) -> None:
+    from aiospec import encode_frame
+
+    with shm.Ring.create(capacity=1 << 16) as ring:
+        for step in range(400):  # several laps: only the last lap's frames are whole
+            ring.write(encode_frame([step], [0, 1], [step], step=step))
+        assert main(["inspect", ring.name, "--frames", "--json"]) == 0
+        doc = json.loads(capsys.readouterr().out)
+        steps = [f["step"] for f in doc["frames"]]
+        assert steps == list(range(steps[0], 400)) and steps[0] > 0 and len(steps) > 100
+        assert main(["inspect", ring.name, "--frames"]) == 0
+        out = capsys.readouterr().out
+        assert f"frames      {len(steps)} whole in the data area" in out
+        assert "step 399, target, 1 records, 1 tokens" in out
+        assert ring.stats().readers == ()  # the walk's slot was given back
