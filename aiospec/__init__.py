@@ -29,12 +29,16 @@ from aiospec._sync import Record, SyncReader, SyncReaderStats
 from shm import (
     AiospecError,
     BadSegment,
+    CorruptControl,
     CorruptFrame,
+    ProducerBusy,
     ProducerGone,
+    ProducerStalled,
     ReaderEvicted,
     Ring,
     RingError,
     RingFull,
+    UnsafeBell,
 )
 
 __version__ = "0.1.0"
@@ -42,6 +46,7 @@ __version__ = "0.1.0"
 __all__ = (
     "AiospecError",
     "BadSegment",
+    "CorruptControl",
     "CorruptFrame",
     "Delta",
     "DeltaStream",
@@ -54,8 +59,10 @@ __all__ = (
     "HubClosed",
     "HubStats",
     "Kind",
+    "ProducerBusy",
     "ProducerGone",
     "ProducerLost",
+    "ProducerStalled",
     "ReaderEvicted",
     "Record",
     "RequestAborted",
@@ -73,6 +80,7 @@ __all__ = (
     "StreamStatistics",
     "SyncReader",
     "SyncReaderStats",
+    "UnsafeBell",
     "decode_frame",
     "encode_frame",
 )

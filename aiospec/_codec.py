@@ -95,6 +95,11 @@ _header_decoder = msgspec.msgpack.Decoder(_Header)
 _HEADER_STRUCT = struct.Struct(">BH" + "BI" * 2 + "BQ" + "BI" * 17)
 assert _HEADER_STRUCT.size == L.HEADER_LEN
 
+# the type byte of every header element: 0xce (uint 32) but 0xcf (uint 64) for the step; any
+# other encoding of the same value is not canonical, which section 4 forbids
+_MARKERS = tuple(0xCF if i == L.HF_STEP else 0xCE for i in range(L.HEADER_FIELDS))
+_ZEROS = bytes(L.HEADER_SPACE)
+
 _U32_MAX = 0xFFFFFFFF
 _I32_MAX = 0x7FFFFFFF
 
@@ -212,6 +217,8 @@ def encode_frame(
             raise FrameError(f"flags: unknown bits in 0x{int(fl.max()):x}, known mask 0x{L.FLAG_MASK:x}")
     if kind == L.KIND_DRAFT:
         fl = fl | np.uint32(L.FLAG_DRAFT)
+    elif fl.size and int(np.bitwise_or.reduce(fl)) & L.FLAG_DRAFT:
+        raise FrameError("flags: DRAFT (32) is set in a target frame; it marks the records of kind = draft frames")
     if (draft_offsets is None) != (draft_ids is None):
         raise FrameError("draft_offsets and draft_ids: give both or neither")
     d = 0
@@ -348,8 +355,10 @@ def decode_frame(buffer: Any, *, validate_offsets: bool = True) -> Frame:
     ``buffer`` is anything exporting the buffer protocol (bytes, a memoryview into the ring);
     the returned ``Frame``'s columns are zero-copy views of it. The msgpack header is read
     with one reused typed decoder and every count and offset is checked against the
-    canonical layout before a view is made. ``validate_offsets=False`` skips the O(R)
-    monotonicity scans of the offset columns (the header and sizes are still checked), for
+    canonical layout before a view is made; the header must use the fixed-width integer
+    encodings and zero reserved bytes. ``validate_offsets=False`` skips the O(R) checks (the
+    offset columns' monotonicity, the flags' bits and their DRAFT bit against the frame's
+    kind, the zero padding after each column; the header and sizes are still checked), for
     readers that trust their producer.
     """
     mv = memoryview(buffer)
@@ -369,6 +378,18 @@ def decode_frame(buffer: Any, *, validate_offsets: bool = True) -> Frame:
         raise _header_value_error(mv[: L.HEADER_LEN], exc) from exc
     except msgspec.DecodeError as exc:
         raise FrameError(f"header: {exc}") from exc
+    markers = _HEADER_STRUCT.unpack_from(mv)[2::2]
+    if markers != _MARKERS:
+        i = next(i for i, (m, w) in enumerate(zip(markers, _MARKERS, strict=True)) if m != w)
+        raise FrameError(
+            f"header.{_HEADER_NAMES[i]}: expected the fixed-width msgpack encoding (0x{_MARKERS[i]:02x}), "
+            f"got type byte 0x{markers[i]:02x}"
+        )
+    if mv[L.HEADER_LEN : L.HEADER_SPACE] != _ZEROS[: L.HEADER_SPACE - L.HEADER_LEN]:
+        raise FrameError(
+            f"header: reserved bytes [{L.HEADER_LEN}, {L.HEADER_SPACE}) must be zero, "
+            f"got {bytes(mv[L.HEADER_LEN : L.HEADER_SPACE]).hex(' ')}"
+        )
     if hd.version != L.PAYLOAD_VERSION:
         raise FrameError(f"header.version: expected {L.PAYLOAD_VERSION}, got {hd.version}")
     if hd.kind not in (L.KIND_TARGET, L.KIND_DRAFT):
@@ -410,9 +431,30 @@ def decode_frame(buffer: Any, *, validate_offsets: bool = True) -> Frame:
     _check_decoded_offsets(f.token_offsets, "token_offsets", hd.t, validate_offsets)
     if f.draft_offsets is not None:
         _check_decoded_offsets(f.draft_offsets, "draft_offsets", hd.d, validate_offsets)
-    if validate_offsets and hd.r and int(np.bitwise_or.reduce(f.flags)) & ~L.FLAG_MASK:
-        raise FrameError(f"flags: unknown bits, known mask 0x{L.FLAG_MASK:x}")
+    if validate_offsets:
+        if hd.r:
+            fl = f.flags
+            if int(np.bitwise_or.reduce(fl)) & ~L.FLAG_MASK:
+                raise FrameError(f"flags: unknown bits, known mask 0x{L.FLAG_MASK:x}")
+            drafts = int(np.count_nonzero(fl & L.FLAG_DRAFT))
+            want = hd.r if hd.kind == L.KIND_DRAFT else 0
+            if drafts != want:
+                raise FrameError(
+                    f"flags: {drafts} of {hd.r} records have DRAFT (32) in a "
+                    f"{'draft' if hd.kind == L.KIND_DRAFT else 'target'} frame, expected {want}"
+                )
+        _check_padding(mv, offsets, counts)
     return f
+
+
+def _check_padding(mv: memoryview, offsets: list[int], counts: tuple[int, ...]) -> None:
+    """Section 4: the bytes from each column's end to the next 8-byte boundary are zero."""
+    for name, off, cnt, size in zip(L.COLUMNS, offsets, counts, _SIZES, strict=True):
+        if off:
+            end = off + cnt * size
+            pad = L.align(end, L.COLUMN_ALIGN) - end
+            if pad and mv[end : end + pad] != _ZEROS[:pad]:
+                raise FrameError(f"{name}: padding bytes [{end}, {end + pad}) must be zero")
 
 
 _HEADER_NAMES = (

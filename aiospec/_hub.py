@@ -3,7 +3,9 @@
 ``open(handle)`` must come before the request is admitted to the engine, so that no record can
 arrive before its stream exists; records for handles with no open stream are counted and
 dropped, never delivered elsewhere. A ring whose producer is gone ends (with ``ProducerLost``)
-every stream that depends on it; lost frames end them with ``StreamFramesLost``.
+every stream that depends on it; lost frames end them with ``StreamFramesLost``. A producer
+that is stalled (old heartbeat, live process) ends nothing: the ring's ``RingInfo`` says
+``"stalled"`` and counts it.
 """
 
 from __future__ import annotations
@@ -27,9 +29,14 @@ __all__ = ("Hub", "HubStats", "RingInfo")
 class RingInfo(msgspec.Struct, frozen=True, gc=False):
     """One ring as the Hub sees it (in ``HubStats.rings``).
 
-    ``state`` is ``"live"`` (read now), ``"failed"`` (its producer is gone or it cannot be read;
-    ``error`` says why) or ``"closed"`` (the Hub closed). ``lag_bytes`` is the ring's head minus
-    this reader's tail while live, None otherwise.
+    ``state`` is ``"live"`` (read now), ``"stalled"`` (read now; the producer's heartbeat is
+    older than ``producer_timeout`` but its process is alive: streams stay open), ``"gone"``
+    (read now; the producer was presumed gone from its heartbeat's age alone, its pid being in
+    another pid namespace or unchecked: the streams that depended on it ended with
+    ``ProducerLost``, and if it commits again the ring turns ``"live"`` and ``revivals``
+    counts it), ``"failed"`` (its producer is gone or it cannot be read; ``error`` says why)
+    or ``"closed"`` (the Hub closed). ``lag_bytes`` is the ring's head minus this reader's
+    tail while read, None otherwise. ``stalls`` counts the stalls seen.
     """
 
     name: str
@@ -41,6 +48,8 @@ class RingInfo(msgspec.Struct, frozen=True, gc=False):
     evictions: int  # times this reader was evicted and took a new slot
     lag_bytes: int | None  # head - this reader's tail (None when not live)
     error: str | None  # why it failed
+    stalls: int = 0  # times the producer was found stalled (ProducerStalled)
+    revivals: int = 0  # times a producer presumed gone committed again
 
 
 class HubStats(msgspec.Struct, frozen=True, gc=False):
@@ -70,8 +79,9 @@ class Hub:
     ``yield_every``: requests routed between two yields to the event loop; ``max_frames``:
     frames drained per poll; ``spin``: seconds a reader polls before sleeping on the bell;
     ``recheck``: the longest sleep before the ring is looked at again (bounds a lost wake-up);
-    ``producer_timeout``: declare a producer gone when its heartbeat is older than this
-    (a dead pid or a closed ring is detected without it); ``validate_offsets``: scan every
+    ``producer_timeout``: a producer whose heartbeat is older than this is stalled when its
+    process is alive in this pid namespace (streams stay open), presumed gone when its pid
+    cannot be checked (a dead pid or a closed ring is detected without it); ``validate_offsets``: scan every
     frame's offset columns for monotonicity when decoding it (False: for producers you trust;
     the header and sizes are checked either way, and a bad frame counts as lost).
 
@@ -207,7 +217,7 @@ class Hub:
         infos = [
             RingInfo(
                 name=name,
-                state="live",
+                state=f.status,
                 frames_read=f.frames_read,
                 tokens_read=f.tokens_read,
                 frames_lost=f.frames_lost,
@@ -215,6 +225,8 @@ class Hub:
                 evictions=f.evictions,
                 lag_bytes=f.lag(),
                 error=None,
+                stalls=f.stalls,
+                revivals=f.revivals,
             )
             for name, f in self._feeds.items()
         ]
@@ -279,6 +291,16 @@ class Hub:
         self._tasks.pop(name, None)
         self._retire(name, "failed", f"{type(exc).__name__}: {exc}")
 
+    def producer_presumed_gone(self, feed: RingFeed, exc: ProducerGone) -> None:
+        name = feed.name
+
+        def make(h: int) -> StreamError:
+            err = ProducerLost(f"request {h:#x}: the producer of ring {name} is presumed gone ({exc})", h)
+            err.__cause__ = exc
+            return err
+
+        self._router.fail(name, make)
+
     def _retire(self, name: str, state: str, error: str | None) -> None:
         feed = self._feeds.pop(name)
         self._rings[name] = RingInfo(
@@ -291,5 +313,7 @@ class Hub:
             evictions=feed.evictions,
             lag_bytes=None,
             error=error,
+            stalls=feed.stalls,
+            revivals=feed.revivals,
         )
         feed.close()

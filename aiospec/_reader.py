@@ -21,7 +21,7 @@ from typing import Protocol
 
 from aiospec._codec import Frame
 from aiospec._routing import RingFeed, Unit
-from shm import ReaderEvicted
+from shm import ProducerGone, ProducerStalled, ReaderEvicted
 
 __all__ = ("RingSink", "read_ring")
 
@@ -38,6 +38,8 @@ class RingSink(Protocol):
     def frames_lost(self, feed: RingFeed, lost: int, cause: BaseException | None) -> None: ...
 
     def ring_failed(self, feed: RingFeed, exc: BaseException) -> None: ...
+
+    def producer_presumed_gone(self, feed: RingFeed, exc: ProducerGone) -> None: ...
 
 
 def _resolve(fut: asyncio.Future[None]) -> None:
@@ -109,7 +111,9 @@ async def read_ring(
     """Read ``feed`` until its producer is gone or the task is cancelled.
 
     Losses (the ring's ``frames_lost`` rising, an eviction, an undecodable payload) end the
-    affected streams and reading goes on; a gone producer or a broken ring ends it.
+    affected streams and reading goes on; a stalled producer (old heartbeat, live process) is
+    counted and waited for; a producer presumed gone (old heartbeat, pid not checkable) ends
+    the streams but the ring is still read; a gone producer or a broken ring ends it.
     """
     bell = _Bell(asyncio.get_running_loop())
     try:
@@ -159,4 +163,14 @@ async def _read(feed: RingFeed, sink: RingSink, bell: _Bell, yield_every: int, m
             continue
         await _wait(feed, bell, spin)
         if not feed.reader.pending():
-            feed.reader.check_producer()
+            try:
+                feed.check_producer()
+            except ProducerStalled:
+                continue  # alive but not beating: counted by the feed, reading goes on
+            except ProducerGone as exc:
+                if not exc.presumed:
+                    raise
+                # the heartbeat's age alone (a pid this namespace cannot check): the streams
+                # end, but the ring is still watched, and a producer that commits again is
+                # read on and counted (RingInfo.revivals), never silently ignored
+                sink.producer_presumed_gone(feed, exc)

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 import shm
-from aiospec._codec import Flag, decode_frame, encode_frame
+from aiospec._codec import Flag, FrameError, decode_frame, encode_frame
 
 _STAMPS = 1 << 16  # publish-time slots shared by the demo's two processes, indexed by step
 
@@ -33,14 +33,17 @@ def register(sub: Any) -> None:
     p = sub.add_parser("inspect", help="print a ring's control page: head, readers, lag, losses")
     p.add_argument("name", help="segment name (as in /dev/shm)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--frames", action="store_true", help="also list the frames still whole in the data area, "
+                   "oldest first (step, kind, records, tokens; what a producer that died left behind)")  # fmt: skip
     p.set_defaults(func=_inspect)
 
     g = sub.add_parser("gc", help="remove rings whose producer and creator are gone (and their bells)")
     g.add_argument("names", nargs="*", help="segments to consider (default: every ring in /dev/shm)")
     g.add_argument("--dry-run", action="store_true", help="list what would be removed, remove nothing")
-    g.add_argument("--min-age", type=float, default=10.0, help="keep rings whose producer heartbeat is "
-                   "younger than this many seconds (default 10): a guard for producers in another pid "
-                   "namespace, whose pids this one cannot see")  # fmt: skip
+    g.add_argument("--min-age", type=float, default=10.0, help="for rings whose processes are in "
+                   "another pid namespace (their pids cannot be checked from here): keep them while the "
+                   "producer heartbeat is younger than this many seconds (default 10); a process of this "
+                   "namespace is known dead at once")  # fmt: skip
     g.add_argument("--json", action="store_true", help="print JSON instead of lines")
     g.set_defaults(func=_gc)
 
@@ -64,27 +67,87 @@ def _inspect(args: argparse.Namespace) -> int:
     except (FileNotFoundError, shm.BadSegment, ValueError) as exc:
         print(f"aiospec inspect: {exc}", file=sys.stderr)
         return 2
+    frames: list[dict[str, Any]] = []
     try:
         st = ring.stats()
+        if args.frames:
+            frames = _frames_left(ring)
+    except shm.RingError as exc:
+        print(f"aiospec inspect: {exc}", file=sys.stderr)
+        return 2
     finally:
         ring.close()
     if args.json:
-        print(json.dumps(st.as_dict(), indent=2))
+        doc = st.as_dict()
+        if args.frames:
+            doc["frames"] = frames
+        print(json.dumps(doc, indent=2))
         return 0
     print(f"ring        {st.name}")
     print(f"capacity    {st.capacity} bytes (max record {st.max_record})")
-    print(f"producer    pid {st.producer_pid}, {st.producer_state}, heartbeat {st.heartbeat_age_s:.3f} s ago")
+    print(
+        f"producer    pid {st.producer_pid} ({_alive(st.producer_alive)}), {st.producer_state}, "
+        f"epoch {st.producer_epoch}, heartbeat {st.heartbeat_age_s:.3f} s ago"
+    )
     print(f"head        {st.head}")
     print(f"written     {st.frames_written} frames, {st.bytes_written} bytes; lost {st.frames_lost}")
     if not st.readers:
         print("readers     none")
     for r in st.readers:
         print(
-            f"reader {r.slot:<4} pid {r.pid}, {r.state}, tail {r.tail}, lag {r.lag} bytes, "
+            f"reader {r.slot:<4} pid {r.pid} ({_alive(r.alive)}), {r.state}, tail {r.tail}, lag {r.lag} bytes, "
             f"{r.frames_read} frames read, {'sleeping' if r.sleeping else 'awake'}, "
             f"heartbeat {r.heartbeat_age_s:.3f} s ago"
         )
+    if args.frames:
+        print(f"frames      {len(frames)} whole in the data area")
+        for i, fr in enumerate(frames):
+            if "error" in fr:
+                print(f"frame {i:<5} {fr['bytes']} bytes: {fr['error']}")
+            else:
+                print(
+                    f"frame {i:<5} {fr['bytes']} bytes, step {fr['step']}, {fr['kind']}, "
+                    f"{fr['records']} records, {fr['tokens']} tokens"
+                )
     return 0
+
+
+def _frames_left(ring: shm.Ring) -> list[dict[str, Any]]:
+    """Every DATA frame from the oldest one still whole to the head, decoded where it can be
+    (a reader slot is taken for the walk: it holds a live producer back meanwhile)."""
+    out: list[dict[str, Any]] = []
+    limit = ring.capacity // shm.layout.FRAME_ALIGN  # a bound against a live producer's new frames
+    with ring.reader(start="oldest") as rd:
+        while len(out) < limit:
+            try:
+                views = rd.poll(1024)
+            except shm.CorruptFrame as exc:
+                out.append({"bytes": 0, "error": str(exc)})
+                break
+            if not views:
+                break
+            for mv in views:
+                try:
+                    f = decode_frame(mv)
+                except FrameError as exc:
+                    out.append({"bytes": mv.nbytes, "error": f"undecodable: {exc}"})
+                    continue
+                out.append(
+                    {
+                        "bytes": mv.nbytes,
+                        "step": f.step,
+                        "kind": f.kind.name.lower(),
+                        "producer": f.producer,
+                        "records": f.num_records,
+                        "tokens": f.num_tokens,
+                    }
+                )
+            rd.release()
+    return out
+
+
+def _alive(state: bool | None) -> str:
+    return "not visible from this pid namespace" if state is None else "running" if state else "dead"
 
 
 # -- gc ------------------------------------------------------------------------------------------
@@ -94,7 +157,8 @@ def orphaned_rings(
     names: list[str] | None = None, min_age: float = 10.0, *, remove: bool = False
 ) -> list[tuple[str, str]]:
     """(name, reason) of every ring among ``names`` (default: all of /dev/shm) that nobody will
-    remove: ``Ring.orphaned()``, and no producer heartbeat for ``min_age`` seconds; with
+    remove: ``Ring.orphaned(min_age)`` (processes of this pid namespace are known dead at once;
+    for pids it cannot see, no producer heartbeat for ``min_age`` seconds); with
     ``remove``, each is unlinked (segment and bells) while it is mapped for the check. Anything
     that is not a ring this user can open is left alone."""
     if names is None:
@@ -110,9 +174,7 @@ def orphaned_rings(
         except (OSError, ValueError, shm.BadSegment):
             continue  # gone meanwhile, not ours, or not a ring
         try:
-            reason = ring.orphaned()
-            if reason is not None and ring.stats().heartbeat_age_s < min_age:
-                reason = None
+            reason = ring.orphaned(min_age)
             if reason is not None and remove:
                 ring.unlink()
         finally:

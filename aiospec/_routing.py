@@ -61,6 +61,11 @@ class RingFeed:
         self.frames_lost = 0
         self.frames_undecodable = 0
         self.evictions = 0
+        # the producer's liveness as this feed saw it: "live", "stalled" (old heartbeat, live
+        # process) or "gone" (presumed gone from the heartbeat's age, still watched)
+        self.status = "live"
+        self.stalls = 0
+        self.revivals = 0  # a producer presumed gone that committed again
         self.closed = False
 
     def read(self, max_frames: int) -> tuple[list[Frame], list[FrameError]]:
@@ -72,6 +77,10 @@ class RingFeed:
         views = self.reader.poll(max_frames)
         if not views:
             return [], []
+        if self.status != "live":  # frames are a sign of life
+            if self.status == "gone":
+                self.revivals += 1
+            self.status = "live"
         copies = [bytes(v) for v in views]
         for v in views:
             v.release()
@@ -94,6 +103,26 @@ class RingFeed:
         lost = self.reader.new_losses()
         self.frames_lost += lost
         return lost
+
+    def check_producer(self) -> None:
+        """Look at the producer's liveness (``Reader.check_producer``) and keep ``status``.
+
+        Raises what the reader raises: ``ProducerStalled`` once per stall (``stalls`` counts
+        it; reading goes on), ``ProducerGone`` (``presumed`` or not)."""
+        try:
+            self.reader.check_producer()
+        except shm.ProducerStalled:
+            self.status = "stalled"
+            self.stalls += 1
+            raise
+        except shm.ProducerGone as exc:
+            if exc.presumed:
+                self.status = "gone"
+            raise
+        status = self.reader.producer_status
+        if self.status == "gone" and status == "live":
+            self.revivals += 1
+        self.status = status
 
     def retake_slot(self) -> None:
         """After an eviction: give the dead slot back and start again at the current head."""

@@ -21,7 +21,7 @@ from aiospec._codec import Frame
 from aiospec._errors import FramesLost
 from aiospec._routing import RingFeed, check_handle
 from aiospec._stream_errors import TERMINAL_FLAGS
-from shm import AiospecError, ReaderEvicted, RingError
+from shm import AiospecError, ProducerGone, ProducerStalled, ReaderEvicted, RingError
 
 __all__ = ("Record", "SyncReader", "SyncReaderStats")
 
@@ -65,7 +65,8 @@ class SyncReaderStats(msgspec.Struct, frozen=True, gc=False):
     dropped). ``tracked``: handles tracked now (with ``only_tracked``). ``frames_read`` and
     ``records_read``: frames read, records delivered. ``records_dropped``: records of untracked
     handles (with ``only_tracked``). ``frames_lost``: frames lost by producers, undecodable
-    frames, and one per eviction of this reader.
+    frames, and one per eviction of this reader. ``stalls``: stalled producers seen
+    (``ProducerStalled``); ``revivals``: producers presumed gone that committed again.
     """
 
     rings: tuple[str, ...]
@@ -74,6 +75,8 @@ class SyncReaderStats(msgspec.Struct, frozen=True, gc=False):
     records_read: int
     records_dropped: int
     frames_lost: int
+    stalls: int = 0
+    revivals: int = 0
 
 
 def records_of(frame: Frame, ring: str) -> Iterator[Record]:
@@ -109,15 +112,19 @@ class SyncReader:
     ``read(timeout)`` returns the records committed so far (waiting up to ``timeout`` seconds
     for the first); iterating blocks until records come. Ring problems are raised after the
     records read before them: ``FramesLost`` (frames lost, this reader evicted, a payload that
-    does not decode; reading goes on), ``ProducerGone`` and ``CorruptFrame`` (that ring is
-    dropped from this reader).
+    does not decode; reading goes on), ``ProducerStalled`` (with ``producer_timeout``: an old
+    heartbeat but a live process; once per stall, reading goes on), ``ProducerGone`` and
+    ``CorruptFrame`` (that ring is dropped from this reader, except a producer only
+    ``presumed`` gone from its heartbeat's age: that ring is still read, and frames it
+    commits again are delivered).
 
     ``only_tracked``: deliver only the records of handles given to ``track()`` (a tracked
     handle is forgotten after the target record that ends its request); ``max_frames``: frames
     drained per ring and read; ``spin``: seconds to poll before sleeping on the rings' bells;
     ``recheck``: the longest sleep before the rings are looked at again; ``producer_timeout``:
-    declare a producer gone when its heartbeat is older than this (None: only a dead pid or a
-    closed ring). A context manager; ``close()`` releases the reader slots.
+    a producer whose heartbeat is older than this is stalled (live process) or presumed gone
+    (pid not checkable) (None: only a dead pid or a closed ring count). A context manager;
+    ``close()`` releases the reader slots.
     """
 
     def __init__(
@@ -156,6 +163,8 @@ class SyncReader:
         self._records_dropped = 0
         self._frames_read = 0
         self._frames_lost = 0
+        self._gone_stalls = 0  # of rings dropped since
+        self._gone_revivals = 0
 
     # -- routing ----------------------------------------------------------------------------------
 
@@ -259,7 +268,14 @@ class SyncReader:
         for name, f in list(self._feeds.items()):
             if not f.reader.pending():
                 try:
-                    f.reader.check_producer()
+                    f.check_producer()
+                except ProducerStalled as exc:
+                    self._errors.append(exc)  # once per stall; the ring is still read
+                except ProducerGone as exc:
+                    if exc.presumed:
+                        self._errors.append(exc)  # still watched: a revival is read on
+                    else:
+                        self._drop(name, exc)
                 except RingError as exc:
                     self._drop(name, exc)
 
@@ -271,6 +287,8 @@ class SyncReader:
 
     def _drop(self, name: str, exc: AiospecError) -> None:
         feed = self._feeds.pop(name)
+        self._gone_stalls += feed.stalls
+        self._gone_revivals += feed.revivals
         feed.close()
         self._poller = self._make_poller()
         self._errors.append(exc)
@@ -295,6 +313,8 @@ class SyncReader:
             records_read=self._records_read,
             records_dropped=self._records_dropped,
             frames_lost=self._frames_lost,
+            stalls=sum(f.stalls for f in self._feeds.values()) + self._gone_stalls,
+            revivals=sum(f.revivals for f in self._feeds.values()) + self._gone_revivals,
         )
 
     def close(self) -> None:

@@ -17,11 +17,15 @@ from shm import layout
 from shm._errors import (
     AiospecError,
     BadSegment,
+    CorruptControl,
     CorruptFrame,
+    ProducerBusy,
     ProducerGone,
+    ProducerStalled,
     ReaderEvicted,
     RingError,
     RingFull,
+    UnsafeBell,
 )
 from shm._ring import Reader, ReaderStats, Ring, RingStats
 from shm._segment import SHM_DIR as _SHM_DIR
@@ -39,10 +43,14 @@ __all__ = (
     "RingStats",
     "AiospecError",
     "BadSegment",
+    "CorruptControl",
     "CorruptFrame",
+    "ProducerBusy",
     "ProducerGone",
+    "ProducerStalled",
     "ReaderEvicted",
     "RingError",
     "RingFull",
+    "UnsafeBell",
     "layout",
 )

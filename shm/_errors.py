@@ -21,8 +21,18 @@ class BadSegment(RingError, ValueError):
     what was found and what was expected."""
 
 
+class CorruptControl(BadSegment):
+    """A word of a mapped segment's control page changed to a value the protocol forbids.
+
+    Raised where the word is used, by readers and producers alike: a capacity that is no
+    longer the one the segment was created with, or a head that moved backwards or past the
+    frames committed. The message names the word, what was found and what was expected."""
+
+
 class CorruptFrame(RingError, ValueError):
-    """A frame header in the data area is torn, stale (wrong lap) or out of range.
+    """A frame header in the data area is torn, stale (wrong lap) or out of range, a PAD
+    frame does not end at the data area's end, or no frame is committed where the head says
+    one is.
 
     ``Reader.poll()`` raises it at the bad frame's position, after returning the good frames
     before it."""
@@ -37,7 +47,57 @@ class ProducerGone(RingError, ConnectionError):
     """The producer process exited, closed the ring, or stopped sending heartbeats.
 
     A reader raises it only once nothing is left to read: frames committed before the
-    producer went are still delivered."""
+    producer went are still delivered.
+
+    Attributes:
+        presumed: True when the verdict rests on the heartbeat's age alone (the producer's
+            pid is in another pid namespace, or pid checks are off): such a producer may
+            still be alive, and a reader that sees it commit again delivers the frames and
+            counts a revival. False for a closed ring or a producer process known to have
+            exited.
+    """
+
+    def __init__(self, message: str, *, presumed: bool = False) -> None:
+        super().__init__(message)
+        self.presumed = presumed
+
+
+class ProducerStalled(RingError, TimeoutError):
+    """The producer's heartbeat is older than the reader's ``producer_timeout`` but its
+    process is alive in this pid namespace (stopped, blocked, or busy): not gone.
+
+    Recoverable: raised once when the stall begins; the reader stays usable and delivers the
+    producer's frames when it resumes. Readers count stalls (``Reader.stalls``).
+
+    Attributes:
+        pid: the producer's pid.
+        age_s: the heartbeat's age in seconds when the stall was noticed.
+    """
+
+    def __init__(self, message: str, *, pid: int, age_s: float) -> None:
+        super().__init__(message)
+        self.pid = pid
+        self.age_s = age_s
+
+
+class ProducerBusy(RingError):
+    """Another live process holds the ring's producer claim: one producer writes a ring at a
+    time. The message names the holder's pid and the claim's epoch.
+
+    Attributes:
+        pid: the holder's pid.
+        epoch: the claim's epoch (``layout.OFF_PRODUCER_EPOCH``).
+    """
+
+    def __init__(self, message: str, *, pid: int, epoch: int) -> None:
+        super().__init__(message)
+        self.pid = pid
+        self.epoch = epoch
+
+
+class UnsafeBell(RingError, PermissionError):
+    """A reader's bell path holds something this process did not create safely: not a FIFO,
+    a symlink, owned by another uid, or open to other users. The message names the path."""
 
 
 class ReaderEvicted(RingError):

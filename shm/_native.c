@@ -15,13 +15,14 @@
 #include <poll.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <string.h>
 #include <time.h>
 #include <unistd.h>
 
 #include "shm/layout.h"
 
 // Bumped whenever a signature or a semantic changes: shm/_sys.py ignores a stale build.
-#define SHM_NATIVE_ABI 2
+#define SHM_NATIVE_ABI 3
 
 static inline uint64_t ld64(const uint8_t* base, size_t off) {
   return __atomic_load_n((const uint64_t*)(base + off), __ATOMIC_ACQUIRE);
@@ -42,7 +43,11 @@ static uint64_t monotonic_ns(void) {
   return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
-// Maps the segment and checks that the control page's capacity fits the buffer.
+// shm.CorruptControl, looked up once at import: a control word that changed under us is typed.
+static PyObject* corrupt_control = NULL;
+
+// Maps the segment and checks that the control page's capacity is still the one the mapping
+// was made for (control page + data area = the whole buffer): any other value is corrupt.
 static int get_segment(PyObject* obj, Py_buffer* view, uint64_t* capacity) {
   if (PyObject_GetBuffer(obj, view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return -1;
   const uint8_t* base = (const uint8_t*)view->buf;
@@ -53,9 +58,9 @@ static int get_segment(PyObject* obj, Py_buffer* view, uint64_t* capacity) {
     return -1;
   }
   const uint64_t cap = ld64(base, SHM_OFF_CAPACITY);
-  if (cap < SHM_MIN_CAPACITY || (cap & (cap - 1)) || cap > (uint64_t)view->len - SHM_CONTROL_SIZE) {
-    PyErr_Format(PyExc_ValueError, "segment: capacity %llu does not fit a %zd-byte mapping",
-                 (unsigned long long)cap, view->len);
+  if (cap < SHM_MIN_CAPACITY || (cap & (cap - 1)) || cap != (uint64_t)view->len - SHM_CONTROL_SIZE) {
+    PyErr_Format(corrupt_control, "segment: capacity word %llu, expected %zd (the data area of the %zd-byte mapping)",
+                 (unsigned long long)cap, view->len - SHM_CONTROL_SIZE, view->len);
     PyBuffer_Release(view);
     return -1;
   }
@@ -147,6 +152,8 @@ static PyObject* native_commit(PyObject* self, PyObject* const* args, Py_ssize_t
   }
   const size_t here = SHM_CONTROL_SIZE + (pos & mask);
   const size_t next = SHM_CONTROL_SIZE + ((pos + size) & mask);
+  // step 5: zeros from the payload's end to the frame's 64-byte boundary (a PAD has no payload)
+  if (ftype == SHM_FRAME_DATA) memset(base + here + SHM_FRAME_HEADER + n, 0, size - SHM_FRAME_HEADER - n);
   st64(base, here + SHM_FH_POSITION, pos);
   st64(base, next + SHM_FH_POSITION, 0);
   st64(base, next + SHM_FH_COMMIT, 0);
@@ -198,7 +205,8 @@ static PyObject* native_commit(PyObject* self, PyObject* const* args, Py_ssize_t
 // load(commit), paired with commit), and unless the frame at ``cursor`` is already committed,
 // block in poll() on the bell ``fd`` for up to ``timeout_ms`` (negative: forever) with the GIL
 // released; then clear the flag, refresh the reader heartbeat and drain the bell. Returns True
-// when a frame (or PAD) is readable at ``cursor``. A signal that interrupts the wait runs its
+// when a frame (or PAD) is readable at ``cursor``, or the head is past it (a wiped commit word
+// that poll() reports). A signal that interrupts the wait runs its
 // Python handler here, so Ctrl-C is not deferred to the end of the timeout.
 static PyObject* native_sleep(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   (void)self;
@@ -228,7 +236,8 @@ static PyObject* native_sleep(PyObject* self, PyObject* const* args, Py_ssize_t 
   st32(base, rd + SHM_RD_SLEEPING, 1);
   __atomic_thread_fence(__ATOMIC_SEQ_CST);
   int interrupted = 0;
-  if (ld64(base, commit) == 0) {
+  // a head past the cursor is readable too: poll() then finds the frame, or says it is corrupt
+  if (ld64(base, commit) == 0 && ld64(base, SHM_OFF_HEAD) <= cursor) {
     struct pollfd p = {fd, POLLIN, 0};
     int rc;
     // the buffer export keeps the mapping alive (mmap.close() refuses) while the GIL is away
@@ -242,7 +251,7 @@ static PyObject* native_sleep(PyObject* self, PyObject* const* args, Py_ssize_t 
   char sink[4096];
   while (read(fd, sink, sizeof sink) == (ssize_t)sizeof sink) {
   }
-  const int ready = ld64(base, commit) != 0;
+  const int ready = ld64(base, commit) != 0 || ld64(base, SHM_OFF_HEAD) > cursor;
   PyBuffer_Release(&seg);
   if (interrupted && PyErr_CheckSignals() < 0) return NULL;
   return PyBool_FromLong(ready);
@@ -299,14 +308,30 @@ static PyObject* native_poll(PyObject* self, PyObject* const* args, Py_ssize_t n
   while ((uint64_t)PyList_GET_SIZE(frames) < max_frames) {
     const uint64_t off = pos & mask;
     const size_t at = SHM_CONTROL_SIZE + off;
-    const uint64_t commit = ld64(base, at + SHM_FH_COMMIT);  // acquire: the frame after it
-    if (commit == 0) break;
+    uint64_t commit = ld64(base, at + SHM_FH_COMMIT);  // acquire: the frame after it
+    if (commit == 0) {
+      // The head is stored after the commit word: a head past ``pos`` with the commit word
+      // still 0 on a second look means the word was wiped, not that the frame is on its way.
+      const uint64_t head = ld64(base, SHM_OFF_HEAD);
+      commit = ld64(base, at + SHM_FH_COMMIT);
+      if (commit == 0) {
+        if (head > pos)
+          snprintf(bad, sizeof bad, "commit word 0 below the head %llu (a committed frame was wiped)",
+                   (unsigned long long)head);
+        break;
+      }
+    }
     const uint64_t length = commit & 0xFFFFFFFFull, ftype = commit >> 32;
     const uint64_t size = (length + SHM_FRAME_ALIGN - 1) & ~(uint64_t)(SHM_FRAME_ALIGN - 1);
     if ((ftype != SHM_FRAME_DATA && ftype != SHM_FRAME_PAD) || length < SHM_FRAME_HEADER ||
         size > cap - off) {
       snprintf(bad, sizeof bad, "commit word 0x%016llx (length %llu, type %llu)", (unsigned long long)commit,
                (unsigned long long)length, (unsigned long long)ftype);
+      break;
+    }
+    if (ftype == SHM_FRAME_PAD && size != cap - off) {
+      snprintf(bad, sizeof bad, "PAD frame of length %llu ends %llu bytes before the data area's end",
+               (unsigned long long)length, (unsigned long long)(cap - off - size));
       break;
     }
     if (ftype == SHM_FRAME_DATA && size > max_record) {
@@ -356,6 +381,11 @@ static struct PyModuleDef module = {
 };
 
 PyMODINIT_FUNC PyInit__native(void) {
+  PyObject* errors = PyImport_ImportModule("shm._errors");
+  if (errors == NULL) return NULL;
+  corrupt_control = PyObject_GetAttrString(errors, "CorruptControl");
+  Py_DECREF(errors);
+  if (corrupt_control == NULL) return NULL;
   PyObject* m = PyModule_Create(&module);
   if (m == NULL) return NULL;
   if (PyModule_AddIntConstant(m, "ABI", SHM_NATIVE_ABI) < 0) {

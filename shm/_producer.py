@@ -16,12 +16,13 @@ from types import ModuleType
 from typing import Any
 
 from shm import layout as L
-from shm._errors import RingError, RingFull
-from shm._segment import Segment, bell_path
-from shm._sys import acquire_fence, full_fence, pid_alive, release_fence
+from shm._errors import CorruptControl, RingError, RingFull
+from shm._segment import Segment, bell_path, open_peer_bell
+from shm._sys import acquire_fence, full_fence, pid_state, release_fence
 
 _FRAME_HEADER = L.FRAME_HEADER
 _ALIGN_M1 = L.FRAME_ALIGN - 1
+_ZEROS = bytes(L.FRAME_ALIGN)
 
 
 class Producer:
@@ -82,6 +83,7 @@ class Producer:
         head = self._q[L.OFF_HEAD // 8]
         if head != self._head:
             self._adopt_head(head)
+            head = self._head
         off = head & self._mask
         pad = self._capacity - off if size > self._capacity - off else 0
         need = pad + size + L.FRAME_HEADER  # + the next frame's header, zeroed at commit
@@ -95,11 +97,41 @@ class Producer:
         return self._buf[start : start + n]
 
     def _adopt_head(self, head: int) -> None:
-        # A native producer (the C++/CUDA emit op) wrote frames through its own mapping since
-        # our last commit: continue after them instead of overwriting them.
+        # A native writer of this process (the C++/CUDA emit op) wrote frames through its own
+        # mapping since our last commit: continue after them instead of overwriting them. Only
+        # a head those frames explain is adopted (section 3): never one behind ours (that would
+        # overwrite unread frames) nor one past the committed frames (readers would stall on it
+        # and lose what lies between).
+        why = self._impossible_head(head)
+        if why is not None:
+            raise CorruptControl(f"ring {self._name}: head word {head}: {why}; refusing to write")
+        self.seg.claim_producer()  # another process's frames: ProducerBusy names it
         self._head = head
-        self._w[L.OFF_PRODUCER_PID // 4] = os.getpid()
-        self._w[L.OFF_PRODUCER_STATE // 4] = L.PRODUCER_LIVE
+
+    def _impossible_head(self, head: int) -> str | None:
+        mine = self._head
+        if head < mine:
+            return f"behind this producer's head {mine} (moved backwards)"
+        if head & _ALIGN_M1:
+            return f"not a multiple of {L.FRAME_ALIGN}"
+        q, mask, cap = self._q, self._mask, self._capacity
+        if q[((L.CONTROL_SIZE + (head & mask)) >> 3) + 1] != 0:
+            return "the frame header at the head is not cleared (past the committed frames)"
+        if head - mine > cap:
+            return None  # more than a lap was written since: the frames at our head are gone
+        pos = mine
+        while pos < head:
+            off = pos & mask
+            w = (L.CONTROL_SIZE + off) >> 3
+            commit = q[w + 1]
+            length = commit & 0xFFFFFFFF
+            size = (length + _ALIGN_M1) & ~_ALIGN_M1
+            if commit == 0 or length < L.FRAME_HEADER or size > cap - off or q[w] != pos:
+                return f"no committed frame at position {pos} below it (past the committed frames)"
+            pos += size
+        if pos != head:
+            return f"the committed frames end at {pos}"
+        return None
 
     def commit(self, n: int | None) -> int:
         if self.closed or not self.producing:
@@ -144,8 +176,12 @@ class Producer:
 
     def _publish(self, pos: int, n: int, ftype: int) -> None:
         size = (_FRAME_HEADER + n + _ALIGN_M1) & ~_ALIGN_M1
-        word = (L.CONTROL_SIZE + (pos & self._mask)) >> 3
+        start = L.CONTROL_SIZE + (pos & self._mask)
+        word = start >> 3
         q = self._q
+        if ftype == L.FRAME_DATA and size > _FRAME_HEADER + n:
+            # section 3 step 5: zeros from the payload's end to the frame's 64-byte boundary
+            self._buf[start + _FRAME_HEADER + n : start + size] = _ZEROS[: size - _FRAME_HEADER - n]
         q[word] = pos
         nxt = (L.CONTROL_SIZE + ((pos + size) & self._mask)) >> 3
         q[nxt] = 0
@@ -168,7 +204,10 @@ class Producer:
     def _wait_for_room(self, need: int, size: int, timeout: float | None) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
         delay = 0.0
+        hb = L.OFF_HEARTBEAT_NS // 8
         while True:
+            # waiting for room is a sign of life: readers must not take back-pressure for death
+            self._q[hb] = time.monotonic_ns()
             self._min_tail = self._scan_min_tail()
             if self._head + need - self._min_tail <= self._capacity:
                 return
@@ -202,7 +241,8 @@ class Producer:
             if q[seg.tail[slot]] >= needed_tail:
                 continue
             pid = w[seg.pid[slot]]
-            dead = self.check_pids and not pid_alive(pid)
+            # a reader in another pid namespace (state None) is judged by its heartbeat only
+            dead = self.check_pids and pid_state(pid, q[seg.pidns[slot]]) is False
             silent = self.reader_timeout is not None and now - q[seg.heartbeat[slot]] > self.reader_timeout * 1e9
             if dead or silent:
                 gen = w[seg.generation[slot]]
@@ -255,10 +295,9 @@ class Producer:
             if bells[2 * slot] == gen:
                 return bells[2 * slot + 1]
             self._drop_bell(slot)
-        try:
-            fd = os.open(bell_path(self._name, slot), os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-        except OSError:
-            return -1  # no reader has its bell open (it is leaving): nothing to wake
+        fd = open_peer_bell(bell_path(self._name, slot), self.seg.bell_owners)
+        if fd < 0:
+            return -1  # no bell, or one this process must not write to: nothing to wake
         bells[2 * slot], bells[2 * slot + 1] = gen, fd
         return fd
 

@@ -19,15 +19,16 @@ from types import ModuleType
 from typing import TYPE_CHECKING
 
 from shm import layout as L
-from shm._errors import CorruptFrame, ProducerGone, ReaderEvicted, RingError
+from shm._errors import CorruptFrame, ProducerGone, ProducerStalled, ReaderEvicted, RingError
 from shm._segment import Segment
-from shm._sys import PRIVATE, acquire_fence, full_fence, pid_alive, release_fence
+from shm._sys import PRIVATE, acquire_fence, full_fence, pid_state, release_fence
 
 if TYPE_CHECKING:
     from shm._ring import Ring
 
 _DATA_TYPES = (L.FRAME_DATA, L.FRAME_PAD)
 _COMMIT_LEN_MASK = 0xFFFFFFFF
+_HEAD = L.OFF_HEAD // 8
 
 
 class Reader:
@@ -98,6 +99,10 @@ class Reader:
         self._poller = select.poll()
         self._poller.register(bell, select.POLLIN)
         self._pid_check_due = 0.0  # monotonic time of wait()'s next look at the producer's pid
+        self._producer_alive: bool | None = None  # the last pid check's verdict
+        self._status = "live"
+        self._stalls = 0
+        self._revivals = 0
 
     @property
     def slot(self) -> int:
@@ -122,8 +127,11 @@ class Reader:
         return self._bell
 
     def pending(self) -> bool:
-        """True when a committed frame (or PAD) waits at the read position."""
-        return self._q[((L.CONTROL_SIZE + (self._cursor & self._mask)) >> 3) + 1] != 0
+        """True when a committed frame (or PAD) waits at the read position, or the head is
+        past it (then ``poll()`` returns the frame, or raises ``CorruptFrame`` if its commit
+        word was wiped)."""
+        q = self._q
+        return q[((L.CONTROL_SIZE + (self._cursor & self._mask)) >> 3) + 1] != 0 or q[_HEAD] > self._cursor
 
     def poll(self, max_frames: int = 64) -> list[memoryview]:
         """Return up to ``max_frames`` committed payloads, oldest first, without waiting.
@@ -165,13 +173,24 @@ class Reader:
             w = (L.CONTROL_SIZE + off) >> 3
             commit = q[w + 1]
             if commit == 0:
-                break
+                # the head is stored after the commit word: a head past pos with the word
+                # still 0 on a second look means it was wiped (section 4)
+                head = q[_HEAD]
+                acquire_fence()
+                commit = q[w + 1]
+                if commit == 0:
+                    if head > pos:
+                        bad = f"commit word 0 below the head {head} (a committed frame was wiped)"
+                    break
             acquire_fence()
             length = commit & _COMMIT_LEN_MASK
             ftype = commit >> 32
             size = (length + L.FRAME_ALIGN - 1) & ~(L.FRAME_ALIGN - 1)
             if ftype not in _DATA_TYPES or length < L.FRAME_HEADER or size > cap - off:
                 bad = f"commit word 0x{commit:016x} (length {length}, type {ftype})"
+                break
+            if ftype == L.FRAME_PAD and size != cap - off:
+                bad = f"PAD frame of length {length} ends {cap - off - size} bytes before the data area's end"
                 break
             if ftype == L.FRAME_DATA and size > self._max_record:
                 bad = f"length {length} exceeds max_record {self._max_record}"
@@ -263,9 +282,13 @@ class Reader:
 
         Raises:
             ProducerGone: nothing is left to read and the producer closed the ring, exited,
-                or (with a ``producer_timeout``) sent no heartbeat for that long.
+                or (with a ``producer_timeout``) sent no heartbeat for that long while its
+                pid could not be checked (see ``check_producer()``).
+            ProducerStalled: (with a ``producer_timeout``) the heartbeat is that old but the
+                producer's process is alive; raised once per stall, the reader stays usable.
             ReaderEvicted: the producer evicted this reader.
         """
+        self._check_slot()  # an evicted reader's head check would otherwise say "readable"
         if self.pending():
             return True
         now = time.monotonic()
@@ -303,29 +326,77 @@ class Reader:
                 return True
 
     def check_producer(self) -> None:
-        """Raise ``ProducerGone`` if the producer is gone and no frame is left to read.
+        """Look at the producer's liveness now; raise when it changed for the worse.
 
-        Gone means: it closed the ring, its process exited (unless the ring handle was
-        created with ``check_pids=False``), or its heartbeat is older than this reader's
-        ``producer_timeout``."""
+        ``ProducerGone``, once no frame is left to read: the producer closed the ring, or its
+        process exited (known at once where its pid is in this pid namespace, zombies
+        included, unless the ring handle was created with ``check_pids=False``), or its
+        heartbeat is older than ``producer_timeout`` while its pid cannot be checked (another
+        pid namespace, or pid checks off). That last verdict is ``presumed``: it is raised
+        once, and a producer that beats or commits again is read on (``revivals`` counts it).
+
+        ``ProducerStalled``, once per stall: the heartbeat is older than ``producer_timeout``
+        but the process is alive in this namespace (stopped, or blocked). Not an end: the
+        reader stays usable, and ``producer_status`` returns to ``"live"`` when it resumes."""
         self._check_producer(True)
 
+    @property
+    def producer_status(self) -> str:
+        """``"live"``, ``"stalled"`` (old heartbeat, live process) or ``"gone"`` (presumed
+        gone or gone), as the last liveness check found it."""
+        return self._status
+
+    @property
+    def stalls(self) -> int:
+        """How many times this reader found the producer stalled (``ProducerStalled``)."""
+        return self._stalls
+
+    @property
+    def revivals(self) -> int:
+        """How many times a producer presumed gone beat or committed again."""
+        return self._revivals
+
     def _check_producer(self, check_pid: bool) -> None:
-        w = self._w
+        w, q = self._w, self._q
         state = w[L.OFF_PRODUCER_STATE // 4]
-        reason = None
+        pid = w[L.OFF_PRODUCER_PID // 4]
         if state == L.PRODUCER_CLOSED:
-            reason = "closed the ring"
-        else:
-            pid = w[L.OFF_PRODUCER_PID // 4]
-            if state == L.PRODUCER_LIVE and check_pid and self._check_pids and not pid_alive(pid):
-                reason = f"(pid {pid}) exited"
-            elif self._producer_timeout is not None:
-                age = (time.monotonic_ns() - self._q[L.OFF_HEARTBEAT_NS // 8]) / 1e9
-                if age > self._producer_timeout:
-                    reason = f"sent no heartbeat for {age:.1f} s (timeout {self._producer_timeout} s)"
-        if reason is not None and not self.pending():
-            raise ProducerGone(f"ring {self._name}: the producer {reason}")
+            self._gone("closed the ring", presumed=False)
+            return
+        alive = self._producer_alive
+        if state != L.PRODUCER_LIVE or not self._check_pids:
+            alive = None
+        elif check_pid or alive is None:
+            alive = self._producer_alive = pid_state(pid, q[L.OFF_PRODUCER_PIDNS // 8])
+        if alive is False:
+            self._gone(f"(pid {pid}) exited", presumed=False)
+            return
+        timeout = self._producer_timeout
+        age = (time.monotonic_ns() - q[L.OFF_HEARTBEAT_NS // 8]) / 1e9
+        if timeout is None or age <= timeout:
+            if self._status == "gone":
+                self._revivals += 1
+            self._status = "live"
+            return
+        if alive:
+            if self._status != "stalled" and not self.pending():
+                self._status = "stalled"
+                self._stalls += 1
+                raise ProducerStalled(
+                    f"ring {self._name}: the producer (pid {pid}) sent no heartbeat for {age:.1f} s "
+                    f"(timeout {timeout} s) but its process is alive: stalled, not gone",
+                    pid=pid,
+                    age_s=age,
+                )
+            return
+        if self._status != "gone":
+            self._gone(f"sent no heartbeat for {age:.1f} s (timeout {timeout} s)", presumed=True)
+
+    def _gone(self, reason: str, *, presumed: bool) -> None:
+        if self.pending():
+            return  # frames first; a wiped commit word below the head is poll()'s CorruptFrame
+        self._status = "gone"
+        raise ProducerGone(f"ring {self._name}: the producer {reason}", presumed=presumed)
 
     def _check_slot(self) -> None:
         if self._closed:

@@ -40,6 +40,8 @@ class ReaderStats:
         sleeping: whether the reader announced it sleeps on its bell.
         frames_read: DATA frames the reader released.
         heartbeat_age_s: seconds since the reader's last sign of life.
+        alive: whether the reading process is alive: True or False where its pid is in this
+            pid namespace (a zombie is dead), None where this namespace cannot see it.
     """
 
     slot: int
@@ -50,6 +52,7 @@ class ReaderStats:
     sleeping: bool
     frames_read: int
     heartbeat_age_s: float
+    alive: bool | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +71,10 @@ class RingStats:
         producer_state: ``"init"``, ``"live"``, ``"closed"`` (or ``"unknown"``).
         heartbeat_age_s: seconds since the producer's last sign of life.
         readers: the active and evicted reader slots.
+        producer_epoch: the producer claim's epoch, bumped when another process claims it.
+        producer_alive: whether the producer's process is alive: True or False where its pid
+            is in this pid namespace (a zombie is dead), None where this namespace cannot see
+            it (then only ``heartbeat_age_s`` tells).
     """
 
     name: str
@@ -81,6 +88,8 @@ class RingStats:
     producer_state: str  # "init" | "live" | "closed"
     heartbeat_age_s: float
     readers: tuple[ReaderStats, ...]
+    producer_epoch: int = 0
+    producer_alive: bool | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """The snapshot as plain dicts and lists (readers included), e.g. for JSON."""
@@ -317,9 +326,12 @@ class Ring:
         spin: float = 50e-6,
         recheck: float = 0.05,
         producer_timeout: float | None = None,
+        start: str = "head",
     ) -> Reader:
         """Take a reader slot. The reader starts at the current head: it sees the frames
-        committed from now on, not earlier ones.
+        committed from now on, not earlier ones; with ``start="oldest"`` it starts at the
+        oldest frame still whole in the data area instead (recovery: what a producer that
+        died left behind; docs/wire-format.md section 8).
 
         Args:
             spin: seconds ``Reader.wait()`` polls before it sleeps on the bell (latency
@@ -327,19 +339,24 @@ class Ring:
             recheck: the longest sleep, in seconds, before ``wait()`` looks at the ring
                 again; it bounds the cost of a lost wake-up and how late a dead producer is
                 noticed.
-            producer_timeout: seconds; the reader declares the producer gone
-                (``ProducerGone``) when its heartbeat is older. ``None``: only a closed ring
-                or an exited producer process count.
+            producer_timeout: seconds; a producer whose heartbeat is older is stalled
+                (``ProducerStalled``) while its process is alive in this pid namespace, and
+                presumed gone (``ProducerGone``) when its pid cannot be checked. ``None``:
+                only a closed ring or an exited producer process count.
+            start: ``"head"`` (the default) or ``"oldest"``.
 
         Raises:
             RingError: this handle is closed, or every slot is taken.
-            ValueError: ``spin`` is negative or ``recheck`` not positive.
+            UnsafeBell: the slot's bell path holds something another uid planted.
+            ValueError: ``spin`` is negative, ``recheck`` not positive, or ``start`` unknown.
         """
         if self._seg.closed:
             raise RingError(f"reader: ring {self._name} is closed")
         if spin < 0 or recheck <= 0:
             raise ValueError(f"reader: spin = {spin!r}, recheck = {recheck!r}: expected spin >= 0, recheck > 0")
-        slot, gen, bell, tail = self._seg.claim_slot()
+        if start not in ("head", "oldest"):
+            raise ValueError(f"reader: start = {start!r}: expected 'head' or 'oldest'")
+        slot, gen, bell, tail = self._seg.claim_slot(oldest=start == "oldest")
         r = Reader(
             sys_.PRIVATE,
             self,
@@ -364,26 +381,35 @@ class Ring:
 
     # -- inspection --------------------------------------------------------------------------
 
-    def orphaned(self) -> str | None:
+    def orphaned(self, min_age: float = 10.0) -> str | None:
         """Why nobody will remove this segment, or None while someone still may.
 
         A segment is orphaned when its creator (the one who unlinks it) is gone and its
         producer closed it or is gone too; ``aiospec gc`` removes such segments. Readers of
-        an orphan keep their mappings when its name is removed (``unlink()``).
+        an orphan keep their mappings when its name is removed (``unlink()``). A process
+        whose pid is in this pid namespace is known dead at once (a zombie included); one
+        in another namespace counts as gone only once the producer heartbeat is ``min_age``
+        seconds old.
 
         Returns:
             A sentence naming the missing processes, or None.
         """
-        w = self._seg.w
+        w, q = self._seg.w, self._seg.q
         state = w[L.OFF_PRODUCER_STATE // 4]
         pid = w[L.OFF_PRODUCER_PID // 4]
         creator = w[L.OFF_CREATOR_PID // 4]
-        if sys_.pid_alive(creator):
+        stale = (time.monotonic_ns() - q[L.OFF_HEARTBEAT_NS // 8]) / 1e9 >= min_age
+        creator_alive = sys_.pid_state(creator, q[L.OFF_CREATOR_PIDNS // 8])
+        if creator_alive or (creator_alive is None and not stale):
             return None
+        gone = "is gone" if creator_alive is False else f"sent no heartbeat for {min_age} s (another pid namespace)"
         if state == L.PRODUCER_CLOSED:
-            return f"the producer closed it and its creator (pid {creator}) is gone"
-        if not sys_.pid_alive(pid):
+            return f"the producer closed it and its creator (pid {creator}) {gone}"
+        producer_alive = sys_.pid_state(pid, q[L.OFF_PRODUCER_PIDNS // 8])
+        if producer_alive is False and creator_alive is False:
             return f"its producer (pid {pid}) and its creator (pid {creator}) are gone"
+        if producer_alive is False or (producer_alive is None and stale):
+            return f"its producer (pid {pid}) and its creator (pid {creator}) sent no heartbeat for {min_age} s"
         return None
 
     def stats(self) -> RingStats:
@@ -414,6 +440,7 @@ class Ring:
                     sleeping=bool(w[seg.sleeping[slot]]),
                     frames_read=q[seg.frames_read[slot]],
                     heartbeat_age_s=max(0, now - q[seg.heartbeat[slot]]) / 1e9,
+                    alive=sys_.pid_state(w[seg.pid[slot]], q[seg.pidns[slot]]),
                 )
             )
         return RingStats(
@@ -428,6 +455,8 @@ class Ring:
             producer_state=_PRODUCER_STATES.get(w[L.OFF_PRODUCER_STATE // 4], "unknown"),
             heartbeat_age_s=max(0, now - q[L.OFF_HEARTBEAT_NS // 8]) / 1e9,
             readers=tuple(readers),
+            producer_epoch=q[L.OFF_PRODUCER_EPOCH // 8],
+            producer_alive=sys_.pid_state(w[L.OFF_PRODUCER_PID // 4], q[L.OFF_PRODUCER_PIDNS // 8]),
         )
 
     # -- lifecycle ---------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import mmap
 import os
 import re
 import secrets
+import stat
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
@@ -22,10 +23,13 @@ from contextlib import contextmanager, suppress
 import numpy as np
 
 from shm import layout as L
-from shm._errors import BadSegment, RingError
-from shm._sys import full_fence, release_fence
+from shm._errors import BadSegment, ProducerBusy, RingError, UnsafeBell
+from shm._sys import PIDNS, full_fence, pid_state, release_fence
 
 SHM_DIR = "/dev/shm"  # segments and their bells (documented where shm exports it)
+
+# A claim held from another pid namespace is taken over once its heartbeat is this old.
+CLAIM_STALE_S = 10.0
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}$")
 
@@ -59,6 +63,76 @@ def bell_path(name: str, slot: int) -> str:
     return os.path.join(SHM_DIR, f"{name}.bell{slot}")
 
 
+def _bell_unsafe(st: os.stat_result, owners: tuple[int, ...]) -> str | None:
+    """Why a bell whose ``fstat`` is ``st`` must not be used, or None (section 5)."""
+    if not stat.S_ISFIFO(st.st_mode):
+        return f"not a FIFO (mode 0o{st.st_mode:o})"
+    if st.st_uid not in owners:
+        return f"owned by uid {st.st_uid}, expected uid {' or '.join(map(str, sorted(set(owners))))}"
+    if st.st_mode & 0o077:
+        return f"mode 0o{stat.S_IMODE(st.st_mode):03o}, expected no access for group or others"
+    return None
+
+
+def open_own_bell(path: str) -> int:
+    """Create the FIFO at ``path`` (0600) or reuse one this uid left there, and open it for
+    reading (non-blocking). Symlinks are never followed; a path that holds anything else
+    (another uid's file, a regular file, a FIFO others may open) raises ``UnsafeBell``, except
+    this uid's own leftovers, which are removed and made again. Another uid cannot replace the
+    FIFO afterwards: ``SHM_DIR`` is sticky, so only its owner may unlink or rename it."""
+    uid = os.geteuid()
+    for _attempt in range(2):
+        with suppress(FileExistsError):
+            os.mkfifo(path, 0o600)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError as exc:
+            if exc.errno not in (errno.ELOOP, errno.ENOENT, errno.ENXIO, errno.EACCES, errno.EPERM):
+                raise
+            st = _lstat(path)
+            if exc.errno == errno.ENOENT:
+                continue  # removed meanwhile: make it again
+            if st is not None and st.st_uid == uid and not stat.S_ISDIR(st.st_mode):
+                with suppress(FileNotFoundError):
+                    os.unlink(path)
+                continue
+            what = "a symlink" if exc.errno == errno.ELOOP else exc.strerror
+            raise UnsafeBell(f"bell {path}: {what}; refusing it") from exc
+        st = os.fstat(fd)
+        why = _bell_unsafe(st, (uid,))
+        if why is None:
+            return fd
+        os.close(fd)
+        if st.st_uid == uid:
+            with suppress(FileNotFoundError):
+                os.unlink(path)
+            continue
+        raise UnsafeBell(f"bell {path}: {why}; refusing it")
+    raise UnsafeBell(f"bell {path}: could not create a private FIFO there")
+
+
+def open_peer_bell(path: str, owners: tuple[int, ...]) -> int:
+    """Open a reader's bell for ringing, or return -1 when there is none or it is not safe
+    (section 5): never through a symlink, only a FIFO of an expected owner with no access for
+    others. The producer rings nothing rather than raise: a neighbour must not be able to
+    stop it by planting a file, and the reader re-checks the ring on its own anyway."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        return -1  # no reader has its bell open (it is leaving), or a planted symlink
+    if _bell_unsafe(os.fstat(fd), owners) is not None:
+        os.close(fd)
+        return -1
+    return fd
+
+
+def _lstat(path: str) -> os.stat_result | None:
+    try:
+        return os.lstat(path)
+    except FileNotFoundError:
+        return None
+
+
 def create(name: str, capacity: int, max_readers: int, max_record: int) -> tuple[int, mmap.mmap]:
     """Create the segment file (mode 0600, checked sizes) and write its control page; the
     creator is its live producer. Returns the open descriptor and the mapping."""
@@ -84,7 +158,10 @@ def create(name: str, capacity: int, max_readers: int, max_record: int) -> tuple
     c32[L.OFF_CREATOR_PID // 4] = os.getpid()
     c64[L.OFF_EPOCH // 8] = secrets.randbits(64)
     c64[L.OFF_CREATED_NS // 8] = time.time_ns()
+    c64[L.OFF_CREATOR_PIDNS // 8] = PIDNS
     c32[L.OFF_PRODUCER_PID // 4] = os.getpid()
+    c64[L.OFF_PRODUCER_PIDNS // 8] = PIDNS
+    c64[L.OFF_PRODUCER_EPOCH // 8] = 1  # the creator holds the first claim (section 7)
     c64[L.OFF_HEARTBEAT_NS // 8] = time.monotonic_ns()
     c32[L.OFF_PRODUCER_STATE // 4] = L.PRODUCER_LIVE
     full_fence()
@@ -194,6 +271,10 @@ class Segment:
         self.tail = [_slot_word(i, L.RD_TAIL, 8) for i in slots]
         self.heartbeat = [_slot_word(i, L.RD_HEARTBEAT_NS, 8) for i in slots]
         self.frames_read = [_slot_word(i, L.RD_FRAMES_READ, 8) for i in slots]
+        self.pidns = [_slot_word(i, L.RD_PIDNS, 8) for i in slots]
+        # who may own a bell: this uid, and the segment's owner (a root producer rings the
+        # bells of its readers of another uid)
+        self.bell_owners = (os.geteuid(), os.fstat(fd).st_uid)
 
     # -- the reader-slot table -----------------------------------------------------------
 
@@ -206,25 +287,61 @@ class Segment:
         finally:
             fcntl.flock(self.fd, fcntl.LOCK_UN)
 
+    def claim_producer(self) -> int:
+        """Become the ring's producer (section 7); returns the claim's epoch.
+
+        A claim held by this process is kept; one held by a process known to be gone (its
+        pid dead in this pid namespace) or released (the ring closed) is taken over with the
+        epoch bumped; a claim held by a live process, or by one in another pid namespace
+        whose heartbeat is fresh, raises ``ProducerBusy`` naming the holder."""
+        w, q = self.w, self.q
+        me = os.getpid()
+        with self.slot_lock():
+            state = w[L.OFF_PRODUCER_STATE // 4]
+            pid = w[L.OFF_PRODUCER_PID // 4]
+            ns = q[L.OFF_PRODUCER_PIDNS // 8]
+            epoch = q[L.OFF_PRODUCER_EPOCH // 8]
+            mine = pid == me and (ns in (0, PIDNS))
+            if not mine and state == L.PRODUCER_LIVE:
+                alive = pid_state(pid, ns)
+                if alive is None:  # another namespace: only the heartbeat tells
+                    age = (time.monotonic_ns() - q[L.OFF_HEARTBEAT_NS // 8]) / 1e9
+                    alive = age < CLAIM_STALE_S
+                if alive:
+                    raise ProducerBusy(
+                        f"ring {self.name}: producer claim held by pid {pid} (epoch {epoch}); "
+                        "one producer writes a ring at a time",
+                        pid=pid,
+                        epoch=epoch,
+                    )
+            if not mine:
+                epoch = (epoch + 1) & 0xFFFFFFFFFFFFFFFF
+                q[L.OFF_PRODUCER_EPOCH // 8] = epoch
+            w[L.OFF_PRODUCER_PID // 4] = me
+            q[L.OFF_PRODUCER_PIDNS // 8] = PIDNS
+            q[L.OFF_HEARTBEAT_NS // 8] = time.monotonic_ns()
+            release_fence()
+            w[L.OFF_PRODUCER_STATE // 4] = L.PRODUCER_LIVE
+        return epoch
+
     def active_slots(self) -> list[int]:
         return [i for i in range(self.max_readers) if self.w[self.state[i]] == L.READER_ACTIVE]
 
-    def claim_slot(self) -> tuple[int, int, int, int]:
+    def claim_slot(self, oldest: bool = False) -> tuple[int, int, int, int]:
         """Take the first free slot for this process and open its bell (section 4); returns
-        ``(slot, generation, bell fd, tail)``: the new reader starts at the current head."""
+        ``(slot, generation, bell fd, tail)``: the new reader starts at the current head, or
+        with ``oldest`` at the oldest frame still whole in the data area (section 8)."""
         w, q = self.w, self.q
         with self.slot_lock():
             free = [i for i in range(self.max_readers) if w[self.state[i]] != L.READER_ACTIVE]
             if not free:
                 raise RingError(f"reader: all {self.max_readers} reader slots of ring {self.name} are taken")
             slot = free[0]
-            path = bell_path(self.name, slot)
-            with suppress(FileExistsError):
-                os.mkfifo(path, 0o600)
-            bell = os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
+            bell = open_own_bell(bell_path(self.name, slot))
             gen = (w[self.generation[slot]] + 1) & 0xFFFFFFFF
             w[self.generation[slot]] = gen
             w[self.pid[slot]] = os.getpid()
+            q[self.pidns[slot]] = PIDNS
             w[self.sleeping[slot]] = 0
             q[self.frames_read[slot]] = 0
             q[self.heartbeat[slot]] = time.monotonic_ns()
@@ -234,7 +351,56 @@ class Segment:
             full_fence()  # store(state) -> load(head): pairs with the producer's commit fence
             tail = q[L.OFF_HEAD // 8]
             q[self.tail[slot]] = tail
+            if oldest:
+                tail = self._start_at_oldest(slot, tail)
         return slot, gen, bell, tail
+
+    def _start_at_oldest(self, slot: int, head: int) -> int:
+        # Move the new tail back to the oldest whole frame. A live producer may write on
+        # meanwhile (it does not take the lock): once the tail is stored, it holds the producer
+        # back, so a head that still leaves the frames at the tail untouched proves them safe.
+        q = self.q
+        for _attempt in range(8):
+            start = self.oldest_frame(head)
+            q[self.tail[slot]] = start
+            full_fence()
+            head = q[L.OFF_HEAD // 8]
+            if head + L.FRAME_HEADER - start <= self.capacity:
+                return start
+        q[self.tail[slot]] = head
+        return head
+
+    def oldest_frame(self, head: int) -> int:
+        """The position of the oldest frame still whole in the data area below ``head``: the
+        first 64-byte aligned position at or above ``head - capacity + FRAME_HEADER`` (the
+        bytes below were overwritten by the zeroed header at the head) whose frame header
+        stamps that position and from which committed frames lead exactly to ``head``
+        (section 8). ``head`` itself when there is none."""
+        q, mask, cap = self.q, self.mask, self.capacity
+        lo = max(0, L.align(head - cap + L.FRAME_HEADER, L.FRAME_ALIGN)) if head > cap else 0
+        for cand in range(lo, head, L.FRAME_ALIGN):
+            w = (L.CONTROL_SIZE + (cand & mask)) >> 3
+            if q[w] != cand or q[w + 1] == 0:
+                continue
+            pos = cand
+            while pos < head:
+                off = pos & mask
+                word = (L.CONTROL_SIZE + off) >> 3
+                commit = q[word + 1]
+                length, ftype = commit & 0xFFFFFFFF, commit >> 32
+                size = L.align(length, L.FRAME_ALIGN)
+                if (
+                    q[word] != pos
+                    or length < L.FRAME_HEADER
+                    or size > cap - off
+                    or ftype not in (L.FRAME_DATA, L.FRAME_PAD)
+                    or (ftype == L.FRAME_PAD and size != cap - off)
+                ):
+                    break
+                pos += size
+            if pos == head:
+                return cand
+        return head
 
     def free_slot(self, slot: int, generation: int) -> None:
         """Give the slot back, unless it stopped being ours (evicted, then taken again)."""

@@ -41,7 +41,7 @@ acquire_fence = release_fence
 # built at install time when a compiler is there. SHM_PURE_PYTHON=1 keeps the Python paths;
 # both implement the same protocol. A ring handle takes the choice made here when it is created
 # or attached (tests switch it by setting ``native``).
-NATIVE_ABI = 2
+NATIVE_ABI = 3
 _native_mod: ModuleType | None
 try:
     from shm import _native as _native_mod
@@ -73,3 +73,23 @@ def pid_alive(pid: int) -> bool:
         return stat[stat.rindex(b")") + 2 : stat.rindex(b")") + 3] not in (b"Z", b"X")
     except (OSError, ValueError):
         return True
+
+
+def _own_pidns() -> int:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0  # no /proc: namespaces unknown, pids are trusted only with check_pids
+
+
+PIDNS: int = _own_pidns()  # inode of this process's pid namespace (0: unknown); fork keeps it
+
+
+def pid_state(pid: int, pidns: int) -> bool | None:
+    """Whether ``pid``, recorded by a process of pid namespace ``pidns``, is alive: True or
+    False where this namespace can see it (a zombie counts as dead), None where it cannot (the
+    pid belongs to another namespace: only a heartbeat's age can tell). A recorded namespace
+    of 0 (unknown) is taken to be this one, as before namespaces were recorded."""
+    if pidns and PIDNS and pidns != PIDNS:
+        return None
+    return pid_alive(pid)

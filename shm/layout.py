@@ -35,6 +35,7 @@ __all__ = (
     "OFF_CONTROL_SIZE",
     "OFF_CREATED_NS",
     "OFF_CREATOR_PID",
+    "OFF_CREATOR_PIDNS",
     "OFF_EPOCH",
     "OFF_FRAMES_LOST",
     "OFF_FRAMES_WRITTEN",
@@ -44,7 +45,9 @@ __all__ = (
     "OFF_MAGIC",
     "OFF_MAX_READERS",
     "OFF_MAX_RECORD",
+    "OFF_PRODUCER_EPOCH",
     "OFF_PRODUCER_PID",
+    "OFF_PRODUCER_PIDNS",
     "OFF_PRODUCER_STATE",
     "OFF_VERSION",
     "PRODUCER_CLOSED",
@@ -54,6 +57,7 @@ __all__ = (
     "RD_GENERATION",
     "RD_HEARTBEAT_NS",
     "RD_PID",
+    "RD_PIDNS",
     "RD_SLEEPING",
     "RD_STATE",
     "RD_TAIL",
@@ -71,7 +75,7 @@ __all__ = (
 
 # -- segment ---------------------------------------------------------------------------
 MAGIC: Final = 0x52434550534F4941  #: b"AIOSPECR" read as a little-endian u64
-VERSION: Final = 1  #: ring layout version stored at ``OFF_VERSION``; attachers refuse any other
+VERSION: Final = 2  #: ring layout version stored at ``OFF_VERSION``; attachers refuse any other
 CONTROL_SIZE: Final = 4096  #: control page; the data area starts right after it
 LINE: Final = 128  #: every independently written word group owns one 128-byte line
 FRAME_ALIGN: Final = 64  #: frames start on 64-byte boundaries
@@ -89,6 +93,7 @@ OFF_FRAME_ALIGN: Final = 32  #: u32, ``FRAME_ALIGN``
 OFF_CREATOR_PID: Final = 36  #: u32, pid of the process that created (and will unlink) the segment
 OFF_EPOCH: Final = 40  #: u64, random per segment
 OFF_CREATED_NS: Final = 48  #: u64, CLOCK_REALTIME ns
+OFF_CREATOR_PIDNS: Final = 56  #: u64, inode of the creator's pid namespace (0: unknown)
 
 # line 1: the producer's hot words
 OFF_HEAD: Final = 128  #: u64, position just past the last committed frame
@@ -98,7 +103,9 @@ OFF_BYTES_WRITTEN: Final = 144  #: u64, DATA payload bytes committed
 # line 2: producer liveness
 OFF_HEARTBEAT_NS: Final = 256  #: u64, CLOCK_MONOTONIC ns of the producer's last sign of life
 OFF_PRODUCER_STATE: Final = 264  #: u32, PRODUCER_*
-OFF_PRODUCER_PID: Final = 268  #: u32, pid of the process that writes frames now
+OFF_PRODUCER_PID: Final = 268  #: u32, pid of the process that writes frames now (the claim's holder)
+OFF_PRODUCER_EPOCH: Final = 272  #: u64, bumped each time another process claims the ring as its producer
+OFF_PRODUCER_PIDNS: Final = 280  #: u64, inode of the producer's pid namespace (0: unknown)
 
 # line 3: loss accounting
 OFF_FRAMES_LOST: Final = 384  #: u64, frames the producer failed to write (ring full, bad input)
@@ -119,6 +126,7 @@ RD_HEARTBEAT_NS: Final = 16  #: u64, CLOCK_MONOTONIC ns
 RD_SLEEPING: Final = 24  #: u32, 1 while the reader waits on its bell
 RD_GENERATION: Final = 28  #: u32, bumped each time the slot is taken
 RD_FRAMES_READ: Final = 32  #: u64, DATA frames this reader released
+RD_PIDNS: Final = 40  #: u64, inode of the reader's pid namespace (0: unknown)
 
 READER_FREE: Final = 0  #: ``RD_STATE`` value, the slot is free
 READER_ACTIVE: Final = 1  #: ``RD_STATE`` value, a live reader owns the slot; its tail holds the producer back

@@ -35,7 +35,8 @@ def make_columns(
         "token_ids": rng.integers(-(2**31), 2**31, t, dtype=np.int64),
     }
     if flags:
-        cols["flags"] = rng.integers(0, L.FLAG_MASK + 1, r, dtype=np.uint32)
+        # DRAFT is the frame kind's to set (a target frame must not carry it)
+        cols["flags"] = rng.integers(0, L.FLAG_MASK + 1, r, dtype=np.uint32) & np.uint32(~L.FLAG_DRAFT & L.FLAG_MASK)
     if logprobs:
         cols["logprobs"] = -rng.random(t, dtype=np.float32) * 20
         cols["ranks"] = rng.integers(1, 200_000, t, dtype=np.int32)
@@ -585,3 +586,40 @@ def test_encoder_column_pairs() -> None:
     f = decode_frame(encode_frame([1], [0, 1], [5], logprobs=[0.0], ranks=[1], topk_ids=np.zeros((1, 1024), dtype=int),
                                   topk_logprobs=np.zeros((1, 1024))))  # fmt: skip
     assert f.k == 1024
+
+
+# -- what the document forbids, rejected (docs/wire-format.md section 4) ---------------------------
+
+
+def test_non_canonical_integer_encodings_are_rejected() -> None:
+    out = bytearray(GOOD)
+    out[elem_off(1) : elem_off(1) + 5] = b"\xd2\x00\x00\x00\x00"  # producer 0 as an int32: same value
+    rejects(bytes(out), r"header\.producer: expected the fixed-width msgpack encoding \(0xce\), got type byte 0xd2")
+
+
+def test_reserved_header_bytes_must_be_zero() -> None:
+    out = bytearray(GOOD)
+    out[L.HEADER_LEN + 2] = 7
+    rejects(bytes(out), r"header: reserved bytes \[107, 112\) must be zero, got 00 00 07 00 00")
+
+
+def test_column_padding_must_be_zero() -> None:
+    offsets, _ = GOOD_LAYOUT
+    end = offsets[L.COLUMNS.index("token_offsets")] + 5 * 4  # R + 1 = 5 i32, then 4 bytes to 8
+    out = bytearray(GOOD)
+    out[end + 1] = 1
+    rejects(bytes(out), rf"token_offsets: padding bytes \[{end}, {end + 4}\) must be zero")
+    decode_frame(bytes(out), validate_offsets=False)  # the O(R) checks are the ones it skips
+
+
+def test_draft_flags_must_agree_with_the_kind() -> None:
+    target = bytearray(encode_frame([1, 2], [0, 1, 2], [5, 6], flags=[0, Flag.FINISHED]))
+    offsets, _ = frame_layout(2, 2, 0, 0, False)
+    flags_off = offsets[L.COLUMNS.index("flags")]
+    target[flags_off] |= Flag.DRAFT
+    rejects(bytes(target), r"flags: 1 of 2 records have DRAFT \(32\) in a target frame, expected 0")
+    draft = bytearray(encode_frame([1, 2], [0, 1, 2], [5, 6], kind=Kind.DRAFT))
+    draft[flags_off + 4] &= ~Flag.DRAFT & 0xFF
+    rejects(bytes(draft), r"flags: 1 of 2 records have DRAFT \(32\) in a draft frame, expected 2")
+    with pytest.raises(FrameError, match=r"^flags: DRAFT \(32\) is set in a target frame"):
+        encode_frame([1], [0, 1], [5], flags=[Flag.DRAFT])

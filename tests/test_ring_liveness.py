@@ -49,33 +49,88 @@ def test_producer_gone_after_close_drains_first() -> None:
     att.close()
 
 
-def test_producer_gone_after_stale_heartbeat() -> None:
+def test_stale_heartbeat_of_a_live_producer_is_a_stall_not_death() -> None:
+    with shm.Ring.create(capacity=CAP) as ring:
+        att = shm.Ring.attach(ring.name)
+        reader = att.reader(spin=0.0, recheck=0.01, producer_timeout=5.0)
+        raw = RawSegment(ring.name)
+        try:
+            ring.write(b"before")
+            raw.set_u64(L.OFF_HEARTBEAT_NS, time.monotonic_ns() - 60 * 10**9)  # a minute ago
+            reader.check_producer()  # a frame is still readable
+            assert reader.read() == [b"before"]
+            msg = (
+                rf"^ring {ring.name}: the producer \(pid {os.getpid()}\) sent no heartbeat for \d+\.\d s "
+                r"\(timeout 5\.0 s\) but its process is alive: stalled, not gone$"
+            )
+            with pytest.raises(shm.ProducerStalled, match=msg) as info:
+                reader.wait(XPROC_TIMEOUT)
+            assert isinstance(info.value, TimeoutError) and info.value.pid == os.getpid() and info.value.age_s >= 60
+            assert reader.producer_status == "stalled" and reader.stalls == 1
+            # raised once per stall: the reader goes on waiting, and reads when frames come
+            assert reader.wait(0.03) is False
+            reader.check_producer()
+            ring.write(b"after")
+            assert reader.wait(XPROC_TIMEOUT) and reader.read() == [b"after"]
+            reader.check_producer()
+            assert reader.producer_status == "live" and reader.stalls == 1 and reader.revivals == 0
+        finally:
+            raw.close()
+            reader.close()
+            att.close()
+
+
+def test_producer_presumed_gone_across_namespaces_then_revived() -> None:
+    # a producer whose pid this namespace cannot see: only the heartbeat's age tells
     with shm.Ring.create(capacity=CAP) as ring:
         att = shm.Ring.attach(ring.name)
         reader = att.reader(spin=0.0, recheck=0.01, producer_timeout=5.0)
         patient = att.reader(spin=0.0, recheck=0.01)  # no producer_timeout: never declares it gone
         raw = RawSegment(ring.name)
         try:
+            raw.set_u64(L.OFF_PRODUCER_PIDNS, 12345)  # another pid namespace
             ring.write(b"before")
-            raw.set_u64(L.OFF_HEARTBEAT_NS, time.monotonic_ns() - 60 * 10**9)  # a minute ago
-            assert att.stats().heartbeat_age_s >= 60
-            reader.check_producer()  # a frame is still readable
+            raw.set_u64(L.OFF_HEARTBEAT_NS, time.monotonic_ns() - 60 * 10**9)
+            assert att.stats().heartbeat_age_s >= 60 and att.stats().producer_alive is None
             assert reader.read() == [b"before"]
             with pytest.raises(
                 shm.ProducerGone,
                 match=rf"^ring {ring.name}: the producer sent no heartbeat for \d+\.\d s \(timeout 5\.0 s\)$",
-            ):
+            ) as info:
                 reader.wait(XPROC_TIMEOUT)
+            assert info.value.presumed is True and reader.producer_status == "gone"
             assert patient.read() == [b"before"]
             assert patient.wait(0.02) is False
-            ring.heartbeat()
-            assert att.stats().heartbeat_age_s < 30
+            # presumed once: it commits again, and the reader delivers it and counts a revival
+            assert reader.wait(0.03) is False
+            ring.write(b"back")
+            assert reader.wait(XPROC_TIMEOUT) and reader.read() == [b"back"]
             reader.check_producer()
+            assert reader.producer_status == "live" and reader.revivals == 1
         finally:
             raw.close()
             patient.close()
             reader.close()
             att.close()
+
+
+def test_producer_keeps_its_heartbeat_while_it_waits_for_room() -> None:
+    with shm.Ring.create(capacity=CAP) as ring:
+        lagging = ring.reader()
+        raw = RawSegment(ring.name)
+        try:
+            while True:
+                try:
+                    ring.write(b"x" * 4000, timeout=0)
+                except shm.RingFull:
+                    break
+            raw.set_u64(L.OFF_HEARTBEAT_NS, time.monotonic_ns() - 60 * 10**9)
+            with pytest.raises(shm.RingFull):
+                ring.write(b"x" * 4000, timeout=0.05)
+            assert ring.stats().heartbeat_age_s < 1  # back-pressure is a sign of life
+        finally:
+            raw.close()
+            lagging.close()
 
 
 def test_heartbeat_thread_keeps_the_producer_alive() -> None:

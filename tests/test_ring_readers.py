@@ -241,3 +241,28 @@ def test_live_reader_without_timeout_is_never_evicted() -> None:
             ring.write(b"x" * 500, timeout=0.05)
         assert ring.stats().readers[0].state == "active"
         assert len(reader.read(max_frames=1000)) > 0
+
+
+def test_recovery_reader_starts_at_the_oldest_whole_frame() -> None:
+    ring = shm.Ring.create(capacity=CAP)
+    att = shm.Ring.attach(ring.name)
+    try:
+        sent = [bytes([i % 251]) * (100 + i % 700) for i in range(300)]  # several laps
+        for p in sent:
+            ring.write(p)
+        ring.close()  # the producer is gone; its last lap is still in the data area
+        late = att.reader()  # the default: at the head, nothing to see
+        assert late.read() == []
+        late.close()
+        rec = att.reader(start="oldest")
+        got: list[bytes] = []
+        while batch := rec.read(1000):
+            got += batch
+        assert got and got == sent[-len(got) :]
+        used = sum(frame_size(len(p)) for p in got)
+        assert used > CAP - 2 * 1024  # everything but the frames the next header cut
+        rec.close()
+        with pytest.raises(ValueError, match=r"^reader: start = 'tail': expected 'head' or 'oldest'$"):
+            att.reader(start="tail")
+    finally:
+        att.close()

@@ -229,7 +229,7 @@ BAD_SEGMENTS = [
     ("magic", {"magic": 0}, None, r"magic 0x0000000000000000, expected 0x52434550534f4941 \(not an aiospec ring\)"),
     ("magic", {"magic": L.MAGIC ^ 1}, None, r"magic 0x52434550534f4940, expected 0x52434550534f4941 \(not an aiospec"
      r" ring\)"),
-    ("version", {"version": 2}, None, r"version 2, expected 1"),
+    ("version", {"version": 1}, None, r"version 1, expected 2"),
     ("control_size", {"control_size": 8192}, None, r"control_size 8192, expected 4096"),
     ("frame_align", {"frame_align": 32}, None, r"frame_align 32, expected 64"),
     ("capacity", {"capacity": 100000}, 4096 + 100000, r"capacity 100000, expected a power of two in 65536\.\."

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -52,7 +53,8 @@ def test_inspect_prints_the_control_page(capsys: pytest.CaptureFixture[str]) -> 
         out = capsys.readouterr().out
         assert f"ring        {ring.name}" in out
         assert "written     1 frames, 100 bytes; lost 0" in out
-        assert f"reader 0    pid {os.getpid()}, active, tail 0, lag 128 bytes" in out
+        assert f"producer    pid {os.getpid()} (running), live, epoch 1, heartbeat" in out
+        assert f"reader 0    pid {os.getpid()} (running), active, tail 0, lag 128 bytes" in out
         assert main(["inspect", ring.name, "--json"]) == 0
         doc = json.loads(capsys.readouterr().out)
         assert doc["frames_written"] == 1 and doc["readers"][0]["lag"] == 128
@@ -81,20 +83,70 @@ def test_gc_removes_an_orphan_and_its_bells(orphan: str, capsys: pytest.CaptureF
     assert _files(orphan) == []
 
 
-def test_gc_keeps_live_rings_young_orphans_and_other_files(orphan: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_inspect_knows_a_killed_producer_and_reader_dead_at_once(
+    orphan: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["inspect", orphan]) == 0
+    out = capsys.readouterr().out
+    assert "(dead), live, epoch 1" in out and "(dead), active" in out
+    assert main(["inspect", orphan, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["producer_alive"] is False and doc["readers"][0]["alive"] is False
+
+
+def test_gc_removes_a_fresh_orphan_of_this_namespace_at_once(orphan: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # the creator was SIGKILLed a moment ago: its pid is in this namespace, so no age is needed
+    assert main(["gc", orphan]) == 0
+    assert capsys.readouterr().out.startswith(f"removed {orphan}: its producer (pid ")
+    assert _files(orphan) == []
+
+
+def test_gc_keeps_live_rings_young_foreign_orphans_and_other_files(
+    orphan: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from _ringhelpers import RawSegment
+
+    from shm import layout as L
+
+    raw = RawSegment(orphan)
+    try:  # as if made in another pid namespace: its pids cannot be checked from here
+        for off in (L.OFF_CREATOR_PIDNS, L.OFF_PRODUCER_PIDNS):
+            raw.set_u64(off, 12345)
+        raw.set_u64(L.OFF_HEARTBEAT_NS, time.monotonic_ns())
+    finally:
+        raw.close()
     other = os.path.join(shm.SHM_DIR, f"aiospec-not-a-ring-{os.getpid()}")
     with open(other, "wb") as f:
         f.write(b"\0" * 8192)
     try:
         with shm.Ring.create(capacity=1 << 16) as live:
             assert live.orphaned() is None  # its creator (this process) will unlink it
-            # the orphan's heartbeat is seconds old at most: the default --min-age keeps it
+            # the foreign orphan's heartbeat is fresh: the default --min-age keeps it
             assert main(["gc", orphan, live.name, os.path.basename(other)]) == 0
             assert capsys.readouterr().out == "no orphaned rings\n"
             assert main(["gc", live.name, os.path.basename(other), "--min-age", "0"]) == 0
             assert capsys.readouterr().out == "no orphaned rings\n"
             assert os.path.exists(live.path) and os.path.exists(other) and _files(orphan)
+            assert main(["gc", orphan, "--min-age", "0"]) == 0
+            assert "sent no heartbeat" in capsys.readouterr().out and _files(orphan) == []
     finally:
         os.unlink(other)
     assert main(["gc", "--min-age", "-1"]) == 2
     assert "--min-age -1.0: expected a number of seconds >= 0" in capsys.readouterr().err
+
+
+def test_inspect_frames_lists_what_a_dead_producer_left(capsys: pytest.CaptureFixture[str]) -> None:
+    from aiospec import encode_frame
+
+    with shm.Ring.create(capacity=1 << 16) as ring:
+        for step in range(400):  # several laps: only the last lap's frames are whole
+            ring.write(encode_frame([step], [0, 1], [step], step=step))
+        assert main(["inspect", ring.name, "--frames", "--json"]) == 0
+        doc = json.loads(capsys.readouterr().out)
+        steps = [f["step"] for f in doc["frames"]]
+        assert steps == list(range(steps[0], 400)) and steps[0] > 0 and len(steps) > 100
+        assert main(["inspect", ring.name, "--frames"]) == 0
+        out = capsys.readouterr().out
+        assert f"frames      {len(steps)} whole in the data area" in out
+        assert "step 399, target, 1 records, 1 tokens" in out
+        assert ring.stats().readers == ()  # the walk's slot was given back

@@ -89,6 +89,25 @@ inline bool pid_alive(uint32_t pid) {
   return true;
 }
 
+// Inode of this process's pid namespace (0: unknown), as shm/_sys.py records it.
+inline uint64_t own_pidns() {
+  struct stat st;
+  if (::stat("/proc/self/ns/pid", &st) != 0) return 0;
+  return uint64_t(st.st_ino);
+}
+
+// 1 alive, 0 dead (zombies included), -1 unknown: the pid was recorded by a process of another
+// pid namespace, which this one cannot check (same rule as shm/_sys.py pid_state).
+inline int pid_state(uint32_t pid, uint64_t pidns) {
+  const uint64_t mine = own_pidns();
+  if (pidns != 0 && mine != 0 && pidns != mine) return -1;
+  return pid_alive(pid) ? 1 : 0;
+}
+
+// A claim held from another pid namespace is taken over once its heartbeat is this old
+// (shm/_segment.py CLAIM_STALE_S).
+constexpr double kClaimStaleS = 10.0;
+
 // Same rule as shm/_segment.py: 1..200 of [A-Za-z0-9._-], not starting with '.', no ".bell".
 inline bool valid_ring_name(const std::string& name) {
   if (name.empty() || name.size() > 200 || name[0] == '.') return false;
@@ -277,13 +296,51 @@ class RingProducer {
   // and continues from the head the previous producer left.
   explicit RingProducer(const std::string& name, ProducerOptions opts = ProducerOptions())
       : map_(RingMap::open(name)), opts_(opts), bells_(map_.max_readers) {
+    struct stat st;
+    seg_uid_ = fstat(map_.fd, &st) == 0 ? st.st_uid : geteuid();
+    claim();
     head_ = load_acquire(map_.ctl64(AIOSPEC_OFF_HEAD));
     min_tail_ = head_;
     frames_written_ = load_relaxed(map_.ctl64(AIOSPEC_OFF_FRAMES_WRITTEN));
     bytes_written_ = load_relaxed(map_.ctl64(AIOSPEC_OFF_BYTES_WRITTEN));
-    store_relaxed(map_.ctl32(AIOSPEC_OFF_PRODUCER_PID), uint32_t(getpid()));
+  }
+
+  // Takes the ring's producer claim (section 7): kept when this process holds it, taken over
+  // (epoch bumped) from a closed ring or a holder known to be gone, refused (RingErrc::closed,
+  // naming the holder) while another live process holds it. Returns the claim's epoch.
+  uint64_t claim() {
+    const uint32_t me = uint32_t(getpid());
+    const uint64_t ns = own_pidns();
+    if (flock(map_.fd, LOCK_EX) != 0) {
+      int err = errno;
+      throw RingError(RingErrc::os, "ring " + map_.name + ": flock: " + strerror(err), err);
+    }
+    const uint32_t state = load_acquire(map_.ctl32(AIOSPEC_OFF_PRODUCER_STATE));
+    const uint32_t pid = load_relaxed(map_.ctl32(AIOSPEC_OFF_PRODUCER_PID));
+    const uint64_t pidns = load_relaxed(map_.ctl64(AIOSPEC_OFF_PRODUCER_PIDNS));
+    uint64_t epoch = load_relaxed(map_.ctl64(AIOSPEC_OFF_PRODUCER_EPOCH));
+    const bool mine = pid == me && (pidns == 0 || pidns == ns);
+    if (!mine && state == AIOSPEC_PRODUCER_LIVE) {
+      int alive = pid_state(pid, pidns);
+      if (alive < 0) {
+        const uint64_t hb = load_relaxed(map_.ctl64(AIOSPEC_OFF_HEARTBEAT_NS));
+        const uint64_t now = monotonic_ns();
+        alive = now < hb || double(now - hb) < kClaimStaleS * 1e9;
+      }
+      if (alive) {
+        flock(map_.fd, LOCK_UN);
+        throw RingError(RingErrc::closed, "ring " + map_.name + ": producer claim held by pid " + std::to_string(pid) +
+                                              " (epoch " + std::to_string(epoch) +
+                                              "); one producer writes a ring at a time");
+      }
+    }
+    if (!mine) store_relaxed(map_.ctl64(AIOSPEC_OFF_PRODUCER_EPOCH), ++epoch);
+    store_relaxed(map_.ctl32(AIOSPEC_OFF_PRODUCER_PID), me);
+    store_relaxed(map_.ctl64(AIOSPEC_OFF_PRODUCER_PIDNS), ns);
     heartbeat();
     store_release(map_.ctl32(AIOSPEC_OFF_PRODUCER_STATE), uint32_t(AIOSPEC_PRODUCER_LIVE));
+    flock(map_.fd, LOCK_UN);
+    return epoch;
   }
   RingProducer(const RingProducer&) = delete;
   RingProducer& operator=(const RingProducer&) = delete;
@@ -322,13 +379,50 @@ class RingProducer {
 
   // Another writer of this ring (a Python Ring.write between two emits) may have committed
   // frames since our last commit: continue after them instead of overwriting them.
+  // Only a head those frames explain is adopted (section 3): never one behind ours (that would
+  // overwrite unread frames) nor one past the committed frames (readers would stall on it and
+  // lose what lies between); an impossible head throws RingErrc::bad_segment (shm's
+  // CorruptControl family). Frames of another process mean another claim: claim() refuses.
   void adopt_head() {
     const uint64_t head = load_acquire(map_.ctl64(AIOSPEC_OFF_HEAD));
     if (head == head_) return;
+    const std::string why = impossible_head(head);
+    if (!why.empty()) {
+      throw RingError(RingErrc::bad_segment,
+                      "ring " + map_.name + ": head word " + std::to_string(head) + ": " + why + "; refusing to write");
+    }
+    claim();
     head_ = head;
     frames_written_ = load_relaxed(map_.ctl64(AIOSPEC_OFF_FRAMES_WRITTEN));
     bytes_written_ = load_relaxed(map_.ctl64(AIOSPEC_OFF_BYTES_WRITTEN));
-    store_relaxed(map_.ctl32(AIOSPEC_OFF_PRODUCER_PID), uint32_t(getpid()));
+  }
+
+  // Why `head` cannot follow this producer's head, or "" (same rule as shm/_producer.py).
+  std::string impossible_head(uint64_t head) const {
+    if (head < head_) return "behind this producer's head " + std::to_string(head_) + " (moved backwards)";
+    if (head % AIOSPEC_FRAME_ALIGN != 0) return "not a multiple of " + std::to_string(AIOSPEC_FRAME_ALIGN);
+    const uint8_t* data = map_.data();
+    auto word = [&](uint64_t pos, size_t off) {
+      return load_acquire(reinterpret_cast<const uint64_t*>(data + (pos & map_.mask) + off));
+    };
+    if (word(head, AIOSPEC_FH_COMMIT) != 0) {
+      return "the frame header at the head is not cleared (past the committed frames)";
+    }
+    if (head - head_ > map_.capacity) return "";  // more than a lap since: our frames are gone
+    uint64_t pos = head_;
+    while (pos < head) {
+      const uint64_t off = pos & map_.mask;
+      const uint64_t commit = word(pos, AIOSPEC_FH_COMMIT);
+      const uint64_t length = commit & 0xFFFFFFFFull;
+      const uint64_t size = (length + AIOSPEC_FRAME_ALIGN - 1) & ~uint64_t(AIOSPEC_FRAME_ALIGN - 1);
+      if (commit == 0 || length < AIOSPEC_FRAME_HEADER || size > map_.capacity - off ||
+          word(pos, AIOSPEC_FH_POSITION) != pos) {
+        return "no committed frame at position " + std::to_string(pos) + " below it (past the committed frames)";
+      }
+      pos += size;
+    }
+    if (pos != head) return "the committed frames end at " + std::to_string(pos);
+    return "";
   }
 
   // Drops a reservation without publishing it (the space is simply reused).
@@ -395,7 +489,8 @@ class RingProducer {
       if (load_acquire(map_.rd32(s, AIOSPEC_RD_STATE)) != AIOSPEC_READER_ACTIVE) continue;
       if (load_acquire(map_.rd64(s, AIOSPEC_RD_TAIL)) >= needed_tail) continue;
       const uint32_t pid = load_relaxed(map_.rd32(s, AIOSPEC_RD_PID));
-      const bool dead = opts_.check_pids && !pid_alive(pid);
+      // a reader in another pid namespace (state -1) is judged by its heartbeat only
+      const bool dead = opts_.check_pids && pid_state(pid, load_relaxed(map_.rd64(s, AIOSPEC_RD_PIDNS))) == 0;
       const uint64_t hb = load_relaxed(map_.rd64(s, AIOSPEC_RD_HEARTBEAT_NS));
       const bool silent = opts_.reader_timeout > 0 && now > hb && double(now - hb) > opts_.reader_timeout * 1e9;
       if (!dead && !silent) continue;
@@ -453,6 +548,7 @@ class RingProducer {
     const uint64_t start = monotonic_ns();
     uint64_t delay_ns = 0;
     for (;;) {
+      heartbeat();  // waiting for room is a sign of life: readers must not take it for death
       min_tail_ = scan_min_tail();
       if (head_ + need - min_tail_ <= map_.capacity) return;
       evict_blocking(head_ + need - map_.capacity);
@@ -539,8 +635,16 @@ class RingProducer {
       if (b.gen == gen) return b.fd;
       drop_bell(slot);
     }
-    const int fd = ::open(bell_path(map_.name, slot).c_str(), O_WRONLY | O_NONBLOCK | O_CLOEXEC);
+    // Never through a symlink, only a FIFO of this uid or the segment's owner that others cannot
+    // open (section 5): anything else was planted, and ringing nothing is the safe answer.
+    const int fd = ::open(bell_path(map_.name, slot).c_str(), O_WRONLY | O_NONBLOCK | O_CLOEXEC | O_NOFOLLOW);
     if (fd < 0) return -1;  // no reader holds its bell open (it is leaving): nothing to wake
+    struct stat st;
+    if (fstat(fd, &st) != 0 || !S_ISFIFO(st.st_mode) || (st.st_uid != geteuid() && st.st_uid != seg_uid_) ||
+        (st.st_mode & 077) != 0) {
+      ::close(fd);
+      return -1;
+    }
     b.fd = fd;
     b.gen = gen;
     return fd;
@@ -558,6 +662,7 @@ class RingProducer {
   };
 
   RingMap map_;
+  uid_t seg_uid_ = 0;  // the segment file's owner, who may own the bells too
   ProducerOptions opts_;
   std::vector<Bell> bells_;
   uint64_t head_ = 0;

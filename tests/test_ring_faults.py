@@ -1,0 +1,316 @@
+"""Faults on purpose: corrupt commit words, control words and heads, a second producer, and
+planted bells. Every one is a typed error, on the C and the Python paths alike."""
+
+from __future__ import annotations
+
+import os
+import stat
+import time
+
+import pytest
+from _ringhelpers import (  # noqa: F401  (shm_tracker is an autouse fixture, ring_paths used below)
+    CAP,
+    SPAWN,
+    XPROC_TIMEOUT,
+    RawSegment,
+    frame_size,
+    recv,
+    ring_paths_fixture,
+    shm_tracker_fixture,
+)
+
+import shm
+from shm import layout as L
+
+pytestmark = pytest.mark.usefixtures("ring_paths")
+
+COMMIT = L.FH_COMMIT
+
+
+def _commit_word(length: int, ftype: int) -> int:
+    return length | ftype << 32
+
+
+# -- corrupt commit words (item 3) -----------------------------------------------------------------
+
+
+def test_data_frame_flipped_to_pad_is_corrupt() -> None:
+    with shm.Ring.create(capacity=CAP) as ring, ring.reader() as reader, RawCtx(ring.name) as raw:
+        ring.write(b"a" * 100)
+        ring.write(b"b" * 100)
+        raw.set_data_u64(COMMIT, _commit_word(16 + 100, L.FRAME_PAD))
+        with pytest.raises(
+            shm.CorruptFrame,
+            match=rf"^ring {ring.name}: frame at position 0: PAD frame of length 116 ends \d+ bytes "
+            r"before the data area's end$",
+        ):
+            reader.poll()
+
+
+def test_wiped_commit_word_below_the_head_is_corrupt_not_a_stall() -> None:
+    with shm.Ring.create(capacity=CAP) as ring, RawCtx(ring.name) as raw:
+        reader = ring.reader(spin=0.0, recheck=0.01)
+        ring.write(b"a" * 100)
+        ring.write(b"b" * 100)
+        raw.set_data_u64(COMMIT, 0)
+        assert reader.pending()
+        t0 = time.monotonic()
+        assert reader.wait(XPROC_TIMEOUT) is True  # not a stall: at once
+        assert time.monotonic() - t0 < 5
+        msg = (
+            rf"^ring {ring.name}: frame at position 0: commit word 0 below the head 256 "
+            r"\(a committed frame was wiped\)$"
+        )
+        with pytest.raises(shm.CorruptFrame, match=msg):
+            reader.poll()
+        reader.close()
+
+
+def test_wiped_commit_word_is_reported_after_the_producer_closed() -> None:
+    ring = shm.Ring.create(capacity=CAP)
+    att = shm.Ring.attach(ring.name)
+    reader = att.reader(spin=0.0, recheck=0.01)
+    raw = RawSegment(ring.name)
+    try:
+        ring.write(b"a" * 100)
+        ring.write(b"b" * 100)
+        raw.set_data_u64(COMMIT, 0)
+        ring.close()
+        reader.check_producer()  # not "gone": frames are behind the wiped word
+        assert reader.wait(XPROC_TIMEOUT)
+        with pytest.raises(shm.CorruptFrame, match=r"commit word 0 below the head 256"):
+            reader.poll()
+    finally:
+        raw.close()
+        reader.close()
+        att.close()
+
+
+def test_head_moved_forward_is_corrupt_for_readers_and_refused_by_the_producer() -> None:
+    with shm.Ring.create(capacity=CAP) as ring, ring.reader() as reader, RawCtx(ring.name) as raw:
+        ring.write(b"a" * 100)
+        assert reader.read() == [b"a" * 100]
+        raw.set_u64(L.OFF_HEAD, 128 + 4096)
+        with pytest.raises(shm.CorruptFrame, match=r"commit word 0 below the head 4224"):
+            reader.poll()
+        msg = (
+            rf"^ring {ring.name}: head word 4224: no committed frame at position 128 below it "
+            r"\(past the committed frames\); refusing to write$"
+        )
+        with pytest.raises(shm.CorruptControl, match=msg) as info:
+            ring.write(b"b")
+        assert isinstance(info.value, shm.BadSegment)
+
+
+def test_head_moved_backwards_is_refused_by_the_producer() -> None:
+    with shm.Ring.create(capacity=CAP) as ring, ring.reader() as reader, RawCtx(ring.name) as raw:
+        for i in range(3):
+            ring.write(bytes([i]) * 100)
+        raw.set_u64(L.OFF_HEAD, 128)
+        msg = (
+            rf"^ring {ring.name}: head word 128: behind this producer's head 384 \(moved backwards\); "
+            r"refusing to write$"
+        )
+        with pytest.raises(shm.CorruptControl, match=msg):
+            ring.write(b"x")
+        assert reader.read() == [bytes([i]) * 100 for i in range(3)]  # nothing was overwritten
+
+
+# -- corrupt capacity word (item 4) -----------------------------------------------------------------
+
+
+def test_corrupt_capacity_word_is_typed_on_every_path(ring_paths: str) -> None:
+    with shm.Ring.create(capacity=CAP) as ring, RawCtx(ring.name) as raw:
+        reader = ring.reader(spin=0.0, recheck=0.01)
+        ring.write(b"a")
+        raw.set_u64(L.OFF_CAPACITY, CAP * 2)
+        if ring_paths == "native":
+            with pytest.raises(shm.CorruptControl, match=r"^segment: capacity word 131072, expected 65536"):
+                reader.poll()
+            with ring.reader(spin=0.0, recheck=0.01) as idle, pytest.raises(shm.CorruptControl, match=r"capacity word"):
+                idle.wait(0.05)  # nothing pending: the native sleep reads the word
+            with pytest.raises(shm.CorruptControl, match=r"capacity word 131072"):
+                ring.write(b"b")
+        else:  # the Python path keeps the capacity it mapped: the word is never used
+            assert reader.read() == [b"a"]
+            ring.write(b"b")
+        raw.set_u64(L.OFF_CAPACITY, CAP)
+        reader.close()
+
+
+# -- the format's promise of zero padding ------------------------------------------------------------
+
+
+def test_every_writer_zeroes_the_padding_to_the_frame_boundary() -> None:
+    with shm.Ring.create(capacity=CAP) as ring, ring.reader() as reader, RawCtx(ring.name) as raw:
+        raw.mm[L.CONTROL_SIZE : L.CONTROL_SIZE + 4096] = b"\xff" * 4096  # stale bytes of a lap
+        ring.write(b"a" * 5)
+        view = ring.reserve(30)
+        view[:] = b"b" * 30
+        ring.commit(7)
+        start = L.CONTROL_SIZE
+        assert raw.mm[start + 16 : start + 21] == b"a" * 5
+        assert raw.mm[start + 21 : start + 64] == bytes(43)
+        second = start + frame_size(5)
+        assert raw.mm[second + 16 + 7 : second + frame_size(7)] == bytes(frame_size(7) - 16 - 7)
+        assert reader.read() == [b"a" * 5, b"b" * 7]
+
+
+# -- one producer per ring (item 7) -------------------------------------------------------------
+
+
+def test_a_second_producer_process_is_refused_naming_the_holder() -> None:
+    with shm.Ring.create(capacity=CAP) as ring:
+        assert ring.stats().producer_epoch == 1
+        parent, child = SPAWN.Pipe()
+        p = SPAWN.Process(target=_claim, args=(ring.name, child))
+        p.start()
+        try:
+            kind, msg = recv(parent, "the second producer's answer")
+        finally:
+            p.join(XPROC_TIMEOUT)
+        assert kind == "ProducerBusy"
+        assert msg == (
+            f"ring {ring.name}: producer claim held by pid {os.getpid()} (epoch 1); "
+            "one producer writes a ring at a time"
+        )
+        ring.write(b"still mine")
+
+
+def test_a_dead_holders_claim_is_taken_over_with_a_new_epoch() -> None:
+    with shm.Ring.create(capacity=CAP) as ring, RawCtx(ring.name) as raw:
+        dead = SPAWN.Process(target=os.getpid)
+        dead.start()
+        dead.join(XPROC_TIMEOUT)
+        assert dead.pid is not None
+        raw.mm[L.OFF_PRODUCER_PID : L.OFF_PRODUCER_PID + 4] = dead.pid.to_bytes(4, "little")
+        parent, child = SPAWN.Pipe()
+        p = SPAWN.Process(target=_claim, args=(ring.name, child))
+        p.start()
+        try:
+            kind, epoch = recv(parent, "the new producer's answer")
+        finally:
+            p.join(XPROC_TIMEOUT)
+        assert (kind, epoch) == ("claimed", 2)
+        assert ring.stats().producer_epoch == 2
+
+
+def _claim(name: str, conn: object) -> None:
+    from shm._segment import Segment, attach
+
+    fd, mm = attach(name)
+    seg = Segment(name, fd, mm)
+    try:
+        epoch = seg.claim_producer()
+        conn.send(("claimed", epoch))  # type: ignore[attr-defined]
+    except shm.ProducerBusy as exc:
+        conn.send(("ProducerBusy", str(exc)))  # type: ignore[attr-defined]
+    finally:
+        seg.close()
+
+
+# -- bells no other uid can touch (item 2) ----------------------------------------------------------
+
+NOBODY = 65534
+
+
+def _as_other_uid(fn: object, *args: object) -> int:
+    """Run ``fn(*args)`` in a forked child that dropped to uid/gid 65534; its exit status."""
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 1
+        try:
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            fn(*args)  # type: ignore[operator]
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="dropping to a second uid needs root")
+
+
+def _plant_fifo(path: str) -> None:
+    os.mkfifo(path, 0o666)
+    os.chmod(path, 0o666)
+
+
+def _plant_symlink(path: str, target: str) -> None:
+    os.symlink(target, path)
+
+
+def _plant_file(path: str) -> None:
+    with open(path, "wb") as f:
+        f.write(b"planted")
+
+
+@needs_root
+@pytest.mark.parametrize("kind", ["fifo", "symlink", "file"])
+def test_a_bell_planted_by_another_uid_is_refused(kind: str, tmp_path: object) -> None:
+    with shm.Ring.create(capacity=CAP) as ring:
+        path = f"{shm.SHM_DIR}/{ring.name}.bell0"
+        victim = os.path.join(str(tmp_path), "victim")
+        with open(victim, "wb") as f:
+            f.write(b"keep")
+        if kind == "fifo":
+            assert _as_other_uid(_plant_fifo, path) == 0
+        elif kind == "symlink":
+            assert _as_other_uid(_plant_symlink, path, victim) == 0
+        else:
+            assert _as_other_uid(_plant_file, path) == 0
+        assert os.lstat(path).st_uid == NOBODY
+        with pytest.raises(shm.UnsafeBell, match=rf"^bell {path}: ") as info:
+            ring.reader()
+        assert isinstance(info.value, PermissionError)
+        assert [r.slot for r in ring.stats().readers] == []  # the slot was not taken
+        ring.write(b"x")
+        with open(victim, "rb") as f:
+            assert f.read() == b"keep"  # nothing went through the symlink
+        os.unlink(path)
+
+
+@needs_root
+def test_another_uid_cannot_open_or_replace_a_readers_bell() -> None:
+    with shm.Ring.create(capacity=CAP) as ring, ring.reader() as reader:
+        path = f"{shm.SHM_DIR}/{ring.name}.bell{reader.slot}"
+        st = os.lstat(path)
+        assert stat.S_ISFIFO(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600
+        assert _as_other_uid(_try_open_and_replace, path) == 0
+        assert os.lstat(path).st_ino == st.st_ino
+
+
+def _try_open_and_replace(path: str) -> None:
+    for flags in (os.O_RDONLY | os.O_NONBLOCK, os.O_WRONLY | os.O_NONBLOCK):
+        try:
+            os.close(os.open(path, flags))
+        except PermissionError:
+            continue
+        raise AssertionError(f"opened {path} as another uid")
+    try:
+        os.unlink(path)
+    except PermissionError:
+        return  # /dev/shm is sticky: only the owner may remove it
+    raise AssertionError(f"removed {path} as another uid")
+
+
+def test_this_uids_own_leftover_bell_is_made_again() -> None:
+    with shm.Ring.create(capacity=CAP) as ring:
+        path = f"{shm.SHM_DIR}/{ring.name}.bell0"
+        with open(path, "wb") as f:
+            f.write(b"stale")  # a regular file of ours: removed and made a FIFO again
+        with ring.reader() as reader:
+            assert reader.slot == 0 and stat.S_ISFIFO(os.lstat(path).st_mode)
+            ring.write(b"x")
+            assert reader.read() == [b"x"]
+
+
+class RawCtx(RawSegment):
+    def __enter__(self) -> RawCtx:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
