@@ -366,7 +366,7 @@ def run_scenario(args: argparse.Namespace, name: str, producers: list[dict[str, 
     rings = [shm.Ring.create(capacity=args.ring_mib << 20) for _ in producers]
     raw = [RawReader(r) for r in rings] if check else []
     procs: list[Any] = []
-    out: dict[str, Any] = {"scenario": name, "ok": False}
+    out: dict[str, Any] = {"scenario": name, "ok": False, "rings": [r.name for r in rings]}
     try:
         hub_conn, hub_child = SPAWN.Pipe()
         pd = any(p["role"] == "decode" for p in producers)
