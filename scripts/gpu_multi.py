@@ -86,8 +86,9 @@ def step_tokens(h: int, step: int) -> int:
     return 1 + (h + step) % 3  # speculative decoding: 1..3 accepted tokens a step
 
 
-def expected(h: int, n: int) -> dict[str, np.ndarray]:
-    p = np.arange(n, dtype=np.int64)
+def expected(h: int, n: int, start: int = 0) -> dict[str, np.ndarray]:
+    """Positions ``start..n-1`` of request ``h``."""
+    p = np.arange(start, n, dtype=np.int64)
     t = tok(h, p)
     lv = lp(h, p)
     j = np.arange(1, TOPK + 1)
@@ -114,12 +115,12 @@ def make_step(rows: list[tuple[int, int, int, int, int]], step: int) -> dict[str
     draft_ids = np.full((b, 1), -1, dtype=np.int64)
     num_draft = np.zeros(b, dtype=np.int32)
     for i, (h, p0, n, f, d) in enumerate(rows):
-        e = expected(h, p0 + n)
+        e = expected(h, p0 + n, p0)
         handles[i], num_tokens[i], flags[i] = h, n, f
-        token_ids[i, :n] = e["token_ids"][p0:]
-        lp_ids.append(np.concatenate([e["token_ids"][p0:, None], e["topk_ids"][p0:]], axis=1))
-        lp_vals.append(np.concatenate([e["logprobs"][p0:, None], e["topk_logprobs"][p0:]], axis=1))
-        lp_ranks.append(e["ranks"][p0:])
+        token_ids[i, :n] = e["token_ids"]
+        lp_ids.append(np.concatenate([e["token_ids"][:, None], e["topk_ids"]], axis=1))
+        lp_vals.append(np.concatenate([e["logprobs"][:, None], e["topk_logprobs"]], axis=1))
+        lp_ranks.append(e["ranks"])
         offsets[i + 1] = offsets[i] + n
         if d >= 0:
             draft_ids[i, 0], num_draft[i] = d, 1
@@ -140,15 +141,63 @@ def make_step(rows: list[tuple[int, int, int, int, int]], step: int) -> dict[str
 # -- a producer process: one engine (or rank) stepping its batch ---------------------------------
 
 
+class Batch:
+    """One engine's batch: requests queued, the rows stepping, what each request emitted."""
+
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        self.role, self.rows, self.budget = cfg["role"], cfg["rows"], cfg["steps"]
+        self.req_len = cfg.get("req_len")
+        self.queue: list[int] = list(cfg.get("handles", ()))
+        self.active: dict[int, int] = {}  # handle -> next position
+        self.lengths: dict[int, int] = {}
+        self.step = 0
+
+    def next(self) -> list[tuple[int, int, int, int, int]] | None:
+        """The rows of the next step (admitting queued requests), None when there is none."""
+        from aiospec._codec import Flag
+
+        if self.budget is not None and self.step >= self.budget:
+            return None
+        while self.queue and len(self.active) < self.rows:
+            self.active[self.queue.pop(0)] = 1 if self.role == "decode" else 0
+        if not self.active:
+            return None
+        last = self.budget is not None and self.step == self.budget - 1
+        recs = []
+        for h, p0 in self.active.items():
+            if self.role == "prefill":
+                recs.append((h, 0, 1, int(Flag.FIRST_TOKEN), int(tok(h, np.int64(1)))))
+                continue
+            length = self.req_len or req_len(h)
+            n = min(step_tokens(h, self.step), length - p0)
+            f = int(Flag.FIRST_TOKEN) if p0 == 0 else 0
+            if p0 + n >= length or last:
+                f |= int(Flag.FINISHED)
+            recs.append((h, p0, n, f, -1))
+        return recs
+
+    def advance(self, recs: list[tuple[int, int, int, int, int]]) -> None:
+        from aiospec._codec import Flag
+
+        for h, p0, n, f, _ in recs:
+            self.lengths[h] = p0 + n
+            if self.role == "prefill" or f & int(Flag.FINISHED):
+                del self.active[h]
+            else:
+                self.active[h] = p0 + n
+        self.step += 1
+
+
 def producer_main(cfg: dict[str, Any], conn: Connection, source: Connection | None) -> None:
     """Run one engine's step loop into ring ``cfg["ring"]``, report to ``conn``.
 
     ``cfg["role"]``: ``prefill`` (one FIRST_TOKEN record per request, with a draft token),
     ``decode`` (continue the handles that arrive on ``source``, from position 1) or ``both``
     (whole requests from ``cfg["handles"]``). ``cfg["steps"]``: a step budget (the last step
-    finishes every request in the batch), None: until every request is done."""
+    finishes every request in the batch), None: until every request is done. The steps of a
+    prefill or whole-request engine are built (and copied to the GPU) before the timed loop, so
+    that it times the emits; the decoder builds each step when its requests have arrived."""
     try:
-        from aiospec._codec import Flag
         from aiospec.ops import EmitStep, Producer, build_step
 
         torch: Any = None
@@ -160,56 +209,53 @@ def producer_main(cfg: dict[str, Any], conn: Connection, source: Connection | No
             dev = torch.device("cuda", cfg["gpu"])
         prod = Producer(cfg["ring"], device=None if dev is not None else "cpu", producer=cfg["producer"],
                         timeout=10.0, max_rows=cfg["rows"] * 2)  # fmt: skip
-        role, rows, budget = cfg["role"], cfg["rows"], cfg["steps"]
-        queue: list[int] = list(cfg.get("handles", ()))
-        expect_in = cfg.get("expect_in", 0)  # decode: requests that will arrive on ``source``
-        arrived = 0
-        active: dict[int, int] = {}  # handle -> next position
-        lengths: dict[int, int] = {}
-        stamps: list[int] = []
+        batch = Batch(cfg)
         frames: list[bytes] = []
-        conn.send("ready")
-        assert conn.recv() == "go"
-        t_first = now_ns()
-        step = 0
-        deadline = time.monotonic() + cfg["timeout"]
-        while time.monotonic() < deadline:
-            if role == "decode":
-                while arrived < expect_in and source is not None and source.poll(0 if active else 0.05):
-                    queue.append(source.recv())
-                    arrived += 1
-            while queue and len(active) < rows:
-                h = queue.pop(0)
-                active[h] = 1 if role == "decode" else 0
-            if not active:
-                if role == "decode" and arrived < expect_in:
-                    continue
-                break
-            last = budget is not None and step == budget - 1
-            recs = []
-            for h, p0 in active.items():
-                if role == "prefill":
-                    recs.append((h, 0, 1, int(Flag.FIRST_TOKEN), int(tok(h, np.int64(1)))))
-                    lengths[h] = 1
-                    continue
-                length = cfg.get("req_len") or req_len(h)
-                n = min(step_tokens(h, step), length - p0)
-                f = int(Flag.FIRST_TOKEN) if p0 == 0 else 0
-                if p0 + n >= length or last:
-                    f |= int(Flag.FINISHED)
-                recs.append((h, p0, n, f, -1))
-                lengths[h] = p0 + n
-            inp = make_step(recs, step)
+
+        def prepare(recs: list[tuple[int, int, int, int, int]]) -> EmitStep:
+            inp = make_step(recs, batch.step)
+            batch.advance(recs)
             host = EmitStep.from_kwargs(**inp)
             if cfg["check"]:
                 frames.append(build_step(host, producer=cfg["producer"]))
-            if dev is not None:
-                x = EmitStep.from_kwargs(**{k: torch.from_numpy(v).to(dev) if isinstance(v, np.ndarray) else v
-                                            for k, v in inp.items()})  # fmt: skip
+            if dev is None:
+                return host
+            return EmitStep.from_kwargs(**{k: torch.from_numpy(v).to(dev) if isinstance(v, np.ndarray) else v
+                                           for k, v in inp.items()})  # fmt: skip
+
+        planned: list[EmitStep] = []
+        if cfg["role"] != "decode":
+            while (recs := batch.next()) is not None:
+                planned.append(prepare(recs))
+        expect_in = cfg.get("expect_in", 0)  # decode: requests that will arrive on ``source``
+        arrived = 0
+        stamps: list[int] = []
+        conn.send("ready")
+        assert conn.recv() == "go"
+        t_first = now_ns()
+        deadline = time.monotonic() + cfg["timeout"]
+        i = 0
+        while time.monotonic() < deadline:
+            if cfg["role"] == "decode":
+                while arrived < expect_in and source is not None and source.poll(0 if batch.active else 0.05):
+                    batch.queue.append(source.recv())
+                    arrived += 1
+                recs = batch.next()
+                if recs is None:
+                    if arrived < expect_in:
+                        continue
+                    break
+                x = prepare(recs)
+            elif i < len(planned):
+                x = planned[i]
             else:
-                x = host
+                break
             if cfg["interval_us"]:
-                while now_ns() < t_first + step * cfg["interval_us"] * 1000:
+                due = t_first + i * cfg["interval_us"] * 1000
+                ahead = due - now_ns() - 200_000  # sleep, then spin the last 0.2 ms (sleep overshoots)
+                if ahead > 0:
+                    time.sleep(ahead / 1e9)
+                while now_ns() < due:
                     pass
             stamps.append(now_ns())
             prod.emit_step(x)
@@ -217,19 +263,12 @@ def producer_main(cfg: dict[str, Any], conn: Connection, source: Connection | No
                 torch.cuda.current_stream(dev).synchronize()
                 prod.notify()
                 prod.check()
-            for h, p0, n, f, _ in recs:
-                if role == "prefill" or f & int(Flag.FINISHED):
-                    del active[h]
-                else:
-                    active[h] = p0 + n
-            step += 1
-            if last:
-                break
+            i += 1
         t_last = now_ns()
-        done = not active and not queue and (role != "decode" or arrived == expect_in)
+        done = i == len(planned) if cfg["role"] != "decode" else not batch.active and arrived == expect_in
         conn.send({
-            "ok": done or budget is not None, "error": None if done or budget is not None else "timed out",
-            "steps": step, "lengths": lengths, "stamps": stamps, "frames": frames, "backend": prod.device,
+            "ok": done, "error": None if done else f"timed out after {i} steps", "steps": i,
+            "lengths": batch.lengths, "stamps": stamps, "frames": frames, "backend": prod.device,
             "emit_s": (t_last - t_first) / 1e9,
         })  # fmt: skip
         conn.recv()  # stay attached until the readers are done
