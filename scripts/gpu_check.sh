@@ -10,12 +10,16 @@
 #   5. scripts/bench_emit.py, the JSON into $OUT/bench_emit.json. It raises kernel.msgmax /
 #      msgmnb for the FastDeploy-style baseline when it runs as root (FastDeploy's own advice),
 #      unless RAISE_MSGMAX=0.
+#   6. "multi": scripts/gpu_multi.py --device cuda, the JSON into $OUT/gpu_multi.json: a PD pair
+#      and two ranks of one engine, one producer process per GPU (both on GPU 0 when only one
+#      is visible; the JSON's layout says which ran), one Hub in a third process. MULTI_ARGS
+#      adds arguments to it.
 # Optional stage "variants": rebuilds the driver with each measurement switch of
 # csrc/cuda/emit_kernel.cuh and times them (docs/benchmarks.md).
 # $OUT (default /tmp/aiospec-gpu-check) gets summary.log, bench_emit.json and logs.tgz (every
 # stage's log). Every stage runs even when an earlier one failed; the exit status is the
 # number of failed stages. Stages can be picked: gpu_check.sh build driver tests sanitize
-# variants bench (default: all but variants). BENCH_ARGS adds arguments to the benchmark.
+# multi variants bench (default: all but variants). BENCH_ARGS adds arguments to the benchmark.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/aiospec-gpu-check}"
@@ -24,7 +28,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 export AIOSPEC_CACHE_DIR="${AIOSPEC_CACHE_DIR:-/tmp/aiospec-cache}"
 export AIOSPEC_CUDA_ARCH="${AIOSPEC_CUDA_ARCH:-90}"
-STAGES="${*:-build driver tests sanitize bench}"
+STAGES="${*:-build driver tests multi sanitize bench}"
 DRIVER=/tmp/aiospec_emit_check
 failed=0
 summary=()
@@ -78,6 +82,13 @@ fi
 if has tests; then
   stage tests 420 python3 -m pytest -p no:cacheprovider -v -rs -m gpu --junitxml="$LOGS/tests.xml" tests/test_ops_cuda.py \
     tests/test_integrations_fastdeploy.py
+fi
+
+if has multi; then
+  # shellcheck disable=SC2086
+  stage multi "${MULTI_TIMEOUT:-540}" python3 scripts/gpu_multi.py --device cuda --json "$OUT/gpu_multi.json" \
+    ${MULTI_ARGS:-}
+  summary+=("  $(tail -n 1 "$LOGS/multi.log")")
 fi
 
 if has sanitize; then
