@@ -38,8 +38,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import glob
 import json
 import multiprocessing as mp
+import os
 import statistics
 import sys
 import threading
@@ -189,7 +192,10 @@ class Batch:
 
 
 def producer_main(cfg: dict[str, Any], conn: Connection, source: Connection | None) -> None:
-    """Run one engine's step loop into ring ``cfg["ring"]``, report to ``conn``.
+    """Run one engine's step loop into a ring of its own, report to ``conn``.
+
+    The engine process creates its ring (it holds the ring's one producer claim, as an engine
+    does) and sends its name with "ready"; the ring is unlinked when the engine closes it.
 
     ``cfg["role"]``: ``prefill`` (one FIRST_TOKEN record per request, with a draft token),
     ``decode`` (continue the handles that arrive on ``source``, from position 1) or ``both``
@@ -207,7 +213,10 @@ def producer_main(cfg: dict[str, Any], conn: Connection, source: Connection | No
 
             torch.cuda.set_device(cfg["gpu"])
             dev = torch.device("cuda", cfg["gpu"])
-        prod = Producer(cfg["ring"], device=None if dev is not None else "cpu", producer=cfg["producer"],
+        import shm
+
+        ring = shm.Ring.create(capacity=cfg["ring_bytes"])
+        prod = Producer(ring.name, device=None if dev is not None else "cpu", producer=cfg["producer"],
                         timeout=10.0, max_rows=cfg["rows"] * 2)  # fmt: skip
         batch = Batch(cfg)
         frames: list[bytes] = []
@@ -230,7 +239,7 @@ def producer_main(cfg: dict[str, Any], conn: Connection, source: Connection | No
         expect_in = cfg.get("expect_in", 0)  # decode: requests that will arrive on ``source``
         arrived = 0
         stamps: list[int] = []
-        conn.send("ready")
+        conn.send(("ready", ring.name))
         assert conn.recv() == "go"
         t_first = now_ns()
         deadline = time.monotonic() + cfg["timeout"]
@@ -273,6 +282,7 @@ def producer_main(cfg: dict[str, Any], conn: Connection, source: Connection | No
         })  # fmt: skip
         conn.recv()  # stay attached until the readers are done
         prod.close()
+        ring.close()
     except Exception as exc:
         conn.send({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
 
@@ -402,32 +412,36 @@ def run_scenario(args: argparse.Namespace, name: str, producers: list[dict[str, 
     for i, p in enumerate(producers):
         for h in p.get("handles", ()):
             owner[h] = (i, i if decoder is None else decoder)
-    rings = [shm.Ring.create(capacity=args.ring_mib << 20) for _ in producers]
-    raw = [RawReader(r) for r in rings] if check else []
+    rings: list[Any] = []  # attached: each engine creates (and unlinks) its own ring
+    names: list[str] = []
+    raw: list[RawReader] = []
     procs: list[Any] = []
-    out: dict[str, Any] = {"scenario": name, "ok": False, "rings": [r.name for r in rings]}
+    out: dict[str, Any] = {"scenario": name, "ok": False, "rings": names}
     try:
-        hub_conn, hub_child = SPAWN.Pipe()
         pd = any(p["role"] == "decode" for p in producers)
         ack_rx, ack_tx = SPAWN.Pipe(duplex=False) if pd else (None, None)
-        hub = SPAWN.Process(target=hub_main, args=([r.name for r in rings], owner, hub_child, ack_tx, args.timeout))
-        hub.start()
-        procs.append(hub)
         conns = []
         for i, p in enumerate(producers):
-            cfg = {**p, "ring": rings[i].name, "producer": i, "device": args.device, "rows": args.rows,
+            cfg = {**p, "ring_bytes": args.ring_mib << 20, "producer": i, "device": args.device, "rows": args.rows,
                    "check": check, "interval_us": interval_us, "timeout": args.timeout}  # fmt: skip
             parent, child = SPAWN.Pipe()
             proc = SPAWN.Process(target=producer_main, args=(cfg, child, ack_rx if p["role"] == "decode" else None))
             proc.start()
             procs.append(proc)
             conns.append(parent)
-        if _recv(hub_conn, args.timeout) != "ready":
-            raise RuntimeError("the hub process did not start")
         for c in conns:
             msg = _recv(c, args.timeout)
-            if msg != "ready":
+            if not (isinstance(msg, tuple) and msg[0] == "ready"):
                 raise RuntimeError(f"a producer did not start: {msg}")
+            names.append(msg[1])
+            rings.append(shm.Ring.attach(msg[1]))
+        raw.extend(RawReader(r) for r in rings if check)
+        hub_conn, hub_child = SPAWN.Pipe()
+        hub = SPAWN.Process(target=hub_main, args=(names, owner, hub_child, ack_tx, args.timeout))
+        hub.start()
+        procs.append(hub)
+        if _recv(hub_conn, args.timeout) != "ready":
+            raise RuntimeError("the hub process did not start")
         for t in raw:
             t.start()
         for c in conns:
@@ -477,7 +491,8 @@ def run_scenario(args: argparse.Namespace, name: str, producers: list[dict[str, 
     finally:
         for t in raw:
             t.stop.set()
-            t.join(10)
+            if t.ident is not None:  # a failure may come before every reader thread started
+                t.join(10)
             t.reader.close()
         for p in procs:
             p.join(10)
@@ -486,6 +501,10 @@ def run_scenario(args: argparse.Namespace, name: str, producers: list[dict[str, 
                 p.join(5)
         for r in rings:
             r.close()
+        for n in names:  # an engine that failed or was killed leaves its ring behind
+            for path in glob.glob(os.path.join(shm.SHM_DIR, glob.escape(n)) + "*"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
     return out
 
 
