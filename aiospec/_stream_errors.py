@@ -67,8 +67,10 @@ class RequestAborted(StreamError):
 
 class ProducerLost(StreamError, ConnectionError):
     """The producer of a ring this stream reads went away (closed the ring, its process
-    exited, its heartbeat is too old); ``__cause__`` is the ring's ``ProducerGone`` (like
-    anyio's ``BrokenResourceError``)."""
+    exited, or its heartbeat is too old and its pid cannot be checked from this pid
+    namespace: ``ProducerGone.presumed``); ``__cause__`` is the ring's ``ProducerGone`` (like
+    anyio's ``BrokenResourceError``). A producer whose heartbeat is old but whose process is
+    alive here is stalled, not gone: its streams stay open."""
 
 
 class StreamFramesLost(StreamError):
