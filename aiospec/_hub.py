@@ -189,6 +189,12 @@ class Hub:
         """Names of the rings read now."""
         return tuple(self._feeds)
 
+    @property
+    def stalled(self) -> tuple[str, ...]:
+        """Names of the rings whose producer is stalled now (alive, but no heartbeat for
+        ``producer_timeout``: a paused or blocked engine); their streams stay open."""
+        return tuple(name for name, f in self._feeds.items() if f.status == "stalled")
+
     # -- streams -------------------------------------------------------------------------------
 
     def open(self, handle: int, *, rings: Iterable[str] | None = None) -> RequestStream:

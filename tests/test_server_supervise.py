@@ -148,3 +148,28 @@ def test_max_restarts_zero_exits_at_the_first_death(n: int) -> None:
         assert srv.proc is not None and srv.proc.wait(60) == 3
     finally:
         srv.stop()
+
+
+def test_a_paused_engine_is_stalled_not_restarted_and_refuses_new_requests() -> None:
+    srv = ServerProcess(["--step-ms", "5", "--max-batch", "64", "--producer-timeout", "1"])
+    srv.start(timeout=180)
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
+        assert _chat(client) == 3
+        (pid,) = _stats(srv)["engine_pids"]
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            _wait_health(srv, 503, timeout=30)
+            assert _get(srv.url + "/health") == (503, b"engine stalled")
+            with pytest.raises(openai.APIStatusError) as info:
+                _chat(client)  # its tokens could not arrive: refused, not left waiting
+            assert info.value.status_code == 503 and "stalled" in str(info.value)
+            st = _stats(srv)
+            assert st["engine_pids"] == [pid]  # a paused engine is not restarted
+            assert [r["state"] for r in st["hub"]["rings"]] == ["stalled"]
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        _wait_health(srv, 200, timeout=30)
+        assert _chat(client) == 3 and _stats(srv)["engine_pids"] == [pid]
+    finally:
+        srv.stop()

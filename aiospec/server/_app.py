@@ -94,7 +94,7 @@ class Handlers:
             parsed = parse(body, default_max=s.default_max_tokens, max_model_len=s.max_model_len)
             self._check_model(parsed.model)
             if not st.link.alive:
-                raise ApiError(503, "the engine is not running", code="engine_unavailable")
+                raise ApiError(503, f"the engine is not running ({st.link.condition})", code="engine_unavailable")
             prompt_ids = st.link.vocab.encode(parsed.prompt)
             if len(prompt_ids) + parsed.max_tokens > s.max_model_len:
                 raise ApiError(
@@ -165,11 +165,11 @@ class Handlers:
 
     async def health(self, request: Request) -> Response:
         """GET /health: 200 ``ok`` while a request admitted now can get its tokens, 503 with the
-        engine's state otherwise (``engine down``, ``engine starting``, ``engine failed``)."""
-        link = self.state.link
-        if link.alive:
+        engine's state otherwise (``engine stalled``, ``engine down``, ``engine starting``,
+        ``engine failed``)."""
+        state = self.state.link.condition
+        if state == "up":
             return Response(b"ok", media_type="text/plain")
-        state = "down" if link.state == "up" else link.state  # up, but a socket or ring is gone
         return Response(f"engine {state}".encode(), status_code=503, media_type="text/plain")
 
     async def metrics(self, request: Request) -> Response:

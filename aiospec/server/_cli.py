@@ -45,6 +45,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "--default-max-tokens", type=int, default=256, help="max_tokens of a request that sets none (%(default)s)"
     )
     g.add_argument(
+        "--producer-timeout",
+        type=float,
+        default=10.0,
+        help="seconds without an engine heartbeat before its ring counts as stalled (a live process) or gone "
+        "(%(default)s)",
+    )
+    g.add_argument(
         "--loop-budget-ms",
         type=float,
         default=2.0,
@@ -93,6 +100,8 @@ def _settings(a: argparse.Namespace) -> Any:
     eng.validate()
     if not 0.05 <= a.loop_budget_ms <= 1000:
         raise ValueError(f"--loop-budget-ms = {a.loop_budget_ms!r}: expected 0.05..1000")
+    if not 0.5 <= a.producer_timeout <= 3600:
+        raise ValueError(f"--producer-timeout = {a.producer_timeout!r}: expected 0.5..3600 seconds")
     return ServerSettings(
         model=a.model,
         engine=eng,
@@ -100,6 +109,7 @@ def _settings(a: argparse.Namespace) -> Any:
         max_model_len=a.max_model_len,
         default_max_tokens=a.default_max_tokens,
         loop_budget=a.loop_budget_ms / 1e3,
+        producer_timeout=a.producer_timeout,
         raise_msg_limits=a.raise_msg_limits,
     )
 
@@ -109,7 +119,8 @@ def _engine_argv(a: argparse.Namespace) -> list[str]:
     argv = ["--model", a.model, "--max-batch", str(_max_batch(a)), "--step-ms", str(a.step_ms),
             "--num-draft", str(a.num_draft), "--acceptance", str(a.acceptance), "--seed", str(a.seed),
             "--token-path", a.token_path, "--device", a.device, "--max-model-len", str(a.max_model_len),
-            "--default-max-tokens", str(a.default_max_tokens), "--loop-budget-ms", str(a.loop_budget_ms)]  # fmt: skip
+            "--default-max-tokens", str(a.default_max_tokens), "--loop-budget-ms", str(a.loop_budget_ms),
+            "--producer-timeout", str(a.producer_timeout)]  # fmt: skip
     return argv + (["--pd"] if a.pd else []) + (["--raise-msg-limits"] if a.raise_msg_limits else [])
 
 

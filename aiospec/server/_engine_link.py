@@ -157,7 +157,21 @@ class EngineLink:
         """Whether a request admitted now can get its tokens."""
         if self.state != "up" or self.engines is None or not self.engines.alive:
             return False
-        return self._baseline is not None or len(self.source.rings) == self._rings
+        if self._baseline is not None:
+            return True
+        # a stalled engine (paused, or blocked on a full ring) is alive but emits nothing now:
+        # a request admitted to it would wait with no tokens
+        return len(self.source.rings) == self._rings and not self.source.stalled
+
+    @property
+    def condition(self) -> str:
+        """``up``, ``stalled`` (the engine's process lives, its heartbeat does not), or the
+        supervisor's state (``starting``, ``down``, ``failed``, ``stopped``)."""
+        if self.alive:
+            return "up"
+        if self.state == "up" and self._baseline is None and self.source.stalled:
+            return "stalled"
+        return "down" if self.state == "up" else self.state  # up, but a socket or ring is gone
 
     def _down(self) -> str | None:
         """Why the engines cannot serve, or None."""
