@@ -40,6 +40,7 @@ int ring_status(aiospec::RingErrc c) {
     case aiospec::RingErrc::closed: return AIOSPEC_STATUS_CLOSED;
     case aiospec::RingErrc::os: return AIOSPEC_STATUS_OS;
     case aiospec::RingErrc::invalid: return AIOSPEC_STATUS_INVALID;
+    case aiospec::RingErrc::busy: return AIOSPEC_STATUS_BUSY;
   }
   return AIOSPEC_STATUS_INTERNAL;
 }

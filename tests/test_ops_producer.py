@@ -141,6 +141,38 @@ def test_dead_reader_is_evicted_instead_of_blocking() -> None:
         assert [r.state for r in ring.stats().readers] == ["evicted"]
 
 
+def test_the_cpp_writer_refuses_a_second_producer_naming_the_holder() -> None:
+    """One producer per ring on the C++ path too (the CUDA producer opens the ring with the
+    same writer): a claim held by another live process is ``shm.ProducerBusy``."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    with shm.Ring.create(capacity=1 << 16) as ring:
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_cpp_producer, args=(ring.name, child))
+        proc.start()
+        try:
+            assert parent.poll(XPROC_TIMEOUT), "the second producer did not answer"
+            kind, msg, pid, epoch = parent.recv()
+        finally:
+            proc.join(XPROC_TIMEOUT)
+        assert (kind, pid, epoch) == ("ProducerBusy", os.getpid(), 1)
+        assert msg == (
+            f"ring {ring.name}: producer claim held by pid {os.getpid()} (epoch 1); "
+            "one producer writes a ring at a time"
+        )
+
+
+def _cpp_producer(name: str, conn: Any) -> None:
+    try:
+        Producer(name, device="cpu").close()
+        conn.send(("claimed", "", 0, 0))
+    except shm.ProducerBusy as exc:
+        conn.send(("ProducerBusy", str(exc), exc.pid, exc.epoch))
+    except Exception as exc:
+        conn.send((type(exc).__name__, str(exc), 0, 0))
+
+
 def _take_slot_and_die(name: str) -> None:
     ring = shm.Ring.attach(name)
     ring.reader()

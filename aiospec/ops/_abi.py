@@ -90,3 +90,4 @@ class Status:
     OS = 5  # OSError (errno from aiospec_last_errno)
     INVALID = 6  # ValueError: a bad argument to the C API itself
     INTERNAL = 7  # anything else (a bug): RuntimeError
+    BUSY = 8  # shm.ProducerBusy: another live process holds the ring's producer claim

@@ -10,7 +10,7 @@ from typing import Any
 
 from aiospec.ops._abi import EMIT_ABI_VERSION, EmitArgs, ErrorWord, FrameLayout, Status
 from aiospec.ops._build import BuildError, build_cpu_library
-from aiospec.ops._errors import EmitError
+from aiospec.ops._errors import EmitError, producer_busy
 from aiospec.ops._inputs import Inputs
 from shm import BadSegment, RingError, RingFull
 
@@ -89,6 +89,8 @@ def _raise(lib: ctypes.CDLL, status: int) -> None:
         raise BadSegment(msg)
     if status == Status.CLOSED:
         raise RingError(msg)
+    if status == Status.BUSY:
+        raise producer_busy(msg)
     if status == Status.OS:
         err = int(lib.aiospec_last_errno()) or _errno.EIO
         raise OSError(err, msg)

@@ -24,7 +24,7 @@ import threading
 from typing import Any
 
 from aiospec.ops._abi import EmitArgs, ErrorWord
-from aiospec.ops._errors import EmitError, emit_error
+from aiospec.ops._errors import EmitError, emit_error, is_producer_busy, producer_busy
 from aiospec.ops._inputs import Inputs
 from shm import RingError, RingFull
 
@@ -250,7 +250,8 @@ class CudaProducer:
         err = ctypes.create_string_buffer(1024)
         handle = ctypes.c_void_p()
         if lib.aiospec_cuda_producer_create(ring.encode(), ctypes.byref(opts), ctypes.byref(handle), err, len(err)):
-            raise RingError(err.value.decode(errors="replace"))
+            msg = err.value.decode(errors="replace")
+            raise producer_busy(msg) if is_producer_busy(msg) else RingError(msg)
         self._h = handle.value
         self._placeholder = lib.aiospec_cuda_placeholder(self._h)
         self.ring_name = ring

@@ -9,11 +9,28 @@ character for character (tests/test_ops_cpu.py compares them for every code).
 from __future__ import annotations
 
 import enum
+import re
 
 from aiospec import _payload_layout as L
-from shm import AiospecError
+from shm import AiospecError, ProducerBusy
 
-__all__ = ("EmitError", "ErrorCode", "Arg", "format_error", "emit_error")
+__all__ = ("EmitError", "ErrorCode", "Arg", "format_error", "emit_error", "is_producer_busy", "producer_busy")
+
+# the C++ ring writer's refusal of a second producer (ring.h RingProducer::claim)
+_BUSY = re.compile(r"producer claim held by pid (\d+) \(epoch (\d+)\)")
+
+
+def is_producer_busy(message: str) -> bool:
+    """Whether a C++ producer's error message is the claim refusal (the CUDA create call
+    returns a message only)."""
+    return _BUSY.search(message) is not None
+
+
+def producer_busy(message: str) -> ProducerBusy:
+    """``shm.ProducerBusy`` for the C++ writer's claim refusal, with the holder it names."""
+    m = _BUSY.search(message)
+    pid, epoch = (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+    return ProducerBusy(message, pid=pid, epoch=epoch)
 
 
 class EmitError(AiospecError, ValueError):

@@ -27,7 +27,8 @@ enum aiospec_status {
   AIOSPEC_STATUS_CLOSED = 4,      /* the producer was closed */
   AIOSPEC_STATUS_OS = 5,          /* a system call failed (aiospec_last_errno) */
   AIOSPEC_STATUS_INVALID = 6,     /* a bad argument to this API (NULL producer, bad name) */
-  AIOSPEC_STATUS_INTERNAL = 7     /* unexpected (out of memory, a bug) */
+  AIOSPEC_STATUS_INTERNAL = 7,    /* unexpected (out of memory, a bug) */
+  AIOSPEC_STATUS_BUSY = 8         /* another live process holds the ring's producer claim */
 };
 
 typedef struct aiospec_producer aiospec_producer;

@@ -45,6 +45,7 @@ enum class RingErrc : int {
   closed = 3,       // this producer was closed (shm.RingError)
   os = 4,           // a system call failed; errno in .err (OSError)
   invalid = 5,      // a bad argument to the ring API itself (ValueError)
+  busy = 6,         // another live process holds the producer claim (shm.ProducerBusy)
 };
 
 class RingError : public std::runtime_error {
@@ -306,7 +307,7 @@ class RingProducer {
   }
 
   // Takes the ring's producer claim (section 7): kept when this process holds it, taken over
-  // (epoch bumped) from a closed ring or a holder known to be gone, refused (RingErrc::closed,
+  // (epoch bumped) from a closed ring or a holder known to be gone, refused (RingErrc::busy,
   // naming the holder) while another live process holds it. Returns the claim's epoch.
   uint64_t claim() {
     const uint32_t me = uint32_t(getpid());
@@ -329,7 +330,7 @@ class RingProducer {
       }
       if (alive) {
         flock(map_.fd, LOCK_UN);
-        throw RingError(RingErrc::closed, "ring " + map_.name + ": producer claim held by pid " + std::to_string(pid) +
+        throw RingError(RingErrc::busy, "ring " + map_.name + ": producer claim held by pid " + std::to_string(pid) +
                                               " (epoch " + std::to_string(epoch) +
                                               "); one producer writes a ring at a time");
       }
