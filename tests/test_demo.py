@@ -17,15 +17,18 @@ def _ours() -> set[str]:
     return {n for n in os.listdir(shm.SHM_DIR) if n.startswith("aiospec-") and ".bell" not in n}
 
 
-def _server_and_engines() -> set[int]:
-    """Pids of every running aiospec server and engine process (the demo's live in their own
-    session, so they are not this process's children)."""
+def _server_and_engines(cwd: str) -> set[int]:
+    """Pids of the running aiospec server and engine processes started in ``cwd`` (the demo's
+    live in their own session, so they are not this process's children; the working directory
+    they inherit tells them from other tests' and other users' servers)."""
     out = set()
     for d in os.listdir("/proc"):
         if d.isdigit():
             try:
                 with open(f"/proc/{d}/cmdline", "rb") as f:
                     argv = f.read().split(b"\0")
+                if os.readlink(f"/proc/{d}/cwd") != cwd:
+                    continue
             except OSError:
                 continue
             if b"aiospec.engine" in argv or (b"aiospec.cli" in argv and b"serve" in argv):
@@ -36,7 +39,6 @@ def _server_and_engines() -> set[int]:
 @pytest.mark.parametrize("pd", [False, True], ids=["one-engine", "pd"])
 def test_demo_once(tmp_path: os.PathLike[str], pd: bool) -> None:
     before = _ours()
-    running = _server_and_engines()  # an earlier test's server may still be on its way out
     cmd = [sys.executable, "-m", "aiospec.cli", "demo", "--once", "-n", "24", "-c", "8", "--max-tokens", "16",
            "--step-ms", "5", "--json", "summary.json"] + (["--pd"] if pd else [])  # fmt: skip
     env = dict(os.environ)
@@ -56,7 +58,7 @@ def test_demo_once(tmp_path: os.PathLike[str], pd: bool) -> None:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     assert os.path.getsize(os.path.join(tmp_path, "summary.json")) > 0
     # every process and segment the demo started is gone (other tests may own other segments)
-    assert not _server_and_engines() - running
+    assert not _server_and_engines(os.fspath(tmp_path))
     # a segment left by the demo would have a dead producer (others' tests may own live ones)
     leaked = []
     for n in _ours() - before:
