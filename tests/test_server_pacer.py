@@ -123,7 +123,14 @@ def test_serve_takes_the_budget_from_the_command_line() -> None:
 
     a = build_parser().parse_args(["serve", "--loop-budget-ms", "1.5"])
     assert _settings(a).loop_budget == 0.0015
-    assert _engine_argv(a)[-2:] == ["--loop-budget-ms", "1.5"]  # the demo passes it on to serve
+    argv = _engine_argv(a)  # the demo passes it on to serve
+    assert argv[argv.index("--loop-budget-ms") + 1] == "1.5"
+    a = build_parser().parse_args(["serve", "--producer-timeout", "2.5"])
+    assert _settings(a).producer_timeout == 2.5
+    argv = _engine_argv(a)
+    assert argv[argv.index("--producer-timeout") + 1] == "2.5"
+    with pytest.raises(ValueError, match=r"^--producer-timeout = 0\.1: expected 0\.5\.\.3600 seconds$"):
+        _settings(build_parser().parse_args(["serve", "--producer-timeout", "0.1"]))
     assert build_parser().parse_args(["serve"]).loop_budget_ms == 2.0
     a = build_parser().parse_args(["serve", "--loop-budget-ms", "0"])
     with pytest.raises(ValueError, match=r"^--loop-budget-ms = 0\.0: expected 0\.05\.\.1000$"):
