@@ -6,7 +6,7 @@ Producer side (the GPU worker): ``FastDeployProducer`` has one method per FastDe
 op's inputs, and keeps the row-to-request table (``insert`` / ``swap`` / ``clear``). Reading
 side (the engine): ``FastDeployReader`` fills the buffers ``TokenProcessor`` reads
 (``get_output``, ``get_output_topk``, ``speculate_get_output``, ``speculate_get_output_topk``),
-or yields per-slot ``SlotEvent``s. docs/fastdeploy.md is the guide. Importing this package
+or yields per-slot ``SlotEvent`` objects. docs/fastdeploy.md is the guide. Importing this package
 imports neither Paddle, PyTorch nor CUDA.
 """
 
