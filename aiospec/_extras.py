@@ -11,9 +11,10 @@ import importlib.util
 __all__ = ("EXTRAS", "MissingExtra", "require")
 
 # extra -> the top-level modules it brings (pyproject.toml [project.optional-dependencies])
+_SERVER = ("starlette", "uvicorn", "uvloop", "httptools")
 EXTRAS: dict[str, tuple[str, ...]] = {
-    "server": ("starlette", "uvicorn", "uvloop", "httptools"),
-    "demo": ("starlette", "uvicorn", "uvloop", "httptools", "rich", "matplotlib"),
+    "server": _SERVER,
+    "demo": (*_SERVER, "rich", "matplotlib"),  # aiospec[server] and its own
     "bench": ("zmq", "sysv_ipc"),
 }
 

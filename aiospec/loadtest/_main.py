@@ -10,11 +10,10 @@ from typing import Any
 
 import uvloop
 
-from aiospec.loadtest._args import add_load_args
 from aiospec.loadtest._client import LoadConfig, LoadResult, RequestResult, run_load
 from aiospec.loadtest._report import plot, render_table, summarize
 
-__all__ = ("add_load_args", "config_from_args", "loadtest_command", "run_with_progress")
+__all__ = ("config_from_args", "loadtest_command", "run_with_progress")
 
 
 def config_from_args(url: str, a: argparse.Namespace, model: str | None = None) -> LoadConfig:
