@@ -193,8 +193,8 @@ def test_stop_sequence_cuts_the_text(client: openai.OpenAI) -> None:
 ERRORS = [
     ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs",
      r"^Invalid 'top_logprobs': top_logprobs = 21: expected 0\.\.20\.$"),
-    ({"messages": [{"role": "user", "content": "x"}], "n": 2}, 400, "n",
-     r"^Invalid 'n': n = 2: only n = 1 is supported\.$"),
+    ({"messages": [{"role": "user", "content": "x"}], "n": 0}, 400, "n",
+     r"^Invalid 'n': n = 0: expected 1\.\.128\.$"),
     ({"model": "aiospec-toy"}, 400, "messages", r"^Missing required parameter: 'messages'\.$"),
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": "ten"}, 400, "max_tokens",
      r"^Invalid 'max_tokens': Expected `int \| null`, got `str` - at `\$\.max_tokens`$"),

@@ -21,7 +21,8 @@ pieces of its entries are encoded once and a chunk is a join of them and the flo
 The package's modules: ``_tokenizers`` (what formatting needs of a tokenizer, and two
 vocabularies), ``_tokencache`` (per tokenizer, each token's strings and JSON pieces, shared
 by every request), ``_logprobs`` (the logprobs objects and their formatters, with the C join's
-selection), ``_text`` (incremental detokenization), ``_chunks`` (SSE chunks).
+selection), ``_prompt`` (a prompt's logprobs: vLLM's ``prompt_logprobs``, echo), ``_text``
+(incremental detokenization), ``_chunks`` (SSE chunks).
 """
 
 from __future__ import annotations
@@ -49,8 +50,9 @@ from aiospec.openai._logprobs import (
     CompletionLogprobsFormatter,
     TopLogprob,
 )
+from aiospec.openai._prompt import PromptLogprob, PromptLogprobs
 from aiospec.openai._text import IncrementalText
-from aiospec.openai._tokenizers import ByteLevelTokenizer, SimpleTokenizer, Tokenizer
+from aiospec.openai._tokenizers import ByteLevelTokenizer, SimpleTokenizer, TokenIdStrings, Tokenizer
 
 __all__ = (
     "LOGPROB_FLOOR",
@@ -68,7 +70,10 @@ __all__ = (
     "CompletionLogprobs",
     "CompletionLogprobsFormatter",
     "IncrementalText",
+    "PromptLogprob",
+    "PromptLogprobs",
     "SimpleTokenizer",
+    "TokenIdStrings",
     "Tokenizer",
     "TopLogprob",
     "Usage",

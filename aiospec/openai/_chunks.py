@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from aiospec.openai._logprobs import ChatLogprobs, CompletionLogprobs
@@ -64,12 +66,16 @@ class ChatCompletionChunk(
 
 
 class CompletionChoice(msgspec.Struct, gc=False):
-    """One choice of a ``text_completion`` chunk."""
+    """One choice of a ``text_completion`` chunk. The extensions are left out unless set:
+    ``prompt_logprobs`` (vLLM's shape, in the choice's first chunk) and ``draft_logprobs``
+    (the draft model's tokens, in the shape of ``logprobs``)."""
 
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    prompt_logprobs: Any = msgspec.UNSET
+    draft_logprobs: Any = msgspec.UNSET
 
 
 class CompletionChunk(msgspec.Struct, tag_field="object", tag="text_completion", omit_defaults=True, gc=False):
@@ -153,10 +159,14 @@ class ChatChunkEncoder:
         role: str | None = None,
         logprobs: bytes | None = None,
         finish_reason: str | None = None,
+        choice_extra: bytes = b"",
+        extra: bytes = b"",
     ) -> bytes:
         """One event's bytes: those of ``sse(chat_chunk(id, model, created, content=content,
         role=role, finish_reason=finish_reason))`` with ``logprobs`` (the JSON of
-        ``ChatLogprobsFormatter.format_json``, or None) as the choice's logprobs."""
+        ``ChatLogprobsFormatter.format_json``, or None) as the choice's logprobs.
+        ``choice_extra`` and ``extra`` are more members (``b',"name":value'``) of the choice
+        and of the chunk: extensions, and ``usage`` in every chunk."""
         enc = _encoder.encode
         parts = [self._head]
         if role is not None:
@@ -168,6 +178,9 @@ class ChatChunkEncoder:
             b"null" if logprobs is None else logprobs,
             b',"finish_reason":',
             b"null" if finish_reason is None else enc(finish_reason),
-            b"}]}\n\n",
+            choice_extra,
+            b"}]",
+            extra,
+            b"}\n\n",
         )
         return b"".join(parts)

@@ -228,11 +228,13 @@ class ChatLogprobsFormatter:
 
 class CompletionLogprobs(msgspec.Struct, gc=False):
     """``choices[i].logprobs`` of a (legacy) completion (chunk), as parallel lists: per token
-    its display string, logprob, top-N dict (string -> logprob) and character offset."""
+    its display string, logprob, top-N dict (string -> logprob) and character offset. With
+    ``echo`` the prompt's tokens come first; its first token has no logprob (``None``), as in
+    OpenAI's and vLLM's responses."""
 
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]] | None
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None] | None
     text_offset: list[int]
 
 
@@ -243,15 +245,23 @@ class CompletionLogprobsFormatter:
     as OpenAI documents, the sampled token when it is not among them (up to N + 1 entries; of
     two ids with the same string the better one is kept). ``text_offset`` counts characters of
     the completion text from ``text_offset`` (e.g. the prompt's length with ``echo``); a
-    character split over tokens counts at the token that completes it.
+    character split over tokens counts at the token that completes it. ``text_tokenizer``
+    gives the text the offsets count when the token strings are not it (``TokenIdStrings``).
     """
 
-    def __init__(self, tokenizer: Tokenizer, *, logprobs: int = 0, text_offset: int = 0) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        *,
+        logprobs: int = 0,
+        text_offset: int = 0,
+        text_tokenizer: Tokenizer | None = None,
+    ) -> None:
         if not isinstance(logprobs, int) or logprobs < 0:
             raise ValueError(f"logprobs = {logprobs!r}: expected an int >= 0")
         self._cache = cache_for(tokenizer)
         self._n = logprobs
-        self._text = IncrementalText(tokenizer)
+        self._text = IncrementalText(tokenizer if text_tokenizer is None else text_tokenizer)
         self._offset = text_offset
 
     def format(self, delta: Delta) -> CompletionLogprobs | None:
@@ -274,7 +284,7 @@ class CompletionLogprobsFormatter:
             tlps = _floats(delta.topk_logprobs[:, :n].reshape(-1))
         tokens: list[str] = []
         offsets: list[int] = []
-        tops: list[dict[str, float]] = []
+        tops: list[dict[str, float] | None] = []
         for i, (t, lp) in enumerate(zip(ids, lps, strict=True)):
             s = get(t)[0]
             tokens.append(s)
@@ -286,4 +296,4 @@ class CompletionLogprobsFormatter:
                     top.setdefault(get(a)[0], tlps[i * n + j])
             top.setdefault(s, lp)
             tops.append(top)
-        return CompletionLogprobs(tokens, lps, tops, offsets)
+        return CompletionLogprobs(tokens, list(lps), tops, offsets)

@@ -7,7 +7,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
-__all__ = ("ByteLevelTokenizer", "SimpleTokenizer", "Tokenizer")
+__all__ = ("ByteLevelTokenizer", "SimpleTokenizer", "TokenIdStrings", "Tokenizer")
 
 
 @runtime_checkable
@@ -95,3 +95,20 @@ class _ByteLevelWithSpecials(ByteLevelTokenizer):
         for t, i in vocab.items():
             if t not in plain:
                 self._vocab[int(i)] = t.encode("utf-8")
+
+
+class TokenIdStrings:
+    """Token strings ``token:<id>`` in place of the text (vLLM's ``return_tokens_as_token_ids``),
+    for logprobs whose tokens a client must map back to ids whatever they decode to."""
+
+    __slots__ = ("__weakref__", "_cache")
+
+    def __init__(self) -> None:
+        self._cache: dict[int, bytes] = {}
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """``b"token:<id>"``."""
+        b = self._cache.get(token_id)
+        if b is None:
+            b = self._cache[token_id] = b"token:%d" % token_id
+        return b

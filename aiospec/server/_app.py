@@ -26,12 +26,15 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from aiospec.engine import Admit
+from aiospec.openai import PromptLogprobs
 from aiospec.server._engine_link import EngineLink, ServerSettings
-from aiospec.server._generation import Generation, send_json
+from aiospec.server._generation import Choice, Generation, send_json
 from aiospec.server._guard import Guard, check_json_content_type
 from aiospec.server._metrics import Metrics
+from aiospec.server._output import Output
 from aiospec.server._pacer import Pacer
-from aiospec.server._requests import ApiError, parse_chat, parse_completion
+from aiospec.server._requests import ApiError, Limits, Parsed, parse_chat, parse_completion
 
 __all__ = ("AppState", "create_app")
 
@@ -60,6 +63,12 @@ class AppState:
         self.metrics.loop_lag.manage_gc = settings.manage_gc
         self.pacer = Pacer(settings.loop_budget)
         self.on_ready = on_ready
+        self.limits = Limits(
+            max_model_len=settings.max_model_len,
+            default_max_tokens=settings.default_max_tokens,
+            max_logprobs=settings.max_logprobs,
+            vocab_size=len(self.link.vocab),
+        )
 
 
 def _json(obj: Any, status: int = 200) -> Response:
@@ -68,6 +77,26 @@ def _json(obj: Any, status: int = 200) -> Response:
 
 class _ClientGone(Exception):
     pass
+
+
+_ADMIT_FIELDS = frozenset(Admit.__struct_fields__)
+# Admit's field -> the request parameter that asks for it
+_PARAM_OF = {"draft_logprobs": "include_draft_logprobs"}
+
+
+def _engine_fields(sampling: dict[str, Any], parsed: Parsed) -> dict[str, Any]:
+    """``sampling`` as the engine's ``Admit`` takes it: a feature the engine does not take is
+    refused by the name of the parameter that asked for it."""
+    for k in sampling:
+        if k not in _ADMIT_FIELDS:
+            param = _PARAM_OF.get(k, k)
+            if k == "prompt_logprobs" and parsed.prompt_logprobs < 0:
+                param = "echo"  # echo with logprobs needs the prompt's
+            raise ApiError(400, f"Invalid '{param}': not supported by this engine.", param=param,
+                           code="unsupported_parameter")  # fmt: skip
+    if sampling.get("seed", 0) is None and Admit.__struct_defaults__[Admit.__struct_fields__.index("seed") - 3] == 0:
+        sampling["seed"] = 0  # an engine whose Admit takes no None: 0 is its "no seed"
+    return sampling
 
 
 class Handlers:
@@ -89,23 +118,12 @@ class Handlers:
             body = await self._read_body(scope, receive)
             await st.pacer.turn()  # a burst of new requests is set up a few per loop iteration
             t0 = time.perf_counter()
-            s = st.settings
             parse = parse_chat if chat else parse_completion
-            parsed = parse(body, default_max=s.default_max_tokens, max_model_len=s.max_model_len)
+            parsed = parse(body, st.limits)
             self._check_model(parsed.model)
             if not st.link.alive:
                 raise ApiError(503, f"the engine is not running ({st.link.condition})", code="engine_unavailable")
-            prompt_ids = st.link.vocab.encode(parsed.prompt)
-            if len(prompt_ids) + parsed.max_tokens > s.max_model_len:
-                raise ApiError(
-                    400,
-                    f"Invalid 'max_tokens': {len(prompt_ids)} prompt tokens + max_tokens = {parsed.max_tokens} "
-                    f"exceeds the context length {s.max_model_len}.",
-                    param="max_tokens", code="context_length_exceeded",
-                )  # fmt: skip
-            handle, stream = st.link.submit(
-                prompt_ids, parsed.max_tokens, parsed.top_logprobs, parsed.temperature, parsed.seed, parsed.ignore_eos
-            )
+            choices = self._admit(parsed, chat)
             st.pacer.charge(time.perf_counter() - t0)
         except _ClientGone:
             st.metrics.request_done(endpoint, 499)
@@ -120,10 +138,68 @@ class Handlers:
             err = ApiError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error")
             await send_json(send, 500, err.body())
             return
-        gen = Generation(
-            st, chat=chat, parsed=parsed, handle=handle, stream=stream, prompt_tokens=len(prompt_ids), t_start=t_start
-        )
+        gen = Generation(st, chat=chat, parsed=parsed, choices=choices, t_start=t_start)
         await gen(scope, receive, send)
+
+    def _admit(self, parsed: Parsed, chat: bool) -> list[Choice]:
+        """Tokenize and check every prompt, then admit one engine request per choice (prompt
+        by prompt, n each); if one admission fails, those made are taken back."""
+        st = self.state
+        s = st.settings
+        vocab = st.link.vocab
+        plans: list[tuple[int, str, list[int], int]] = []  # prompt index, text, ids, max_tokens
+        for i, pr in enumerate(parsed.prompts):
+            if pr.ids is None:
+                assert pr.text is not None
+                ids, text = vocab.encode(pr.text), pr.text
+            else:
+                ids, text = pr.ids, vocab.decode(pr.ids)
+            if not ids:
+                raise ApiError(400, "Invalid 'prompt': the prompt is empty (expected at least one token).",
+                               param="prompt", code="empty_prompt")  # fmt: skip
+            room = s.max_model_len - len(ids)
+            if parsed.max_tokens is None:
+                max_tokens = min(s.default_max_tokens, room)
+                if max_tokens < 1:
+                    raise ApiError(
+                        400, f"Invalid 'messages': {len(ids)} prompt tokens leave no room for output in the "
+                        f"context length {s.max_model_len}.", param="messages" if chat else "prompt",
+                        code="context_length_exceeded",
+                    )  # fmt: skip
+            else:
+                max_tokens = parsed.max_tokens
+                if max_tokens > room:
+                    raise ApiError(
+                        400,
+                        f"Invalid 'max_tokens': {len(ids)} prompt tokens + max_tokens = {max_tokens} "
+                        f"exceeds the context length {s.max_model_len}.",
+                        param="max_tokens", code="context_length_exceeded",
+                    )  # fmt: skip
+            plans.append((i, text, ids, max_tokens))
+        wants_prompt = parsed.engine_prompt_logprobs >= 0
+        choices: list[Choice] = []
+        try:
+            for i, text, ids, max_tokens in plans:
+                for j in range(parsed.n):
+                    sampling = _engine_fields(parsed.sampling(j), parsed)
+                    # max_tokens = 0 (echo only): one token is decoded, and not shown
+                    handle, stream = st.link.submit(ids, max(1, max_tokens), sampling)
+                    out = Output(
+                        chat, parsed, vocab, display=st.link.token_id_strings if parsed.token_ids_as_strings else None,
+                        max_tokens=max_tokens, text_offset=len(text) if parsed.echo else 0,
+                    )  # fmt: skip
+                    choices.append(
+                        Choice(
+                            index=len(choices), prompt_index=i, prompt_text=text, prompt_ids=ids, handle=handle,
+                            stream=stream, out=out, prompt_lp=PromptLogprobs(ids) if wants_prompt else None,
+                        )
+                    )  # fmt: skip
+        except BaseException:
+            for c in choices:
+                c.stream.close()
+                st.link.finish(c.handle, abort=True)
+            raise
+        return choices
 
     def _check_model(self, model: str | None) -> None:
         name = self.state.settings.model
@@ -154,14 +230,23 @@ class Handlers:
 
     # -- the Starlette routes ------------------------------------------------------------------
 
+    def _card(self) -> dict[str, Any]:
+        s = self.state.settings
+        return {"id": s.model, "object": "model", "created": 0, "owned_by": "aiospec", "root": s.model,
+                "parent": None, "max_model_len": s.max_model_len}  # fmt: skip
+
     async def models(self, request: Request) -> Response:
         """GET /v1/models: the one model this server has."""
-        return _json(
-            {
-                "object": "list",
-                "data": [{"id": self.state.settings.model, "object": "model", "created": 0, "owned_by": "aiospec"}],
-            }
-        )
+        return _json({"object": "list", "data": [self._card()]})
+
+    async def model(self, request: Request) -> Response:
+        """GET /v1/models/{model}: its card, or 404 for any other name."""
+        name = request.path_params["model"]
+        if name != self.state.settings.model:
+            err = ApiError(404, f"The model `{name}` does not exist (this server has `{self.state.settings.model}`).",
+                           param="model", code="model_not_found")  # fmt: skip
+            return Response(err.body(), status_code=404, media_type="application/json")
+        return _json(self._card())
 
     async def health(self, request: Request) -> Response:
         """GET /health: 200 ``ok`` while a request admitted now can get its tokens, 503 with the
@@ -320,6 +405,7 @@ class _App:
                 Route("/v1/chat/completions", chat, methods=["POST"]),
                 Route("/v1/completions", completions, methods=["POST"]),
                 Route("/v1/models", handlers.models, methods=["GET"]),
+                Route("/v1/models/{model:path}", handlers.model, methods=["GET"]),
                 Route("/health", handlers.health, methods=["GET"]),
                 Route("/metrics", handlers.metrics, methods=["GET"]),
                 Route("/stats", handlers.stats, methods=["GET"]),

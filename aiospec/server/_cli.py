@@ -45,6 +45,19 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "--default-max-tokens", type=int, default=256, help="max_tokens of a request that sets none (%(default)s)"
     )
     g.add_argument(
+        "--max-logprobs",
+        type=int,
+        default=20,
+        help="the most top_logprobs / logprobs / prompt_logprobs a request may ask, 1..64 (%(default)s, as vLLM)",
+    )
+    g.add_argument(
+        "--logprobs-mode",
+        choices=("raw", "processed"),
+        default="raw",
+        help="logprobs of the model's raw logits, or of the distribution sampled from (after temperature, "
+        "logit_bias and penalties) (%(default)s)",
+    )
+    g.add_argument(
         "--producer-timeout",
         type=float,
         default=10.0,
@@ -88,6 +101,13 @@ def _settings(a: argparse.Namespace) -> Any:
     from aiospec.engine import EngineConfig
     from aiospec.server._engine_link import ServerSettings
 
+    if not 1 <= a.max_logprobs <= 64:
+        raise ValueError(f"--max-logprobs = {a.max_logprobs}: expected 1..64")
+    mode: dict[str, Any] = {}
+    if "logprobs_mode" in EngineConfig.__struct_fields__:
+        mode["logprobs_mode"] = a.logprobs_mode
+    elif a.logprobs_mode != "raw":
+        raise ValueError(f"--logprobs-mode {a.logprobs_mode}: this engine reports raw logprobs only")
     eng = EngineConfig(
         max_batch=_max_batch(a),
         step_time=a.step_ms / 1e3,
@@ -96,6 +116,8 @@ def _settings(a: argparse.Namespace) -> Any:
         seed=a.seed,
         transport=a.token_path,
         device=a.device,
+        max_top_logprobs=a.max_logprobs,
+        **mode,
     )
     eng.validate()
     if not 0.05 <= a.loop_budget_ms <= 1000:
@@ -108,6 +130,7 @@ def _settings(a: argparse.Namespace) -> Any:
         pd=a.pd,
         max_model_len=a.max_model_len,
         default_max_tokens=a.default_max_tokens,
+        max_logprobs=a.max_logprobs,
         loop_budget=a.loop_budget_ms / 1e3,
         producer_timeout=a.producer_timeout,
         raise_msg_limits=a.raise_msg_limits,
@@ -120,7 +143,8 @@ def _engine_argv(a: argparse.Namespace) -> list[str]:
             "--num-draft", str(a.num_draft), "--acceptance", str(a.acceptance), "--seed", str(a.seed),
             "--token-path", a.token_path, "--device", a.device, "--max-model-len", str(a.max_model_len),
             "--default-max-tokens", str(a.default_max_tokens), "--loop-budget-ms", str(a.loop_budget_ms),
-            "--producer-timeout", str(a.producer_timeout)]  # fmt: skip
+            "--producer-timeout", str(a.producer_timeout), "--max-logprobs", str(a.max_logprobs),
+            "--logprobs-mode", a.logprobs_mode]  # fmt: skip
     return argv + (["--pd"] if a.pd else []) + (["--raise-msg-limits"] if a.raise_msg_limits else [])
 
 

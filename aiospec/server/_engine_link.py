@@ -21,6 +21,7 @@ from aiospec._hub import Hub
 from aiospec._stream import RequestStream
 from aiospec.engine import Admit, EngineConfig, EngineGroup, EngineStats, HandleAllocator, default_vocabulary
 from aiospec.engine._vocab import Vocabulary
+from aiospec.openai import TokenIdStrings
 
 __all__ = ("EngineLink", "ServerSettings", "TokenSource")
 
@@ -35,6 +36,7 @@ class ServerSettings(msgspec.Struct, kw_only=True):
     pd: bool = False
     max_model_len: int = 8192
     default_max_tokens: int = 256
+    max_logprobs: int = 20  # the most top_logprobs / logprobs / prompt_logprobs a request may ask
     producer_timeout: float = 10.0
     loop_lag_interval: float = 0.01
     manage_gc: bool = True  # collect garbage from the ticker, not wherever a threshold is passed
@@ -83,6 +85,7 @@ class EngineLink:
     def __init__(self, settings: ServerSettings) -> None:
         self.settings = settings
         self.vocab: Vocabulary = default_vocabulary()
+        self.token_id_strings = TokenIdStrings()  # the token strings of return_tokens_as_token_ids
         self.handles = HandleAllocator()
         self.engines: EngineGroup | None = None
         self.source: Any = None
@@ -233,10 +236,9 @@ class EngineLink:
     def _baseline_path(self) -> bool:
         return self.settings.engine.transport != "ring"
 
-    def submit(
-        self, prompt_ids: list[int], max_tokens: int, top_logprobs: int, temperature: float, seed: int, ignore_eos: bool
-    ) -> tuple[int, RequestStream]:
-        """Open the stream, then admit the request (so no record can arrive before the stream)."""
+    def submit(self, prompt_ids: list[int], max_tokens: int, sampling: dict[str, Any]) -> tuple[int, RequestStream]:
+        """Open the stream, then admit the request (so no record can arrive before the stream).
+        ``sampling``: the rest of ``Admit``'s fields (``Parsed.sampling``)."""
         assert self.engines is not None and self.source is not None
         handle = self.handles.acquire()
         try:
@@ -245,7 +247,7 @@ class EngineLink:
             self.handles.release(handle)
             raise
         try:
-            self.engines.admit(Admit(handle, prompt_ids, max_tokens, top_logprobs, temperature, seed, ignore_eos))
+            self.engines.admit(Admit(handle, prompt_ids, max_tokens, **sampling))
         except BaseException:
             stream.close()
             self.handles.release(handle)

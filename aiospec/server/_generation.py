@@ -8,6 +8,12 @@ JSON pieces (``ChatChunkEncoder``, ``ChatLogprobsFormatter.format_json``), a com
 is built from msgspec Structs and encoded once. The streaming loop runs in the request's own
 task and yields to the loop while it waits for the next delta; a second small task watches for
 the client's disconnect, which closes the stream and aborts the request in the engine.
+
+A response of several choices (``n`` > 1, several prompts) runs one engine request per choice:
+each choice is read and formatted by its own task, which hands its chunks to the response's
+task (a bounded queue, so a slow client still holds the tokens in the streams, coalescing).
+A choice's prompt deltas (its prompt logprobs) are gathered and sent in its first chunk; its
+draft deltas (the draft model's logprobs) ride on its next chunk, apart from the output.
 """
 
 from __future__ import annotations
@@ -15,23 +21,28 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from aiospec._codec import Kind
 from aiospec._stream import Delta, RequestStream
 from aiospec._stream_errors import EndOfStream, StreamClosed, StreamError
 from aiospec.openai import (
     SSE_DONE,
     ChatChunkEncoder,
     ChatLogprobs,
+    ChatLogprobsFormatter,
     ChatTokenLogprob,
+    CompletionChoice,
+    CompletionChunk,
     CompletionLogprobs,
+    CompletionLogprobsFormatter,
+    PromptLogprobs,
     Usage,
-    completion_chunk,
     sse,
     usage_chunk,
 )
@@ -42,7 +53,7 @@ from aiospec.server._requests import ApiError, Parsed
 if TYPE_CHECKING:
     from aiospec.server._app import AppState
 
-__all__ = ("Generation", "send_json")
+__all__ = ("Choice", "Generation", "send_json")
 
 _JSON = [(b"content-type", b"application/json")]
 _SSE_HEADERS = [
@@ -51,6 +62,13 @@ _SSE_HEADERS = [
     (b"x-accel-buffering", b"no"),
 ]
 _encoder = msgspec.json.Encoder()
+
+
+_PROMPT: Any = getattr(Kind, "PROMPT", None)  # the prompt deltas' kind, where the engine sends them
+
+
+def _kind(d: Delta) -> Any:
+    return getattr(d, "kind", Kind.TARGET)
 
 
 class _Message(msgspec.Struct, gc=False):
@@ -63,6 +81,7 @@ class _ChatChoice(msgspec.Struct, gc=False):
     message: _Message
     logprobs: ChatLogprobs | None
     finish_reason: str | None
+    draft_logprobs: Any = msgspec.UNSET
 
 
 class _ChatCompletion(msgspec.Struct, tag_field="object", tag="chat.completion", gc=False):
@@ -71,6 +90,7 @@ class _ChatCompletion(msgspec.Struct, tag_field="object", tag="chat.completion",
     model: str
     choices: list[_ChatChoice]
     usage: Usage
+    prompt_logprobs: Any = msgspec.UNSET
 
 
 class _CompletionChoice(msgspec.Struct, gc=False):
@@ -78,6 +98,8 @@ class _CompletionChoice(msgspec.Struct, gc=False):
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
+    prompt_logprobs: Any = msgspec.UNSET
+    draft_logprobs: Any = msgspec.UNSET
 
 
 class _Completion(msgspec.Struct, tag_field="object", tag="text_completion", gc=False):
@@ -93,38 +115,82 @@ def _error_event(exc: BaseException) -> bytes:
     return b"data: " + err.body() + b"\n\n"
 
 
-class Generation(Response):
-    """Runs one admitted request to the end, streaming SSE or answering once with JSON."""
+class Choice:
+    """One choice of a response: its engine request (handle, stream), its prompt and its
+    formatting state."""
+
+    __slots__ = ("drafts", "end", "engine_done", "error", "first", "handle", "index", "out", "prompt_ids",
+                 "prompt_index", "prompt_lp", "prompt_text", "stream")  # fmt: skip
 
     def __init__(
         self,
-        state: AppState,
         *,
-        chat: bool,
-        parsed: Parsed,
+        index: int,
+        prompt_index: int,
+        prompt_text: str,
+        prompt_ids: list[int],
         handle: int,
         stream: RequestStream,
-        prompt_tokens: int,
-        t_start: float,
+        out: Output,
+        prompt_lp: PromptLogprobs | None,
     ) -> None:
+        self.index = index
+        self.prompt_index = prompt_index
+        self.prompt_text = prompt_text
+        self.prompt_ids = prompt_ids
+        self.handle = handle
+        self.stream = stream
+        self.out = out
+        self.prompt_lp = prompt_lp
+        self.drafts: list[Delta] = []
+        self.first = True  # nothing of it sent yet
+        self.engine_done = False
+        # how it ended: the finish_reason sent ("stop", "length"), "abort" (the client went
+        # away) or "error" (the engine side ended it early)
+        self.end = "abort"
+        self.error: StreamError | None = None
+
+    def take_side(self, d: Delta) -> bool:
+        """Keep a prompt or draft delta; False for an output (target) delta."""
+        kind = _kind(d)
+        if kind == Kind.DRAFT:
+            self.drafts.append(d)
+            return True
+        if _PROMPT is not None and kind == _PROMPT:
+            if self.prompt_lp is not None:
+                self.prompt_lp.add(d, int(getattr(d, "prompt_position", 0)))
+            return True
+        return False
+
+
+class Generation(Response):
+    """Runs one admitted request (its choices) to the end, streaming SSE or answering once
+    with JSON."""
+
+    def __init__(self, state: AppState, *, chat: bool, parsed: Parsed, choices: list[Choice], t_start: float) -> None:
         self.state = state
         self.chat = chat
         self.parsed = parsed
-        self.handle = handle
-        self.stream = stream
-        self.prompt_tokens = prompt_tokens
+        self.choices = choices
         self.t_start = t_start
         self.rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         self.created = int(time.time())
         self.background = None
-        # how it ended: the finish_reason sent ("stop", "length"), "abort" (the client went
-        # away) or "error" (the engine side ended it early)
-        self.end = "abort"
+        self.model = state.settings.model
+        self.vocab = state.link.vocab
+        self.display: Any = state.link.token_id_strings if parsed.token_ids_as_strings else self.vocab
+        seen: dict[int, int] = {}
+        for c in choices:
+            seen[c.prompt_index] = len(c.prompt_ids)
+        self.prompt_tokens = sum(seen.values())  # each prompt once, whatever n (OpenAI's and vLLM's count)
+        self._ttft = False
+
+    # -- the request's life ----------------------------------------------------------------
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         st = self.state
         m = st.metrics
-        stream = self.stream
+        choices = self.choices
         disconnected = False
 
         async def watch() -> None:
@@ -133,45 +199,112 @@ class Generation(Response):
                 msg = await receive()
                 if msg["type"] == "http.disconnect":
                     disconnected = True
-                    stream.close()
+                    for c in choices:
+                        c.stream.close()
                     return
 
         watcher = asyncio.get_running_loop().create_task(watch())
-        m.streams_open += 1
+        m.streams_open += len(choices)
         m.requests_running += 1
-        engine_done = False
         status = 200
         try:
             if self.parsed.stream:
-                engine_done = await self._stream(send, lambda: disconnected)
+                await self._stream(send, lambda: disconnected)
             else:
-                engine_done, status = await self._full(send)
+                status = await self._full(send)
         finally:
             watcher.cancel()
-            stream.close()
-            m.streams_open -= 1
+            for c in choices:
+                c.stream.close()
+            m.streams_open -= len(choices)
             m.requests_running -= 1
             endpoint = "chat" if self.chat else "completions"
-            if disconnected:
-                self.end = "abort"
-            m.request_finished(endpoint, self.end)
-            st.link.finish(self.handle, abort=not engine_done)
+            errors = [c for c in choices if c.end == "error"]
+            end = "abort" if disconnected else "error" if errors else choices[0].end
+            m.request_finished(endpoint, end)
+            for c in choices:
+                st.link.finish(c.handle, abort=not c.engine_done)
             m.request_done(endpoint, 499 if disconnected else status)
 
-    async def _stream(self, send: Send, gone: Callable[[], bool]) -> bool:
-        """The SSE loop; returns whether the engine is done with the request."""
-        st = self.state
-        m = st.metrics
-        p = self.parsed
-        out = Output(self.chat, p, st.link.vocab)
-        stream = self.stream
-        model = st.settings.model
-        rid, created = self.rid, self.created
-        chat = self.chat
-        enc = ChatChunkEncoder(rid, model, created)
-        first = True
-        pacer = st.pacer
+    def _observe(self, ntok: int) -> None:
+        m = self.state.metrics
+        if ntok and not self._ttft:
+            self._ttft = True
+            m.ttft.observe(time.perf_counter() - self.t_start)
+        m.tokens += ntok
+
+    # -- streamed ------------------------------------------------------------------------------
+
+    async def _stream(self, send: Send, gone: Callable[[], bool]) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+        if len(self.choices) == 1:
+            c = self.choices[0]
+
+            async def emit(body: bytes, final: bool) -> None:
+                if final:
+                    body += self._tail()
+                await send({"type": "http.response.body", "body": body, "more_body": not final})
+
+            await self._stream_choice(c, emit, gone)
+            if c.error is not None:
+                body = _error_event(c.error) + SSE_DONE
+                await send({"type": "http.response.body", "body": body, "more_body": False})
+            return
+        await self._stream_many(send, gone)
+
+    async def _stream_many(self, send: Send, gone: Callable[[], bool]) -> None:
+        """Every choice in its own task; their chunks sent in the order they come."""
+        q: asyncio.Queue[bytes | Choice] = asyncio.Queue(maxsize=2 * len(self.choices))
+
+        async def emit(body: bytes, final: bool) -> None:
+            await q.put(body)
+
+        async def run(c: Choice) -> None:
+            try:
+                await self._stream_choice(c, emit, gone)
+            finally:
+                await q.put(c)  # its end, after its chunks
+
+        loop = asyncio.get_running_loop()
+        tasks = [loop.create_task(run(c)) for c in self.choices]
+        left = len(tasks)
+        try:
+            while left:
+                item = await q.get()
+                if isinstance(item, Choice):
+                    left -= 1
+                    if item.error is not None:
+                        body = _error_event(item.error) + SSE_DONE
+                        await send({"type": "http.response.body", "body": body, "more_body": False})
+                        return
+                    continue
+                await send({"type": "http.response.body", "body": item, "more_body": True})
+            if not gone():
+                await send({"type": "http.response.body", "body": self._tail(), "more_body": False})
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _tail(self) -> bytes:
+        """What follows the last choice's last chunk: the usage chunk if asked, [DONE]."""
+        if not self.parsed.include_usage:
+            return SSE_DONE
+        ntok = sum(c.out.ntok for c in self.choices)
+        chunk = usage_chunk(
+            self.rid, self.model, self.created, prompt_tokens=self.prompt_tokens, completion_tokens=ntok,
+            chat=self.chat,
+        )  # fmt: skip
+        return sse(chunk) + SSE_DONE
+
+    async def _stream_choice(
+        self, c: Choice, emit: Callable[[bytes, bool], Awaitable[None]], gone: Callable[[], bool]
+    ) -> None:
+        """The SSE loop of one choice, to its end (``c.end``, ``c.engine_done``, ``c.error``)."""
+        pacer = self.state.pacer
+        stream = c.stream
+        chat = self.chat
+        enc = ChatChunkEncoder(self.rid, self.model, self.created, index=c.index) if chat else None
         pieces: list[Delta] = []  # the rest of a delta too large for one piece of work
         while True:
             if pieces:
@@ -182,107 +315,199 @@ class Generation(Response):
                     # wait for data and for this iteration's budget, then take all that arrived
                     got, t0 = await paced_get(stream, pacer)
                 except (StreamClosed, EndOfStream):
-                    return False
+                    return
                 except StreamError as exc:
                     # the engine side ended it (aborted, preempted, producer lost): tell the client
-                    self.end = "error"
-                    body = _error_event(exc) + SSE_DONE
-                    await send({"type": "http.response.body", "body": body, "more_body": False})
-                    return True
+                    c.end = "error"
+                    c.engine_done = True
+                    c.error = exc
+                    return
                 if got is None:
+                    continue
+                if c.take_side(got):
+                    pacer.charge(time.perf_counter() - t0)
                     continue
                 pieces = split(got, MAX_CHUNK_TOKENS)
             d = pieces.pop(0)
-            lp: Any = None  # the logprobs JSON of a chat chunk, the Struct of a completion chunk
-            if chat:
-                text, lp = out.consume_chat(d)
-            else:
-                text, lp = out.consume(d)
-            ntok = d.num_tokens
-            fr = out.finish_reason
-            if not text and lp is None and fr is None:
-                continue  # e.g. the first byte of a character split over tokens
-            if first and ntok:
-                m.ttft.observe(time.perf_counter() - self.t_start)
-            m.tokens += ntok
-            if chat:
-                body = enc.chunk(content=text, role="assistant" if first else None, logprobs=lp, finish_reason=fr)
-            else:
-                body = sse(completion_chunk(rid, model, created, text=text, logprobs=lp, finish_reason=fr))
-            first = False
-            if fr is not None:
-                self.end = fr
-                if p.include_usage:
-                    body += sse(
-                        usage_chunk(
-                            rid, model, created, prompt_tokens=self.prompt_tokens, completion_tokens=out.ntok, chat=chat
-                        )
-                    )
-                await send({"type": "http.response.body", "body": body + SSE_DONE, "more_body": False})
-                pacer.charge(time.perf_counter() - t0)
-                return not out.stopped
-            await send({"type": "http.response.body", "body": body, "more_body": True})
+            body = self._chat_chunk(c, d, enc) if enc is not None else self._completion_chunk(c, d)
             pacer.charge(time.perf_counter() - t0)
+            if body is None:
+                continue  # e.g. the first byte of a character split over tokens
+            fr = c.out.finish_reason
+            if fr is not None:
+                c.end = fr
+                c.engine_done = not c.out.stopped
+                await emit(body, True)
+                return
+            await emit(body, False)
             if gone():
-                return False
+                return
 
-    async def _full(self, send: Send) -> tuple[bool, int]:
-        st = self.state
-        m = st.metrics
-        out = Output(self.chat, self.parsed, st.link.vocab)
+    def _usage_json(self, c: Choice) -> bytes:
+        n = len(c.prompt_ids)
+        return b',"usage":' + _encoder.encode(Usage(n, c.out.ntok, n + c.out.ntok))
+
+    def _chat_chunk(self, c: Choice, d: Delta, enc: ChatChunkEncoder) -> bytes | None:
+        out = c.out
+        text, lp = out.consume_chat(d)
+        self._observe(d.num_tokens)
+        fr = out.finish_reason
+        if not text and lp is None and fr is None:
+            return None
+        p = self.parsed
+        extra = b""
+        if c.first and c.prompt_lp is not None and p.prompt_logprobs >= 0:
+            extra += b',"prompt_logprobs":' + _encoder.encode(c.prompt_lp.vllm(self.display, p.prompt_logprobs))
+        if p.continuous_usage:
+            extra += self._usage_json(c)
+        choice_extra = b""
+        if p.draft_logprobs and c.drafts:
+            choice_extra = b',"draft_logprobs":' + _encoder.encode(self._drafts(c))
+        body = enc.chunk(content=text, role="assistant" if c.first else None, logprobs=lp, finish_reason=fr,
+                         choice_extra=choice_extra, extra=extra)  # fmt: skip
+        c.first = False
+        return body
+
+    def _completion_chunk(self, c: Choice, d: Delta) -> bytes | None:
+        out = c.out
+        text, lp = out.consume(d)
+        self._observe(d.num_tokens)
+        fr = out.finish_reason
+        p = self.parsed
+        if c.first and p.echo:
+            text = c.prompt_text + text
+            if p.top_logprobs >= 0:
+                lp = _join(self._echo_logprobs(c), lp)
+        if not text and lp is None and fr is None:
+            return None
+        choice = CompletionChoice(c.index, text, lp, fr)
+        if c.first and c.prompt_lp is not None and p.prompt_logprobs >= 0:
+            choice.prompt_logprobs = c.prompt_lp.vllm(self.display, p.prompt_logprobs)
+        if p.draft_logprobs and c.drafts:
+            choice.draft_logprobs = self._drafts(c)
+        chunk = CompletionChunk(self.rid, self.created, self.model, [choice])
+        if p.continuous_usage:
+            n = len(c.prompt_ids)
+            chunk.usage = Usage(n, out.ntok, n + out.ntok)
+        c.first = False
+        return sse(chunk)
+
+    def _echo_logprobs(self, c: Choice) -> CompletionLogprobs:
+        lp = c.prompt_lp
+        if lp is None:  # (not asked of the engine: cannot happen with echo and logprobs)
+            lp = PromptLogprobs(c.prompt_ids)
+        return lp.completion(self.display, self.parsed.top_logprobs, self.vocab)
+
+    def _drafts(self, c: Choice) -> ChatLogprobs | CompletionLogprobs:
+        """The logprobs of the draft deltas received since the last call, in the shape of the
+        endpoint's ``logprobs`` (completions: ``text_offset`` counts the draft tokens' text)."""
+        top = max(self.parsed.top_logprobs, 0)
+        drafts, c.drafts = c.drafts, []
+        if self.chat:
+            content: list[ChatTokenLogprob] = []
+            for d in drafts:
+                f = ChatLogprobsFormatter(self.display, top_logprobs=min(top, d.k)).format(d)
+                content.extend(f.content or () if f is not None else ())
+            return ChatLogprobs(content)
+        out: CompletionLogprobs | None = None
+        for d in drafts:
+            cf = CompletionLogprobsFormatter(self.display, logprobs=min(top, d.k), text_tokenizer=self.vocab)
+            out = _join(out, cf.format(d))
+        return out if out is not None else CompletionLogprobs([], [], [], [])
+
+    # -- whole ---------------------------------------------------------------------------------
+
+    async def _collect(self, c: Choice) -> tuple[str, list[Any]]:
+        """One choice's text and logprobs objects, to its end; raises what its stream raises."""
+        out = c.out
         texts: list[str] = []
         lps: list[Any] = []
-        first = True
-        engine_done = True
-        try:
-            async for d in self.stream:
-                text, lp = out.consume(d)
-                if first and d.num_tokens:
-                    m.ttft.observe(time.perf_counter() - self.t_start)
-                    first = False
-                m.tokens += d.num_tokens
-                texts.append(text)
-                if lp is not None:
-                    lps.append(lp)
-                if out.finish_reason is not None:
-                    engine_done = not out.stopped
-                    self.end = out.finish_reason
-                    break
-        except StreamClosed:
-            return False, 499
-        except StreamError as exc:
-            self.end = "error"
-            err = ApiError(500, f"the request ended early: {exc}", code=type(exc).__name__)
-            await send_json(send, err.status, err.body())
-            return True, err.status
-        model = st.settings.model
-        usage = Usage(self.prompt_tokens, out.ntok, self.prompt_tokens + out.ntok)
-        text = "".join(texts)
+        async for d in c.stream:
+            if c.take_side(d):
+                continue
+            text, lp = out.consume(d)
+            self._observe(d.num_tokens)
+            texts.append(text)
+            if lp is not None:
+                lps.append(lp)
+            if out.finish_reason is not None:
+                c.engine_done = not out.stopped
+                c.end = out.finish_reason
+                break
+        return "".join(texts), lps
+
+    async def _full(self, send: Send) -> int:
+        choices = self.choices
+        results = await asyncio.gather(*(self._collect(c) for c in choices), return_exceptions=True)
+        for c, r in zip(choices, results, strict=True):
+            if isinstance(r, StreamClosed):
+                return 499
+            if isinstance(r, StreamError):
+                c.end = "error"
+                c.engine_done = True
+                err = ApiError(500, f"the request ended early: {r}", code=type(r).__name__)
+                await send_json(send, err.status, err.body())
+                return err.status
+            if isinstance(r, BaseException):
+                raise r
+        p = self.parsed
+        ntok = sum(c.out.ntok for c in choices)
+        usage = Usage(self.prompt_tokens, ntok, self.prompt_tokens + ntok)
         body: msgspec.Struct
         if self.chat:
-            clp = None
-            if self.parsed.top_logprobs >= 0:
-                content: list[ChatTokenLogprob] = []
-                for x in lps:
-                    content.extend(x.content or ())
-                clp = ChatLogprobs(content)
-            choice = _ChatChoice(0, _Message("assistant", text), clp, out.finish_reason)
-            body = _ChatCompletion(self.rid, self.created, model, [choice], usage)
+            out = []
+            for c, r in zip(choices, results, strict=True):
+                assert not isinstance(r, BaseException)
+                text, lps = r
+                clp = None
+                if p.top_logprobs >= 0:
+                    content: list[ChatTokenLogprob] = []
+                    for x in lps:
+                        content.extend(x.content or ())
+                    clp = ChatLogprobs(content)
+                ch = _ChatChoice(c.index, _Message("assistant", text), clp, c.out.finish_reason)
+                if p.draft_logprobs:
+                    ch.draft_logprobs = self._drafts(c)
+                out.append(ch)
+            chat = _ChatCompletion(self.rid, self.created, self.model, out, usage)
+            c0 = choices[0]
+            if p.prompt_logprobs >= 0 and c0.prompt_lp is not None:
+                chat.prompt_logprobs = c0.prompt_lp.vllm(self.display, p.prompt_logprobs)
+            body = chat
         else:
-            plp = None
-            if self.parsed.top_logprobs >= 0:
-                plp = CompletionLogprobs([], [], [], [])
-                for x in lps:
-                    plp.tokens.extend(x.tokens)
-                    plp.token_logprobs.extend(x.token_logprobs)
-                    assert plp.top_logprobs is not None
-                    plp.top_logprobs.extend(x.top_logprobs or ())
-                    plp.text_offset.extend(x.text_offset)
-            body = _Completion(
-                self.rid, self.created, model, [_CompletionChoice(0, text, plp, out.finish_reason)], usage
-            )
+            cout = []
+            for c, r in zip(choices, results, strict=True):
+                assert not isinstance(r, BaseException)
+                text, lps = r
+                plp: CompletionLogprobs | None = None
+                if p.echo:
+                    text = c.prompt_text + text
+                    if p.top_logprobs >= 0:
+                        plp = self._echo_logprobs(c)
+                if p.top_logprobs >= 0:
+                    plp = _join(plp, CompletionLogprobs([], [], [], []))
+                    for x in lps:
+                        plp = _join(plp, x)
+                cc = _CompletionChoice(c.index, text, plp, c.out.finish_reason)
+                if p.prompt_logprobs >= 0 and c.prompt_lp is not None:
+                    cc.prompt_logprobs = c.prompt_lp.vllm(self.display, p.prompt_logprobs)
+                if p.draft_logprobs:
+                    cc.draft_logprobs = self._drafts(c)
+                cout.append(cc)
+            body = _Completion(self.rid, self.created, self.model, cout, usage)
         await send_json(send, 200, _encoder.encode(body))
-        return engine_done, 200
+        return 200
+
+
+def _join(a: CompletionLogprobs | None, b: CompletionLogprobs | None) -> CompletionLogprobs | None:
+    """``a`` followed by ``b`` (either may be None)."""
+    if a is None or b is None:
+        return a if b is None else b
+    tops = None
+    if a.top_logprobs is not None or b.top_logprobs is not None:
+        tops = list(a.top_logprobs or [None] * len(a.tokens)) + list(b.top_logprobs or [None] * len(b.tokens))
+    return CompletionLogprobs(a.tokens + b.tokens, a.token_logprobs + b.token_logprobs, tops,
+                              a.text_offset + b.text_offset)  # fmt: skip
 
 
 async def send_json(send: Send, status: int, body: bytes) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
+
 from aiospec._stream import Delta
 from aiospec.openai import (
     ChatLogprobs,
@@ -19,11 +21,18 @@ __all__ = ("MAX_CHUNK_TOKENS", "Output", "split")
 
 
 class Output:
-    """Formatting state of one request: incremental text, logprobs, stop sequences, counts."""
+    """Formatting state of one choice: incremental text, logprobs, stop sequences, counts.
+
+    ``tokenizer`` gives the text; ``display`` the token strings of the logprobs (the same
+    tokenizer, or ``token:<id>`` strings for ``return_tokens_as_token_ids``). ``text_offset``
+    is where a completion's text starts in the choice's text (the echoed prompt's length).
+    ``max_tokens`` = 0 (an echoed prompt scored, nothing generated) ends at the first delta.
+    """
 
     __slots__ = (
         "_dec",
         "_fmt",
+        "_include_stop",
         "_maxstop",
         "_stops",
         "_tail",
@@ -34,22 +43,37 @@ class Output:
         "stopped",
     )
 
-    def __init__(self, chat: bool, parsed: Parsed, tokenizer: Any) -> None:
+    def __init__(
+        self,
+        chat: bool,
+        parsed: Parsed,
+        tokenizer: Any,
+        *,
+        display: Any = None,
+        max_tokens: int | None = None,
+        text_offset: int = 0,
+    ) -> None:
         self.chat = chat
         self._dec = IncrementalText(tokenizer)
         self._fmt: ChatLogprobsFormatter | CompletionLogprobsFormatter | None = None
+        display = tokenizer if display is None else display
         if parsed.top_logprobs >= 0:
             if chat:
-                self._fmt = ChatLogprobsFormatter(tokenizer, top_logprobs=parsed.top_logprobs)
+                self._fmt = ChatLogprobsFormatter(display, top_logprobs=parsed.top_logprobs)
             else:
-                self._fmt = CompletionLogprobsFormatter(tokenizer, logprobs=parsed.top_logprobs)
+                self._fmt = CompletionLogprobsFormatter(
+                    display, logprobs=parsed.top_logprobs, text_offset=text_offset, text_tokenizer=tokenizer
+                )
         self._stops = parsed.stop
+        self._include_stop = parsed.include_stop
         self._maxstop = max((len(s) for s in parsed.stop), default=0)
         self._tail = ""
-        self.max_tokens = parsed.max_tokens
+        mt = parsed.max_tokens if max_tokens is None else max_tokens
+        assert mt is not None
+        self.max_tokens: int = mt
         self.ntok = 0
         self.finish_reason: str | None = None
-        self.stopped = False  # ended by a stop sequence: the engine is still decoding it
+        self.stopped = False  # ended here (a stop sequence): the engine is still decoding it
 
     def consume(self, delta: Any) -> tuple[str, Any]:
         """Text and logprobs object of one delta (both cut at a stop sequence)."""
@@ -70,6 +94,10 @@ class Output:
 
     def _text(self, delta: Any) -> tuple[str, int]:
         """Text of one delta and how many of its tokens it keeps (fewer after a stop sequence)."""
+        if self.max_tokens == 0:
+            self.finish_reason = "length"
+            self.stopped = not delta.finished
+            return "", 0
         ids = delta.token_ids.tolist()
         if not self._stops:
             text = self._dec.decode(ids)
@@ -79,11 +107,14 @@ class Output:
             pieces = [push(t) for t in ids]
             text = "".join(pieces)
             search = self._tail + text
-            hit = min((i for i in (search.find(s) for s in self._stops) if i >= 0), default=-1)
-            if hit < 0:
+            hits = [(i, s) for s in self._stops for i in (search.find(s),) if i >= 0]
+            if not hits:
                 self.ntok += len(ids)
                 self._tail = search[len(search) - self._maxstop + 1 :] if self._maxstop > 1 else ""
             else:
+                hit, stop = min(hits)
+                if self._include_stop:
+                    hit += len(stop)
                 cut = max(0, hit - len(self._tail))
                 kept = pos = 0
                 for p in pieces:
@@ -125,7 +156,8 @@ def split(d: Delta, n: int) -> list[Delta]:
     for a in range(0, total, n):
         b = min(total, a + n)
         out.append(
-            Delta(
+            msgspec.structs.replace(  # keeps every other field (kind, ...)
+                d,
                 token_ids=d.token_ids[a:b],
                 logprobs=None if d.logprobs is None else d.logprobs[a:b],
                 ranks=None if d.ranks is None else d.ranks[a:b],
@@ -134,8 +166,6 @@ def split(d: Delta, n: int) -> list[Delta]:
                 draft_ids=d.draft_ids if a == 0 else None,
                 first_token=d.first_token and a == 0,
                 finished=d.finished and b == total,
-                num_steps=d.num_steps,
-                step=d.step,
             )
         )
     return out

@@ -1,7 +1,10 @@
 """OpenAI request bodies as msgspec Structs, validated into what the engine needs.
 
 Unknown fields are ignored (clients send many); known fields are type-checked by msgspec and
-range-checked here. Every failure is an ``ApiError`` that renders as OpenAI's error object,
+range-checked here. Parameters other servers offer and this one does not (``top_k``,
+``response_format``, ``tools``, ...) are declared too, so that a request which sets one to
+anything but its neutral value is refused by name instead of being served as if it had not
+(``REFUSED``). Every failure is an ``ApiError`` that renders as OpenAI's error object,
 ``{"error": {"message", "type", "param", "code"}}``, naming the field.
 """
 
@@ -9,21 +12,28 @@ from __future__ import annotations
 
 import re
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
 
 __all__ = (
+    "REFUSED",
     "ApiError",
     "ChatMessage",
     "ChatRequest",
     "CompletionRequest",
+    "Limits",
+    "Parsed",
+    "Prompt",
     "StreamOptions",
     "parse_chat",
     "parse_completion",
 )
 
-MAX_TOP_LOGPROBS = 20
+MAX_TOP_LOGPROBS = 20  # the default of --max-logprobs (vLLM's default too)
+MAX_N = 128  # OpenAI's bound on n
+MAX_CHOICES = 1024  # choices of one request: len(prompt) * n
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -58,7 +68,8 @@ class ChatMessage(msgspec.Struct, gc=False):
 
 
 class StreamOptions(msgspec.Struct, gc=False):
-    include_usage: bool = False
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # vLLM's extension: usage in every chunk
 
 
 class _Common(msgspec.Struct, kw_only=True, gc=False):
@@ -71,8 +82,53 @@ class _Common(msgspec.Struct, kw_only=True, gc=False):
     top_p: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
-    ignore_eos: bool = False  # vLLM's extension, for fixed-length benchmark outputs
     user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    # vLLM's extensions
+    ignore_eos: bool | None = False
+    min_tokens: int | None = None
+    stop_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = None
+    return_tokens_as_token_ids: bool | None = False
+    include_stop_str_in_output: bool | None = False
+    skip_special_tokens: bool | None = True  # no special token is ever output: nothing to skip
+    spaces_between_special_tokens: bool | None = True
+    # FastDeploy's extension: the draft model's logprobs, apart from the output's
+    include_draft_logprobs: bool | None = False
+    # SGLang's spelling of include_stop_str_in_output
+    no_stop_trim: bool | None = False
+    # offered elsewhere, not here: refused unless neutral (REFUSED)
+    best_of: Any = None
+    top_k: Any = None
+    min_p: Any = None
+    repetition_penalty: Any = None
+    length_penalty: Any = None
+    use_beam_search: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    logits_processors: Any = None
+    response_format: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: Any = None
+    regex: Any = None
+    json_schema: Any = None
+    ebnf: Any = None
+    prompt_embeds: Any = None
+    truncate_prompt_tokens: Any = None
+    min_characters: Any = None
+    return_token_ids: Any = None
+    priority: Any = None
+    kv_transfer_params: Any = None
+    lora_path: Any = None
+    return_hidden_states: Any = None
+    custom_logit_processor: Any = None
+    vllm_xargs: Any = None
 
 
 class ChatRequest(_Common, kw_only=True, gc=False):
@@ -80,13 +136,78 @@ class ChatRequest(_Common, kw_only=True, gc=False):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    reasoning_effort: Any = None
+    chat_template: Any = None
+    chat_template_kwargs: Any = None
+    continue_final_message: Any = None
+    add_generation_prompt: Any = None
+    echo: Any = None
+    documents: Any = None
 
 
 class CompletionRequest(_Common, kw_only=True, gc=False):
-    prompt: str | list[str | int]
+    prompt: str | list[str | int | list[int]]
     logprobs: int | None = None
     echo: bool | None = False
     suffix: str | None = None
+
+
+# parameter -> (its neutral values, what the refusal says): set to anything else, it is refused
+REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "top_k": ((None, -1, 0), "top-k sampling is not supported (only -1 or 0: off)"),
+    "min_p": ((None, 0), "min-p sampling is not supported (only 0: off)"),
+    "repetition_penalty": ((None, 1), "repetition_penalty is not supported (only 1: off); "
+                           "frequency_penalty and presence_penalty are"),
+    "length_penalty": ((None, 1), "length_penalty is not supported (it applies to beam search, which is not)"),
+    "use_beam_search": ((None, False), "beam search is not supported"),
+    "allowed_token_ids": ((None,), "allowed_token_ids is not supported (logit_bias is)"),
+    "bad_words": ((None, []), "bad_words is not supported"),
+    "logits_processors": ((None, []), "logits processors are not supported"),
+    "response_format": ((None, {"type": "text"}), "structured output (response_format) is not supported "
+                        "(only {\"type\": \"text\"})"),
+    "structured_outputs": ((None,), "structured output is not supported"),
+    "guided_json": ((None,), "guided decoding is not supported"),
+    "guided_regex": ((None,), "guided decoding is not supported"),
+    "guided_choice": ((None,), "guided decoding is not supported"),
+    "guided_grammar": ((None,), "guided decoding is not supported"),
+    "guided_decoding_backend": ((None,), "guided decoding is not supported"),
+    "regex": ((None,), "constrained decoding (regex) is not supported"),
+    "json_schema": ((None,), "constrained decoding (json_schema) is not supported"),
+    "ebnf": ((None,), "constrained decoding (ebnf) is not supported"),
+    "prompt_embeds": ((None,), "prompt embeddings are not supported (text or token ids only)"),
+    "truncate_prompt_tokens": ((None,), "prompt truncation is not supported"),
+    "min_characters": ((None,), "min_characters is not supported (min_tokens is)"),
+    "return_token_ids": ((None, False), "return_token_ids is not supported (return_tokens_as_token_ids is)"),
+    "priority": ((None, 0), "request priorities are not supported (only 0)"),
+    "kv_transfer_params": ((None,), "KV transfer parameters are not supported (--pd hands requests over itself)"),
+    "lora_path": ((None,), "LoRA adapters are not supported"),
+    "return_hidden_states": ((None, False), "hidden states are not returned"),
+    "custom_logit_processor": ((None,), "custom logit processors are not supported"),
+    "vllm_xargs": ((None,), "vllm_xargs is not supported"),
+    "tools": ((None, []), "tools (function calling) are not supported"),
+    "tool_choice": ((None, "none"), "tool_choice is not supported (only \"none\")"),
+    "functions": ((None, []), "functions (function calling) are not supported"),
+    "function_call": ((None, "none"), "function_call is not supported (only \"none\")"),
+    "audio": ((None,), "audio output is not supported"),
+    "modalities": ((None, ["text"]), "only the text modality is supported"),
+    "prediction": ((None,), "predicted outputs are not supported"),
+    "web_search_options": ((None,), "web search is not supported"),
+    "reasoning_effort": ((None,), "reasoning_effort is not supported (the model does not reason)"),
+    "chat_template": ((None,), "custom chat templates are not supported"),
+    "chat_template_kwargs": ((None, {}), "chat template arguments are not supported"),
+    "continue_final_message": ((None, False), "continue_final_message is not supported"),
+    "add_generation_prompt": ((None, True), "add_generation_prompt = false is not supported"),
+    "echo": ((None, False), "echo is not supported in chat completions (it is in completions)"),
+    "documents": ((None,), "documents are not supported"),
+}  # fmt: skip
 
 
 _encoder = msgspec.json.Encoder()
@@ -150,32 +271,115 @@ def _decode(decoder: msgspec.json.Decoder[Any], body: bytes) -> Any:
         ) from None
 
 
-def _int_range(name: str, value: int, lo: int, hi: int) -> None:
+def _int_range(name: str, value: int, lo: int, hi: int, why: str = "") -> None:
     if not lo <= value <= hi:
         code = "integer_below_min_value" if value < lo else "integer_above_max_value"
-        raise ApiError(400, f"Invalid '{name}': {name} = {value}: expected {lo}..{hi}.", param=name, code=code)
+        raise ApiError(400, f"Invalid '{name}': {name} = {value}: expected {lo}..{hi}{why}.", param=name, code=code)
+
+
+def _float_range(name: str, value: float, lo: float, hi: float) -> None:
+    if not lo <= value <= hi:  # NaN fails too
+        raise ApiError(400, f"Invalid '{name}': {name} = {value}: expected {lo:g}..{hi:g}.", param=name,
+                       code="invalid_value")  # fmt: skip
+
+
+def _unsupported(name: str, why: str) -> ApiError:
+    return ApiError(400, f"Invalid '{name}': {why}.", param=name, code="unsupported_parameter")
+
+
+class Limits(msgspec.Struct, kw_only=True, frozen=True, gc=False):
+    """What the server allows: the context length, the default ``max_tokens``, the most
+    logprobs alternatives (``--max-logprobs``) and the vocabulary size (for token ids)."""
+
+    max_model_len: int = 8192
+    default_max_tokens: int = 256
+    max_logprobs: int = MAX_TOP_LOGPROBS
+    vocab_size: int = 1 << 31
+
+
+class Prompt(msgspec.Struct, gc=False):
+    """One prompt of a request: its text (``None`` for token ids) and its token ids (``None``
+    for text, tokenized by the server)."""
+
+    text: str | None
+    ids: list[int] | None
 
 
 class Parsed(msgspec.Struct, kw_only=True, gc=False):
     """What one request asks of the engine and of the formatter."""
 
     model: str | None
-    prompt: str
-    max_tokens: int
+    prompts: list[Prompt]
+    n: int
+    max_tokens: int | None  # None: --default-max-tokens, bounded by the room the prompt leaves
     top_logprobs: int  # -1: no logprobs
+    prompt_logprobs: int  # -1: none
+    echo: bool
     temperature: float
-    seed: int
+    seed: int | None
     stop: list[str]
+    include_stop: bool
+    stop_token_ids: list[int]
+    min_tokens: int
     ignore_eos: bool
+    logit_bias: dict[int, float] | None
+    frequency_penalty: float
+    presence_penalty: float
+    token_ids_as_strings: bool
+    draft_logprobs: bool
     stream: bool
     include_usage: bool
+    continuous_usage: bool
+
+    def sampling(self, choice: int) -> dict[str, Any]:
+        """The engine request's sampling fields (``Admit``'s) for choice ``choice`` of a
+        prompt: with a seed, choice i samples with seed + i, so that n choices differ and a
+        request repeated with the same seed gives the same n texts."""
+        seed = self.seed
+        if seed is not None and choice:
+            seed = (seed + choice + (1 << 63)) % (1 << 64) - (1 << 63)  # stays an int64
+        out: dict[str, Any] = {"top_logprobs": self.top_logprobs, "temperature": self.temperature, "seed": seed,
+                               "ignore_eos": self.ignore_eos}  # fmt: skip
+        extra = {
+            "logit_bias": self.logit_bias,
+            "frequency_penalty": self.frequency_penalty,
+            "presence_penalty": self.presence_penalty,
+            "min_tokens": self.min_tokens,
+            "stop_token_ids": self.stop_token_ids,
+            "prompt_logprobs": self.engine_prompt_logprobs,
+            "draft_logprobs": self.draft_logprobs,
+        }
+        out.update((k, v) for k, v in extra.items() if v not in (None, 0, 0.0, -1, False, []))
+        return out
+
+    @property
+    def engine_prompt_logprobs(self) -> int:
+        """The k of the prompt logprobs the engine must compute: ``prompt_logprobs``'s, and
+        the completion's ``logprobs`` when ``echo`` shows the prompt's too."""
+        k = self.prompt_logprobs
+        if self.echo and self.top_logprobs >= 0:
+            k = max(k, self.top_logprobs)
+        return k
 
 
-def _common(req: _Common, max_tokens: int | None, default_max: int, max_model_len: int) -> dict[str, object]:
-    if req.n is not None and req.n != 1:
-        raise ApiError(400, f"Invalid 'n': n = {req.n}: only n = 1 is supported.", param="n", code="unsupported_value")
+def _refuse_non_neutral(req: _Common) -> None:
+    chat = isinstance(req, ChatRequest)
+    for name, (neutral, why) in REFUSED.items():
+        if name == "echo" and not chat:
+            continue  # completions echo the prompt
+        v = getattr(req, name, None)
+        if v is not None and v not in neutral:
+            raise _unsupported(name, f"{name} = {msgspec.json.encode(v).decode()[:80]}: {why}")
+
+
+def _common(req: _Common, max_tokens: int | None, lim: Limits) -> dict[str, Any]:
+    _refuse_non_neutral(req)
+    n = 1 if req.n is None else req.n
+    _int_range("n", n, 1, MAX_N)
+    if req.best_of is not None and (isinstance(req.best_of, bool) or req.best_of != n):
+        raise _unsupported("best_of", f"best_of = {req.best_of}: only best_of = n ({n}) is supported")
     if max_tokens is not None:
-        _int_range("max_tokens", max_tokens, 1, max_model_len)
+        _int_range("max_tokens", max_tokens, 0, lim.max_model_len)
     temp = 1.0 if req.temperature is None else req.temperature
     if not 0.0 <= temp <= 2.0:
         raise ApiError(
@@ -184,27 +388,76 @@ def _common(req: _Common, max_tokens: int | None, default_max: int, max_model_le
             param="temperature",
             code="invalid_value",
         )
-    if req.top_p is not None and not 0.0 < req.top_p <= 1.0:
-        raise ApiError(400, f"Invalid 'top_p': top_p = {req.top_p}: expected (0, 1].", param="top_p")
+    if req.top_p is not None:
+        if not 0.0 < req.top_p <= 1.0:
+            raise ApiError(400, f"Invalid 'top_p': top_p = {req.top_p}: expected (0, 1].", param="top_p")
+        if req.top_p != 1.0:
+            raise _unsupported("top_p", f"top_p = {req.top_p}: nucleus sampling is not supported (only 1: off)")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stop) > 4:
         raise ApiError(400, f"Invalid 'stop': {len(stop)} sequences: expected at most 4.", param="stop")
     if any(not s for s in stop):
         raise ApiError(400, "Invalid 'stop': stop sequences must not be empty.", param="stop")
-    if req.stream_options is not None and not req.stream:
+    so = req.stream_options
+    if so is not None and not req.stream:
         raise ApiError(400, "Invalid 'stream_options': only allowed when 'stream' is true.", param="stream_options")
-    seed = req.seed if req.seed is not None else 0
-    if not 0 <= seed < 1 << 63:
-        raise ApiError(400, f"Invalid 'seed': seed = {seed}: expected 0..2**63-1.", param="seed")
+    seed = req.seed
+    if seed is not None and not -(1 << 63) <= seed < 1 << 63:
+        raise ApiError(400, f"Invalid 'seed': seed = {seed}: expected -2**63..2**63-1.", param="seed",
+                       code="invalid_value")  # fmt: skip
+    bias: dict[int, float] | None = None
+    if req.logit_bias:
+        bias = {}
+        for key, value in req.logit_bias.items():
+            try:
+                tid = int(key)
+            except ValueError:
+                raise ApiError(400, f"Invalid 'logit_bias': key {key!r}: expected a token id.",
+                               param="logit_bias") from None  # fmt: skip
+            if not 0 <= tid < lim.vocab_size:
+                raise ApiError(400, f"Invalid 'logit_bias': token id {tid}: expected 0..{lim.vocab_size - 1}.",
+                               param="logit_bias", code="invalid_value")  # fmt: skip
+            if not -100.0 <= value <= 100.0:
+                raise ApiError(400, f"Invalid 'logit_bias': bias {value} of token {tid}: expected -100..100.",
+                               param="logit_bias", code="invalid_value")  # fmt: skip
+            bias[tid] = float(value)
+    fp = 0.0 if req.frequency_penalty is None else req.frequency_penalty
+    pp = 0.0 if req.presence_penalty is None else req.presence_penalty
+    _float_range("frequency_penalty", fp, -2.0, 2.0)
+    _float_range("presence_penalty", pp, -2.0, 2.0)
+    min_tokens = req.min_tokens or 0
+    _int_range("min_tokens", min_tokens, 0, max_tokens if max_tokens is not None else lim.max_model_len,
+               " (at most max_tokens)" if max_tokens is not None else "")  # fmt: skip
+    stop_ids = list(req.stop_token_ids or [])
+    for i, t in enumerate(stop_ids):
+        if not 0 <= t < lim.vocab_size:
+            raise ApiError(400, f"Invalid 'stop_token_ids': stop_token_ids[{i}] = {t}: expected a token id, "
+                           f"0..{lim.vocab_size - 1}.", param="stop_token_ids", code="invalid_value")  # fmt: skip
+    pl = -1 if req.prompt_logprobs is None else req.prompt_logprobs
+    if req.prompt_logprobs is not None:
+        _int_range("prompt_logprobs", pl, 0, lim.max_logprobs, " (--max-logprobs)")
+    include_usage = bool(so and so.include_usage)
     return {
         "model": req.model,
-        "max_tokens": max_tokens if max_tokens is not None else default_max,
+        "n": n,
+        "max_tokens": max_tokens,
         "temperature": temp,
         "seed": seed,
         "stop": stop,
-        "ignore_eos": req.ignore_eos,
+        "include_stop": bool(req.include_stop_str_in_output or req.no_stop_trim),
+        "stop_token_ids": stop_ids,
+        "min_tokens": min_tokens,
+        "ignore_eos": bool(req.ignore_eos),
+        "logit_bias": bias,
+        "frequency_penalty": fp,
+        "presence_penalty": pp,
+        "prompt_logprobs": pl,
+        "token_ids_as_strings": bool(req.return_tokens_as_token_ids),
+        "draft_logprobs": bool(req.include_draft_logprobs),
         "stream": bool(req.stream),
-        "include_usage": bool(req.stream_options and req.stream_options.include_usage),
+        "include_usage": include_usage,
+        # vLLM's rule: usage in every chunk only with include_usage
+        "continuous_usage": include_usage and bool(so and so.continuous_usage_stats),
     }
 
 
@@ -223,7 +476,12 @@ def _message_text(i: int, m: ChatMessage) -> str:
     return "".join(parts)
 
 
-def parse_chat(body: bytes, *, default_max: int, max_model_len: int) -> Parsed:
+def chat_prompt(messages: Sequence[ChatMessage]) -> str:
+    """The prompt text of a conversation: the built-in model's chat template."""
+    return "".join(f"{m.role}: {_message_text(i, m)}\n" for i, m in enumerate(messages)) + "assistant:"
+
+
+def parse_chat(body: bytes, lim: Limits) -> Parsed:
     req: ChatRequest = _decode(_chat_decoder, body)
     if not req.messages:
         raise ApiError(400, "Invalid 'messages': expected at least one message.", param="messages", code="empty_array")
@@ -234,11 +492,14 @@ def parse_chat(body: bytes, *, default_max: int, max_model_len: int) -> Parsed:
                 f"Invalid 'messages[{i}].role': {m.role!r}: expected one of {', '.join(_ROLES)}.",
                 param=f"messages[{i}].role",
             )
+    name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    fields = _common(req, max_tokens, default_max, max_model_len)
+    if max_tokens is not None:
+        _int_range(name, max_tokens, 1, lim.max_model_len)
+    fields = _common(req, max_tokens, lim)
     top = -1
     if req.top_logprobs is not None:
-        _int_range("top_logprobs", req.top_logprobs, 0, MAX_TOP_LOGPROBS)
+        _int_range("top_logprobs", req.top_logprobs, 0, lim.max_logprobs, _why(lim))
         if not req.logprobs:
             raise ApiError(
                 400, "Invalid 'top_logprobs': 'logprobs' must be true when 'top_logprobs' is set.", param="top_logprobs"
@@ -246,29 +507,60 @@ def parse_chat(body: bytes, *, default_max: int, max_model_len: int) -> Parsed:
         top = req.top_logprobs
     elif req.logprobs:
         top = 0
-    prompt = "".join(f"{m.role}: {_message_text(i, m)}\n" for i, m in enumerate(req.messages)) + "assistant:"
-    return Parsed(prompt=prompt, top_logprobs=top, **fields)  # type: ignore[arg-type]
+    prompt = Prompt(chat_prompt(req.messages), None)
+    return Parsed(prompts=[prompt], top_logprobs=top, echo=False, **fields)
 
 
-def parse_completion(body: bytes, *, default_max: int, max_model_len: int) -> Parsed:
+def _why(lim: Limits) -> str:
+    return " (--max-logprobs)" if lim.max_logprobs != MAX_TOP_LOGPROBS else ""
+
+
+def _token_ids(ids: list[int], where: str, lim: Limits) -> list[int]:
+    for i, t in enumerate(ids):
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < lim.vocab_size:
+            raise ApiError(400, f"Invalid '{where}': {where}[{i}] = {t!r}: expected a token id, "
+                           f"0..{lim.vocab_size - 1}.", param=where, code="invalid_value")  # fmt: skip
+    if not ids:
+        raise ApiError(400, f"Invalid '{where}': expected at least one token id.", param=where, code="empty_array")
+    return ids
+
+
+def _prompts(p: str | list[str | int | list[int]], lim: Limits) -> list[Prompt]:
+    """A string, a list of strings, a list of token ids, or a list of lists of token ids."""
+    if isinstance(p, str):
+        return [Prompt(p, None)]
+    if not p:
+        raise ApiError(400, "Invalid 'prompt': expected at least one prompt.", param="prompt", code="empty_array")
+    if all(isinstance(x, int) and not isinstance(x, bool) for x in p):
+        return [Prompt(None, _token_ids(p, "prompt", lim))]  # type: ignore[arg-type]
+    out = []
+    for i, x in enumerate(p):
+        if isinstance(x, str):
+            out.append(Prompt(x, None))
+        elif isinstance(x, list):
+            out.append(Prompt(None, _token_ids(x, f"prompt[{i}]", lim)))
+        else:
+            raise ApiError(400, f"Invalid 'prompt': prompt[{i}] = {x!r}: expected a string, a list of strings, a "
+                           "list of token ids or a list of lists of token ids, not a mixture.",
+                           param="prompt")  # fmt: skip
+    return out
+
+
+def parse_completion(body: bytes, lim: Limits) -> Parsed:
     req: CompletionRequest = _decode(_completion_decoder, body)
-    if req.echo:
-        raise ApiError(400, "Invalid 'echo': echo is not supported.", param="echo", code="unsupported_value")
     if req.suffix:
         raise ApiError(400, "Invalid 'suffix': suffix is not supported.", param="suffix", code="unsupported_value")
-    p = req.prompt
-    if isinstance(p, list):
-        if len(p) == 1 and isinstance(p[0], str):
-            p = p[0]
-        elif p and all(isinstance(t, int) for t in p):
-            p = " ".join(str(t) for t in p)
-        else:
-            raise ApiError(
-                400, "Invalid 'prompt': expected one prompt (a string or a list of one string).", param="prompt"
-            )
-    fields = _common(req, req.max_tokens, default_max, max_model_len)
+    prompts = _prompts(req.prompt, lim)
+    echo = bool(req.echo)
+    if req.max_tokens is not None:
+        # max_tokens = 0 with echo scores a prompt (its logprobs) without generating
+        _int_range("max_tokens", req.max_tokens, 0 if echo else 1, lim.max_model_len)
+    fields = _common(req, req.max_tokens, lim)
     top = -1
     if req.logprobs is not None:
-        _int_range("logprobs", req.logprobs, 0, MAX_TOP_LOGPROBS)
+        _int_range("logprobs", req.logprobs, 0, lim.max_logprobs, _why(lim))
         top = req.logprobs
-    return Parsed(prompt=str(p), top_logprobs=top, **fields)  # type: ignore[arg-type]
+    if len(prompts) * fields["n"] > MAX_CHOICES:
+        raise ApiError(400, f"Invalid 'n': {len(prompts)} prompts x n = {fields['n']}: expected at most "
+                       f"{MAX_CHOICES} choices.", param="n", code="integer_above_max_value")  # fmt: skip
+    return Parsed(prompts=prompts, top_logprobs=top, echo=echo, **fields)
