@@ -34,6 +34,7 @@ class Output:
         "_fmt",
         "_include_stop",
         "_maxstop",
+        "_stop_ids",
         "_stops",
         "_tail",
         "chat",
@@ -66,6 +67,7 @@ class Output:
                 )
         self._stops = parsed.stop
         self._include_stop = parsed.include_stop
+        self._stop_ids = frozenset(parsed.stop_token_ids)
         self._maxstop = max((len(s) for s in parsed.stop), default=0)
         self._tail = ""
         mt = parsed.max_tokens if max_tokens is None else max_tokens
@@ -99,9 +101,15 @@ class Output:
             self.stopped = not delta.finished
             return "", 0
         ids = delta.token_ids.tolist()
+        n = len(ids)
+        # a stop token ends the request as its last token: counted and in the logprobs, its
+        # text shown only with include_stop_str_in_output (vLLM's rule)
+        stop_token = bool(delta.finished and ids and ids[-1] in self._stop_ids)
+        if stop_token and not self._include_stop:
+            ids = ids[:-1]
         if not self._stops:
             text = self._dec.decode(ids)
-            self.ntok += len(ids)
+            self.ntok += n
         else:
             push = self._dec.push
             pieces = [push(t) for t in ids]
@@ -109,7 +117,7 @@ class Output:
             search = self._tail + text
             hits = [(i, s) for s in self._stops for i in (search.find(s),) if i >= 0]
             if not hits:
-                self.ntok += len(ids)
+                self.ntok += n
                 self._tail = search[len(search) - self._maxstop + 1 :] if self._maxstop > 1 else ""
             else:
                 hit, stop = min(hits)
@@ -127,8 +135,8 @@ class Output:
                 self.stopped = True
                 return text[:cut], kept
         if delta.finished:
-            self.finish_reason = "length" if self.ntok >= self.max_tokens else "stop"
-        return text, len(ids)
+            self.finish_reason = "length" if self.ntok >= self.max_tokens and not stop_token else "stop"
+        return text, n
 
 
 def _truncate(lp: Any, n: int) -> Any:
