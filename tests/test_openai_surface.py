@@ -300,39 +300,43 @@ def test_neutral_values_of_refused_parameters_are_served(server: ServerProcess) 
     assert status == 200, got
 
 
+CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
 BAD_VALUES: list[tuple[str, dict[str, Any], str, str]] = [
-    ("/v1/completions", {"prompt": [1, 99999]}, "prompt", r"^Invalid 'prompt': prompt\[1\] = 99999: expected a token id, 0\.\.\d+\.$"),
-    ("/v1/completions", {"prompt": [[1], ["x"]]}, "prompt[1][0]", r"^Invalid 'prompt\[1\]\[0\]': Expected `int`"),
-    ("/v1/completions", {"prompt": []}, "prompt", r"^Invalid 'prompt': expected at least one prompt\.$"),
-    ("/v1/completions", {"prompt": "x", "n": 129}, "n", r"^Invalid 'n': n = 129: expected 1\.\.128\.$"),
-    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens", r"^Invalid 'max_tokens': max_tokens = 0: expected 1\.\."),
-    ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs", r"^Invalid 'logprobs': logprobs = 21: expected 0\.\.20\.$"),
-    ("/v1/completions", {"prompt": "x", "prompt_logprobs": -1}, "prompt_logprobs",
-     r"^Invalid 'prompt_logprobs': prompt_logprobs = -1: expected 0\.\.20 \(--max-logprobs\)\.$"),
-    ("/v1/completions", {"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs", r"expected 0\.\.20"),
-    ("/v1/completions", {"prompt": "x", "seed": 1 << 63}, "seed", r"^Invalid 'seed': seed = \d+: expected -2\*\*63\.\.2\*\*63-1\.$"),
-    ("/v1/completions", {"prompt": "x", "seed": -(1 << 63) - 1}, "seed", r"^Invalid 'seed'"),
-    ("/v1/completions", {"prompt": "x", "frequency_penalty": 2.5}, "frequency_penalty",
+    (CMPL, {"prompt": [1, 99999]}, "prompt",
+     r"^Invalid 'prompt': prompt\[1\] = 99999: expected a token id, 0\.\.\d+\.$"),
+    (CMPL, {"prompt": [[1], ["x"]]}, "prompt[1][0]", r"^Invalid 'prompt\[1\]\[0\]': Expected `int`"),
+    (CMPL, {"prompt": []}, "prompt", r"^Invalid 'prompt': expected at least one prompt\.$"),
+    (CMPL, {"prompt": "x", "n": 129}, "n", r"^Invalid 'n': n = 129: expected 1\.\.128\.$"),
+    (CMPL, {"prompt": "x", "max_tokens": 0}, "max_tokens", r"^Invalid 'max_tokens': max_tokens = 0: expected 1\.\."),
+    (CMPL, {"prompt": "x", "logprobs": 21}, "logprobs", r"^Invalid 'logprobs': logprobs = 21: expected 0\.\.20\.$"),
+    (CMPL, {"prompt": "x", "prompt_logprobs": -1}, "prompt_logprobs",
+     r"^Invalid 'prompt_logprobs': prompt_logprobs = -1: expected 0\.\.20\.$"),
+    (CMPL, {"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs", r"expected 0\.\.20"),
+    (CMPL, {"prompt": "x", "seed": 1 << 63}, "seed", r"^Invalid 'seed': seed = \d+: expected -2\*\*63\.\.2\*\*63-1\.$"),
+    (CMPL, {"prompt": "x", "seed": -(1 << 63) - 1}, "seed", r"^Invalid 'seed'"),
+    (CMPL, {"prompt": "x", "frequency_penalty": 2.5}, "frequency_penalty",
      r"^Invalid 'frequency_penalty': frequency_penalty = 2\.5: expected -2\.\.2\.$"),
-    ("/v1/completions", {"prompt": "x", "presence_penalty": -3}, "presence_penalty", r"expected -2\.\.2\.$"),
-    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias",
+    (CMPL, {"prompt": "x", "presence_penalty": -3}, "presence_penalty", r"expected -2\.\.2\.$"),
+    (CMPL, {"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias",
      r"^Invalid 'logit_bias': bias 101\.0 of token 5: expected -100\.\.100\.$"),
-    ("/v1/completions", {"prompt": "x", "logit_bias": {"99999": 1}}, "logit_bias", r"token id 99999: expected 0\.\."),
-    ("/v1/completions", {"prompt": "x", "logit_bias": {"the": 1}}, "logit_bias", r"key 'the': expected a token id"),
-    ("/v1/completions", {"prompt": "x", "max_tokens": 4, "min_tokens": 5}, "min_tokens",
+    (CMPL, {"prompt": "x", "logit_bias": {"99999": 1}}, "logit_bias", r"token id 99999: expected 0\.\."),
+    (CMPL, {"prompt": "x", "logit_bias": {"the": 1}}, "logit_bias", r"key 'the': expected a token id"),
+    (CMPL, {"prompt": "x", "max_tokens": 4, "min_tokens": 5}, "min_tokens",
      r"^Invalid 'min_tokens': min_tokens = 5: expected 0\.\.4 \(at most max_tokens\)\.$"),
-    ("/v1/completions", {"prompt": "x", "stop_token_ids": [99999]}, "stop_token_ids", r"stop_token_ids\[0\] = 99999"),
-    ("/v1/completions", {"prompt": "x", "stream_options": {"continuous_usage_stats": True}}, "stream_options",
+    (CMPL, {"prompt": "x", "stop_token_ids": [99999]}, "stop_token_ids", r"stop_token_ids\[0\] = 99999"),
+    (CMPL, {"prompt": "x", "stream_options": {"continuous_usage_stats": True}}, "stream_options",
      r"only allowed when 'stream' is true"),
-    ("/v1/completions", {"prompt": "x", "suffix": "y"}, "suffix", r"^Invalid 'suffix'"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+    (CMPL, {"prompt": "x", "suffix": "y"}, "suffix", r"^Invalid 'suffix'"),
+    (CHAT, {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
      "top_logprobs", r"^Invalid 'top_logprobs': top_logprobs = 21: expected 0\.\.20\.$"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
+    (CHAT, {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
      "max_completion_tokens", r"^Invalid 'max_completion_tokens': max_completion_tokens = 0: expected 1\.\."),
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize(("path", "body", "param", "message"), BAD_VALUES, ids=[f"{b[2]}-{i}" for i, b in enumerate(BAD_VALUES)])
+@pytest.mark.parametrize(
+    ("path", "body", "param", "message"), BAD_VALUES, ids=[f"{b[2]}-{i}" for i, b in enumerate(BAD_VALUES)]
+)
 def test_bad_values_name_the_parameter(server: ServerProcess, path: str, body: dict[str, Any], param: str,
                                        message: str) -> None:  # fmt: skip
     status, got = _post(server.url + path, body)
@@ -341,15 +345,272 @@ def test_bad_values_name_the_parameter(server: ServerProcess, path: str, body: d
     assert re.search(message, got["error"]["message"]), got["error"]["message"]
 
 
-def test_temperature_zero_is_reproducible(client: openai.OpenAI) -> None:
-    kw: dict[str, Any] = {"max_tokens": 16, "temperature": 0.0, **FIXED}
-    a, b = _text(client, "The house", **kw), _text(client, "The house", **kw)
-    assert a == b
-    assert _text(client, "A long day", **kw) != a
-
-
 def test_logprob_floats_are_finite(client: openai.OpenAI) -> None:
     r = client.completions.create(model=MODEL, prompt="x", max_tokens=4, logprobs=5, **FIXED)
     lp = r.choices[0].logprobs
     assert lp is not None
     assert all(v is not None and math.isfinite(v) for v in lp.token_logprobs or [])
+
+
+# -- what needs the engine's side: determinism, sampling fields, prompt and draft logprobs ---------
+
+
+def _model() -> Any:
+    from aiospec.engine import ToyModel
+
+    return ToyModel(VOCAB, seed=0)  # the server's --seed
+
+
+def _log_softmax(x: Any) -> Any:
+    import numpy as np
+
+    x = np.asarray(x, dtype=np.float64)
+    m = x.max(axis=-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
+
+
+def _expected_prompt_logprobs(ids: list[int], k: int) -> list[dict[str, tuple[float, int]] | None]:
+    """vLLM's prompt_logprobs of ``ids``, from the model's logits computed here: per position
+    after the first, the prompt token's (logprob, rank) and the top-k's."""
+    import numpy as np
+
+    lp = _log_softmax(_model().context_logits(np.array(ids)))
+    out: list[dict[str, tuple[float, int]] | None] = [None]
+    for i, row in enumerate(lp):
+        t = ids[i + 1]
+        d = {str(t): (float(row[t]), int((row >= row[t]).sum()))}
+        for r, a in enumerate(np.argsort(-row, kind="stable")[:k]):
+            d.setdefault(str(int(a)), (float(row[a]), r + 1))
+        out.append(d)
+    return out
+
+
+def _same_prompt_logprobs(got: Any, want: list[dict[str, tuple[float, int]] | None]) -> None:
+    assert got is not None and len(got) == len(want)
+    assert got[0] is None
+    for g, w in zip(got[1:], want[1:], strict=True):
+        assert w is not None and list(g) == list(w)  # the prompt's token first, then the top-k
+        for tid, (lp, rank) in w.items():
+            assert g[tid]["logprob"] == pytest.approx(lp, abs=1e-4)
+            assert g[tid]["rank"] == rank
+            assert g[tid]["decoded_token"] == VOCAB.token(int(tid))
+
+
+PROMPT = " the man was in the house"
+
+
+def test_temperature_zero_and_seeds_are_reproducible(client: openai.OpenAI) -> None:
+    kw: dict[str, Any] = {"max_tokens": 16, **FIXED}
+    assert _text(client, PROMPT, seed=0, **kw) == _text(client, PROMPT, seed=0, **kw)  # 0 is a seed
+    assert _text(client, PROMPT, seed=0, **kw) != _text(client, PROMPT, seed=1, **kw)
+    assert _text(client, PROMPT, **kw) != _text(client, PROMPT, **kw)  # no seed: fresh draws
+    greedy = {"temperature": 0.0, **kw}
+    assert _text(client, PROMPT, **greedy) == _text(client, PROMPT, **greedy)
+    assert _text(client, " a long day", **greedy) != _text(client, PROMPT, **greedy)
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "temperature": 0, "max_tokens": 12}
+    a = client.chat.completions.create(model=MODEL, **chat).choices[0].message.content
+    assert a == client.chat.completions.create(model=MODEL, **chat).choices[0].message.content
+
+
+def test_greedy_follows_the_model(client: openai.OpenAI) -> None:
+    import numpy as np
+
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=0,
+                                  extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})  # fmt: skip
+    lp = r.choices[0].logprobs
+    assert lp is not None
+    got = [int(t[6:]) for t in lp.tokens or []]
+    ctx = VOCAB.encode(PROMPT)
+    for t in got:
+        row = _log_softmax(_model().context_logits(np.array([*ctx, 0]))[-1])
+        row[VOCAB.eos_id] = -np.inf
+        assert t == int(np.argmax(row))
+        ctx.append(t)
+
+
+def test_logit_bias(client: openai.OpenAI) -> None:
+    kw: dict[str, Any] = {"max_tokens": 8, "temperature": 0, "extra_body": {"ignore_eos": True,
+                          "return_tokens_as_token_ids": True}, "logprobs": 0}  # fmt: skip
+    tid = VOCAB.encode(" house")[0]
+    r = client.completions.create(model=MODEL, prompt=PROMPT, logit_bias={str(tid): 100}, **kw)
+    assert r.choices[0].text == " house" * 8
+    first = client.completions.create(model=MODEL, prompt=PROMPT, **kw).choices[0].logprobs
+    assert first is not None and first.tokens
+    banned = first.tokens[0][6:]
+    r = client.completions.create(model=MODEL, prompt=PROMPT, logit_bias={banned: -100}, **kw)
+    assert r.choices[0].logprobs is not None and r.choices[0].logprobs.tokens
+    assert r.choices[0].logprobs.tokens[0] != first.tokens[0]
+
+
+def test_stop_token_ids(client: openai.OpenAI) -> None:
+    kw: dict[str, Any] = {"max_tokens": 30, "temperature": 0, "logprobs": 0}
+    ex = {"ignore_eos": True, "return_tokens_as_token_ids": True}
+    full = client.completions.create(model=MODEL, prompt=PROMPT, extra_body=ex, **kw).choices[0]
+    assert full.logprobs is not None
+    ids = [int(t[6:]) for t in full.logprobs.tokens or []]
+    j = next(i for i in range(1, len(ids)) if ids[i] not in ids[:i])
+    r = client.completions.create(model=MODEL, prompt=PROMPT, extra_body={**ex, "stop_token_ids": [ids[j]]}, **kw)
+    ch = r.choices[0]
+    assert ch.finish_reason == "stop" and r.usage is not None and r.usage.completion_tokens == j + 1
+    assert ch.text == VOCAB.decode(ids[:j])  # the stop token counts, its text is not shown
+    assert ch.logprobs is not None and len(ch.logprobs.tokens or []) == j + 1
+    kept = client.completions.create(
+        model=MODEL, prompt=PROMPT, extra_body={**ex, "stop_token_ids": [ids[j]], "include_stop_str_in_output": True},
+        **kw,
+    ).choices[0]  # fmt: skip
+    assert kept.text == VOCAB.decode(ids[: j + 1])
+
+
+def test_min_tokens(client: openai.OpenAI) -> None:
+    # a seed whose text ends early at the end token, then the same with min_tokens past it
+    for seed in range(40):
+        r = client.completions.create(model=MODEL, prompt="x", max_tokens=80, seed=seed)
+        assert r.usage is not None
+        if r.choices[0].finish_reason == "stop" and r.usage.completion_tokens < 60:
+            break
+    else:
+        raise AssertionError("no text ended early")
+    m = r.usage.completion_tokens
+    longer = client.completions.create(model=MODEL, prompt="x", max_tokens=80, seed=seed,
+                                       extra_body={"min_tokens": m + 10})  # fmt: skip
+    assert longer.usage is not None and longer.usage.completion_tokens >= m + 10
+
+
+def test_penalties_reach_the_engine(client: openai.OpenAI) -> None:
+    kw: dict[str, Any] = {"max_tokens": 40, "temperature": 0, **FIXED}
+    plain = _text(client, PROMPT, **kw)
+    for name in ("frequency_penalty", "presence_penalty"):
+        pen = _text(client, PROMPT, **{name: 2.0}, **kw)
+        assert pen != plain
+        words = pen.split()
+        assert len(set(words)) >= len(set(plain.split()))  # fewer repeats
+    assert _text(client, PROMPT, frequency_penalty=-2.0, **kw) != plain
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_prompt_logprobs_completions(server: ServerProcess, stream: bool) -> None:
+    prompts = [PROMPT, " a house"]
+    body = {"prompt": prompts, "max_tokens": 3, "prompt_logprobs": 2, "stream": stream, "ignore_eos": True}
+    status, got = _post(server.url + "/v1/completions", body)
+    assert status == 200, got
+    for i, p in enumerate(prompts):
+        want = _expected_prompt_logprobs(VOCAB.encode(p), 2)
+        if stream:
+            chunks = [c for c in got if c["choices"] and c["choices"][0]["index"] == i]
+            assert "prompt_logprobs" in chunks[0]["choices"][0]
+            assert all("prompt_logprobs" not in c["choices"][0] for c in chunks[1:])
+            _same_prompt_logprobs(chunks[0]["choices"][0]["prompt_logprobs"], want)
+        else:
+            _same_prompt_logprobs(got["choices"][i]["prompt_logprobs"], want)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_prompt_logprobs_chat(client: openai.OpenAI, stream: bool) -> None:
+    msgs = [{"role": "user", "content": "Where was it played?"}]
+    want = _expected_prompt_logprobs(VOCAB.encode("user: Where was it played?\nassistant:"), 1)
+    kw: dict[str, Any] = {"model": MODEL, "messages": msgs, "max_tokens": 4, "extra_body": {"prompt_logprobs": 1}}
+    if stream:
+        chunks = list(client.chat.completions.create(stream=True, **kw))
+        assert chunks[0].model_extra is not None
+        _same_prompt_logprobs(chunks[0].model_extra["prompt_logprobs"], want)
+        assert all("prompt_logprobs" not in (c.model_extra or {}) for c in chunks[1:])
+    else:
+        r = client.chat.completions.create(**kw)
+        assert r.model_extra is not None
+        _same_prompt_logprobs(r.model_extra["prompt_logprobs"], want)
+    plain = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2)
+    assert "prompt_logprobs" not in (plain.model_extra or {})
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_echo_with_logprobs(client: openai.OpenAI, k: int) -> None:
+    ids = VOCAB.encode(PROMPT)
+    want = _expected_prompt_logprobs(ids, k)
+    kw: dict[str, Any] = {"model": MODEL, "prompt": PROMPT, "max_tokens": 5, "seed": 4, "logprobs": k, **FIXED}
+    gen = client.completions.create(**kw).choices[0]
+    r = client.completions.create(echo=True, **kw).choices[0]
+    assert r.text == PROMPT + gen.text
+    lp, glp = r.logprobs, gen.logprobs
+    assert lp is not None and glp is not None
+    n = len(ids)
+    assert lp.tokens == [VOCAB.token(t) for t in ids] + (glp.tokens or [])
+    assert lp.token_logprobs is not None and lp.top_logprobs is not None
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for i in range(1, n):
+        w = want[i]
+        assert w is not None
+        assert lp.token_logprobs[i] == pytest.approx(w[str(ids[i])][0], abs=1e-4)
+        top = lp.top_logprobs[i]
+        assert top is not None and max(k, 1) <= len(top) <= k + 1
+        assert set(top) == {VOCAB.token(int(t)) for t in w}
+    assert lp.token_logprobs[n:] == glp.token_logprobs and lp.top_logprobs[n:] == glp.top_logprobs
+    assert lp.text_offset is not None and lp.text_offset[n] == len(PROMPT)
+    assert lp.text_offset[n:] == [o + len(PROMPT) for o in glp.text_offset or []]
+    # streamed: the prompt and its logprobs in the first chunk
+    first = next(iter(client.completions.create(echo=True, stream=True, **kw))).choices[0]
+    assert first.text.startswith(PROMPT) and first.logprobs is not None
+    assert (first.logprobs.tokens or [])[:n] == lp.tokens[:n]
+    assert (first.logprobs.token_logprobs or [])[:n] == lp.token_logprobs[:n]
+
+
+def test_echo_with_no_new_tokens_scores_the_prompt(client: openai.OpenAI) -> None:
+    ids = VOCAB.encode(PROMPT)
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0, echo=True, logprobs=1)
+    ch = r.choices[0]
+    assert ch.text == PROMPT and ch.finish_reason == "length"
+    assert r.usage is not None and r.usage.completion_tokens == 0 and r.usage.prompt_tokens == len(ids)
+    assert ch.logprobs is not None and len(ch.logprobs.tokens or []) == len(ids)
+    want = _expected_prompt_logprobs(ids, 1)
+    for i in range(1, len(ids)):
+        w = want[i]
+        assert w is not None and (ch.logprobs.token_logprobs or [])[i] == pytest.approx(w[str(ids[i])][0], abs=1e-4)
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_draft_logprobs(server: ServerProcess, chat: bool, stream: bool) -> None:
+    import numpy as np
+
+    draft_lp = _log_softmax(_model().draft_lp)
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    base: dict[str, Any] = {"max_tokens": 24, "seed": 8, "ignore_eos": True, "stream": stream,
+                            "return_tokens_as_token_ids": True}  # fmt: skip
+    if chat:
+        base |= {"messages": [{"role": "user", "content": "go"}], "logprobs": True, "top_logprobs": 2}
+    else:
+        base |= {"prompt": "go", "logprobs": 2}
+    _, plain = _post(server.url + path, base)
+    status, got = _post(server.url + path, {**base, "include_draft_logprobs": True})
+    assert status == 200, got
+    chunks = got if stream else [got]
+    plain_chunks = plain if stream else [plain]
+
+    def field(cs: list[Any], name: str) -> list[Any]:
+        out: list[Any] = []
+        for c in cs:
+            for ch in c["choices"]:
+                v = ch.get(name)
+                if v:
+                    out += (
+                        v["content"]
+                        if chat
+                        else [
+                            {"token": t, "logprob": lp, "top": top}
+                            for t, lp, top in zip(v["tokens"], v["token_logprobs"], v["top_logprobs"], strict=True)
+                        ]
+                    )
+        return out
+
+    out, drafts = field(chunks, "logprobs"), field(chunks, "draft_logprobs")
+    assert [e["token"] for e in out] == [e["token"] for e in field(plain_chunks, "logprobs")]  # output unchanged
+    assert len(out) == 24 and "draft_logprobs" not in json.dumps(plain)
+    assert drafts and len(drafts) % 2 == 0  # --num-draft 2: two proposals per decoding step
+    for j in range(0, len(drafts), 2):
+        d0, d1 = (int(drafts[j + i]["token"][6:]) for i in (0, 1))
+        # the second proposal follows the first: the draft head's logprobs of that row
+        row = draft_lp[d0]
+        assert drafts[j + 1]["logprob"] == pytest.approx(float(row[d1]), abs=1e-4)
+        tops = drafts[j + 1]["top_logprobs"] if chat else list(drafts[j + 1]["top"].items())
+        names = [t["token"] for t in tops] if chat else [t for t, _ in tops]
+        best = [f"token:{int(a)}" for a in np.argsort(-row, kind="stable")[:2]]
+        assert set(best) <= set(names)

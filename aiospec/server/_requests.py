@@ -435,7 +435,7 @@ def _common(req: _Common, max_tokens: int | None, lim: Limits) -> dict[str, Any]
                            f"0..{lim.vocab_size - 1}.", param="stop_token_ids", code="invalid_value")  # fmt: skip
     pl = -1 if req.prompt_logprobs is None else req.prompt_logprobs
     if req.prompt_logprobs is not None:
-        _int_range("prompt_logprobs", pl, 0, lim.max_logprobs, " (--max-logprobs)")
+        _int_range("prompt_logprobs", pl, 0, lim.max_logprobs, _why(lim))
     include_usage = bool(so and so.include_usage)
     return {
         "model": req.model,
