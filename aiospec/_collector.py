@@ -81,17 +81,19 @@ class _Chunk:
 
     __slots__ = (
         "token_ids", "logprobs", "ranks", "topk_ids", "topk_logprobs", "has_logprobs", "k", "drafts", "step",
-        "rows",
+        "rows", "logprobs_processed", "position",
     )  # fmt: skip
 
     draft_offsets = None  # drafts are kept whole in ``drafts``
 
-    def __init__(self, segs: list[_Seg]) -> None:
+    def __init__(self, segs: list[_Seg], position: int = -1) -> None:
         self.has_logprobs, self.k = has_lp, k = _columns(segs)
         self.rows, cols = _gather(segs, has_lp, k)
         self.token_ids, self.logprobs, self.ranks, self.topk_ids, self.topk_logprobs = cols
         self.drafts = _drafts(segs, copy=True)
         self.step = segs[-1][0].step
+        self.logprobs_processed: bool = segs[-1][0].logprobs_processed
+        self.position = position  # a prompt piece's first prompt position (-1: not a prompt's)
 
 
 # (source, first record, end record, first token, end token); a chunk's records are 0..n
@@ -190,10 +192,16 @@ class Collector:
     ``_wake_queued`` (already in the router's wake list) describe the pending delta and the
     wake-up, not the lifecycle. Leaving ``OPEN`` removes the collector from the router's table,
     so the table holds exactly the open collectors.
+
+    Records of the other kinds (``Kind.PROMPT``, ``Kind.DRAFT``; ``put_side``) are copied out
+    at once into ``_side``, one list of pieces per kind, never merged with target records; a
+    read takes the prompt's pieces first, then drafts or target tokens in the order they
+    began to wait (the delta that finishes the request comes last).
     """
 
     __slots__ = (
         "handle", "rings", "_segs", "_pinned", "_first", "_state", "_error", "_waiter", "_wake_queued", "_forget",
+        "_side", "_draft_first",
     )  # fmt: skip
 
     def __init__(self, handle: int, rings: frozenset[str] | None, forget: Callable[[Collector], None]) -> None:
@@ -209,6 +217,8 @@ class Collector:
         self._waiter: asyncio.Future[None] | None = None
         self._wake_queued = False
         self._forget = forget
+        self._side: dict[int, list[_Chunk]] = {}  # pending prompt and draft pieces, by kind
+        self._draft_first = False  # the pending drafts began to wait before the target tokens
 
     # -- state -------------------------------------------------------------------------------
 
@@ -279,6 +289,25 @@ class Collector:
             return True
         return False
 
+    def put_side(self, src: Any, r0: int, r1: int, a: int, b: int, kind: int) -> bool:
+        """Add records ``r0:r1`` (tokens ``a:b``) of ``src``, a ``Kind.PROMPT`` or
+        ``Kind.DRAFT`` frame, as pending pieces of that kind (copied: they pin no frame)."""
+        if b <= a:
+            return False
+        positions = getattr(src, "positions", None)
+        piece = _Chunk([(src, r0, r1, a, b)], int(positions[r0]) if positions is not None else -1)
+        pieces = self._side.get(kind)
+        if pieces is None:
+            if kind == L.KIND_DRAFT:
+                self._draft_first = not self._segs
+            self._side[kind] = [piece]
+        else:
+            pieces.append(piece)
+        if self._waiter is not None and not self._wake_queued:
+            self._wake_queued = True
+            return True
+        return False
+
     def _pin(self, weight: int) -> None:
         if self._pinned + weight > _MAX_PINNED and self._segs:
             self._compact()
@@ -307,12 +336,12 @@ class Collector:
 
     def ready(self) -> bool:
         """True when ``get_nowait()`` would return a delta or raise."""
-        return bool(self._segs) or self._state is not _OPEN
+        return bool(self._segs) or bool(self._side) or self._state is not _OPEN
 
     def get_nowait(self) -> Delta | None:
         """The pending delta, or None when nothing arrived yet; raises at the end (and the
         first such raise is the change to ``DRAINED``)."""
-        if self._segs:
+        if self._segs or self._side:
             return self._take()
         state = self._state
         if state is _OPEN:
@@ -326,6 +355,12 @@ class Collector:
         raise EndOfStream(f"request {self.handle:#x} finished")
 
     def _take(self) -> Delta:
+        side = self._side
+        if side:
+            if L.KIND_PROMPT in side:
+                return self._take_side(L.KIND_PROMPT)
+            if not self._segs or self._draft_first or self._state is not _OPEN:
+                return self._take_side(L.KIND_DRAFT)
         segs = self._segs
         lp = rank = tki = tkl = draft = None
         if len(segs) == 1:  # views of the frame copy (or of the chunk): nothing is copied
@@ -355,13 +390,35 @@ class Collector:
             finished=finished,
             num_steps=steps,
             step=segs[-1][0].step,
+            logprobs_processed=segs[-1][0].logprobs_processed,
         )
+        if self._side:  # drafts that came after these tokens are read next
+            self._draft_first = True
         if finished:  # the finished delta is the end: reading it drains the stream
             self._set_state(_DRAINED)
         self._segs = []
         self._pinned = 0
         self._first = False
         return delta
+
+    def _take_side(self, kind: int) -> Delta:
+        """The pending pieces of ``kind`` as one delta."""
+        pieces = self._side.pop(kind)
+        segs: list[_Seg] = [(p, 0, p.token_ids.shape[0], 0, p.token_ids.shape[0]) for p in pieces]
+        has_lp, k = _columns(segs)
+        tok, lp, rank, tki, tkl = _gather(segs, has_lp, k)[1]
+        return Delta(
+            token_ids=tok,
+            logprobs=lp,
+            ranks=rank,
+            topk_ids=tki,
+            topk_logprobs=tkl,
+            num_steps=len(pieces),
+            step=pieces[-1].step,
+            kind=kind,
+            prompt_position=pieces[0].position,
+            logprobs_processed=pieces[-1].logprobs_processed,
+        )
 
     def _compact(self) -> None:
         """Copy the records of shared sources into a chunk; merge it with earlier chunks that
@@ -388,16 +445,18 @@ class Collector:
         if self._state is _CLOSED:
             return
         self._segs = []
+        self._side = {}
         self._set_state(_CLOSED)
         self.wake()
 
     def statistics(self) -> StreamStatistics:
         """What the stream holds now (``RequestStream.statistics()``)."""
         state = self._state
+        side = [p for pieces in self._side.values() for p in pieces]
         return StreamStatistics(
             handle=self.handle,
-            buffered_tokens=sum(s[4] - s[3] for s in self._segs),
-            buffered_steps=_records(self._segs),
+            buffered_tokens=sum(s[4] - s[3] for s in self._segs) + sum(p.token_ids.shape[0] for p in side),
+            buffered_steps=_records(self._segs) + len(side),
             pinned_frames=self._pinned,
             waiting=self._waiter is not None,
             routed=state is _OPEN,

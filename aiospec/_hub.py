@@ -53,8 +53,9 @@ class RingInfo(msgspec.Struct, frozen=True, gc=False):
 
 
 class HubStats(msgspec.Struct, frozen=True, gc=False):
-    """The Hub's counters, from ``Hub.stats()``: streams open, records and tokens routed and
-    dropped (for handles with no open stream), draft records (counted, never routed), frames
+    """The Hub's counters, from ``Hub.stats()``: streams open, target records and tokens
+    routed, records and tokens dropped (for handles with no open stream; any kind), records of
+    draft and prompt frames read (routed to their streams as draft and prompt deltas), frames
     read and lost (ring losses, undecodable frames, evictions), rates over the uptime, and one
     ``RingInfo`` per ring read now or before."""
 
@@ -63,13 +64,14 @@ class HubStats(msgspec.Struct, frozen=True, gc=False):
     tokens_routed: int
     records_dropped: int  # records for handles with no open stream
     tokens_dropped: int
-    records_draft: int  # records of draft frames (engine input, not routed)
+    records_draft: int  # records of draft frames read
     frames_read: int
     frames_lost: int  # ring losses + undecodable frames + evictions
     uptime_s: float
     frames_per_s: float  # averages over the uptime
     tokens_per_s: float
     rings: tuple[RingInfo, ...]
+    records_prompt: int = 0  # records of prompt frames read
 
 
 class Hub:
@@ -252,6 +254,7 @@ class Hub:
             frames_per_s=frames / up if up > 0 else 0.0,
             tokens_per_s=rt.tokens_routed / up if up > 0 else 0.0,
             rings=tuple(infos),
+            records_prompt=rt.records_prompt,
         )
 
     # -- RingSink (called by the reader tasks) ---------------------------------------------------

@@ -159,7 +159,7 @@ class _Merged:
 
     __slots__ = (
         "token_ids", "logprobs", "ranks", "topk_ids", "topk_logprobs", "has_logprobs", "k", "step",
-        "draft_ids", "draft_offsets", "rows",
+        "draft_ids", "draft_offsets", "rows", "logprobs_processed",
     )  # fmt: skip
 
     token_ids: np.ndarray
@@ -173,13 +173,15 @@ class _Merged:
     draft_ids: np.ndarray | None
     draft_offsets: np.ndarray | None
     rows: np.ndarray | None
+    logprobs_processed: bool
 
 
 class Unit:
     """Routing work over one source: ``handles[i]`` owns records ``groups[i]:groups[i+1]``,
-    whose tokens are ``roffs[r]:roffs[r+1]``; ``gflags[i]`` ORs the flags of group ``i``."""
+    whose tokens are ``roffs[r]:roffs[r+1]``; ``gflags[i]`` ORs the flags of group ``i``.
+    ``kind``: the frame kind of every record (``Kind.TARGET`` for a regrouping)."""
 
-    __slots__ = ("src", "weight", "handles", "groups", "roffs", "rflags", "gflags")
+    __slots__ = ("src", "weight", "handles", "groups", "roffs", "rflags", "gflags", "kind")
 
     def __init__(
         self,
@@ -193,6 +195,7 @@ class Unit:
     ) -> None:
         self.src, self.weight, self.handles, self.groups = src, weight, handles, groups
         self.roffs, self.rflags, self.gflags = roffs, rflags, gflags
+        self.kind = L.KIND_TARGET
 
     def __len__(self) -> int:
         return len(self.handles)
@@ -200,7 +203,9 @@ class Unit:
 
 def _frame_unit(f: Frame) -> Unit:
     flags = f.flags.tolist()
-    return Unit(f, 1, f.handles.tolist(), range(f.num_records + 1), f.token_offsets.tolist(), flags, flags)
+    u = Unit(f, 1, f.handles.tolist(), range(f.num_records + 1), f.token_offsets.tolist(), flags, flags)
+    u.kind = int(f.kind)
+    return u
 
 
 def _merged_unit(frames: list[Frame]) -> Unit:
@@ -209,6 +214,7 @@ def _merged_unit(frames: list[Frame]) -> Unit:
     first = frames[0]
     m = _Merged()
     m.has_logprobs, m.k, m.step = first.has_logprobs, first.k, frames[-1].step
+    m.logprobs_processed = first.logprobs_processed
     m.rows = None
     handles = np.concatenate([f.handles for f in frames])
     n = handles.shape[0]
@@ -286,6 +292,7 @@ class Router:
         self.records_dropped = 0
         self.tokens_dropped = 0
         self.records_draft = 0
+        self.records_prompt = 0
 
     def open(self, handle: int, rings: frozenset[str] | None) -> Collector:
         handle = check_handle(handle)
@@ -300,27 +307,43 @@ class Router:
             del self.table[c.handle]
 
     def plan(self, frames: list[Frame]) -> list[Unit]:
-        """Units for a batch of frames; draft-kind frames are counted, not routed (they are
-        input for the engine, never a request's output)."""
+        """Units for a batch of frames: the prompt and draft frames one unit each, in order and
+        first, then the target frames, runs of frames with the same columns regrouped.
+
+        Routing the other kinds first keeps every order a stream promises: a request's prompt
+        frames precede its first token in the ring, and its drafts only move ahead of target
+        tokens of the same batch (they are never merged with them)."""
         units: list[Unit] = []
         run: list[Frame] = []
+        targets: list[Unit] = []
         for f in frames:
-            if f.kind != L.KIND_TARGET:
-                self.records_draft += f.num_records
-                continue
             if not f.num_records:
                 continue
-            if run and (f.has_logprobs != run[0].has_logprobs or f.k != run[0].k):
-                units.append(_frame_unit(run[0]) if len(run) == 1 else _merged_unit(run))
+            if f.kind != L.KIND_TARGET:
+                if f.kind == L.KIND_DRAFT:
+                    self.records_draft += f.num_records
+                else:
+                    self.records_prompt += f.num_records
+                units.append(_frame_unit(f))
+                continue
+            if run and (
+                f.has_logprobs != run[0].has_logprobs
+                or f.k != run[0].k
+                or f.logprobs_processed != run[0].logprobs_processed
+            ):
+                targets.append(_frame_unit(run[0]) if len(run) == 1 else _merged_unit(run))
                 run = []
             run.append(f)
         if run:
-            units.append(_frame_unit(run[0]) if len(run) == 1 else _merged_unit(run))
-        return units
+            targets.append(_frame_unit(run[0]) if len(run) == 1 else _merged_unit(run))
+        return units + targets
 
     def route(self, u: Unit, start: int, stop: int) -> None:
         """Route groups ``start:stop`` of ``u``; unknown handles are counted and dropped."""
         if stop <= start:
+            return
+        if u.kind != L.KIND_TARGET:
+            self._route_side(u, start, stop)
             return
         get = self.table.get
         wake = self._wake
@@ -356,6 +379,24 @@ class Router:
         self.records_routed += records - dropped
         self.records_dropped += dropped
         self.tokens_routed += ro[groups[stop]] - ro[groups[start]] - dropped_tokens
+        self.tokens_dropped += dropped_tokens
+
+    def _route_side(self, u: Unit, start: int, stop: int) -> None:
+        """Route the records ``start:stop`` of a prompt or draft frame (one record per group)
+        as pieces of their kind; their flags (``PROMPT``, ``DRAFT``) end nothing."""
+        get = self.table.get
+        src, handles, groups, ro, kind = u.src, u.handles, u.groups, u.roffs, u.kind
+        dropped = dropped_tokens = 0
+        for i in range(start, stop):
+            c = get(handles[i])
+            r0, r1 = groups[i], groups[i + 1]
+            if c is None:
+                dropped += r1 - r0
+                dropped_tokens += ro[r1] - ro[r0]
+            elif c.put_side(src, r0, r1, ro[r0], ro[r1], kind):
+                self._wake.append(c)
+        # routed prompt and draft records are counted by kind in plan(); dropped ones here
+        self.records_dropped += dropped
         self.tokens_dropped += dropped_tokens
 
     def flush(self) -> None:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import numpy as np
 
+from aiospec import _payload_layout as L
 from aiospec._stream_errors import (
     EndOfStream,
     StreamBusy,
@@ -35,7 +36,7 @@ __all__ = (
 
 
 class Delta(msgspec.Struct, kw_only=True, gc=False):
-    """New output of one request: the tokens of one or more merged records.
+    """New output of one request: the tokens of one or more merged records of one kind.
 
     ``token_ids`` i32[n]; with logprobs, ``logprobs`` f32[n] (of each sampled token) and
     ``ranks`` i32[n] (1-based), and with k > 0 ``topk_ids`` i32[n, k] / ``topk_logprobs``
@@ -44,6 +45,15 @@ class Delta(msgspec.Struct, kw_only=True, gc=False):
     ``first_token`` is set when the delta holds the request's first record, ``finished`` when
     it holds its last. ``num_steps`` counts the merged records, ``step`` is the step of the
     newest one. Arrays may be read-only views of the frame; copy them to modify.
+
+    ``kind`` says what the tokens are (records of different kinds are never merged):
+    ``Kind.TARGET`` (0), the request's output; ``Kind.PROMPT`` (2), prompt tokens with their
+    logprobs, token ``j`` being the prompt token at position ``prompt_position + j`` (-1 on
+    other kinds), every such delta coming before the first target delta and the prompt's
+    deltas contiguous and in order; ``Kind.DRAFT`` (1), draft-model proposals with the draft
+    model's logprobs (never output tokens, never ``first_token`` or ``finished``).
+    ``logprobs_processed``: the logprobs are of the distribution sampled from (after
+    temperature, biases and penalties), not of the raw logits (the engine's logprobs mode).
     """
 
     token_ids: np.ndarray
@@ -56,6 +66,9 @@ class Delta(msgspec.Struct, kw_only=True, gc=False):
     finished: bool = False
     num_steps: int = 1
     step: int = 0
+    kind: int = L.KIND_TARGET
+    prompt_position: int = -1
+    logprobs_processed: bool = False
 
     @property
     def num_tokens(self) -> int:

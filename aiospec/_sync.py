@@ -27,12 +27,16 @@ __all__ = ("Record", "SyncReader", "SyncReaderStats")
 
 
 class Record(msgspec.Struct, kw_only=True, gc=False):
-    """One request in one step, as the engine emitted it (arrays are read-only views)."""
+    """One request in one step, as the engine emitted it (arrays are read-only views).
+
+    ``kind``: the frame's (``Kind``); a ``Kind.PROMPT`` record's token ``j`` is the prompt
+    token at position ``prompt_position + j`` (-1 on other kinds). ``logprobs_processed``:
+    the frame's logprobs are of the distribution sampled from, not of the raw logits."""
 
     ring: str
     producer: int
     step: int
-    kind: int  # Kind.TARGET or Kind.DRAFT
+    kind: int  # Kind.TARGET, Kind.DRAFT or Kind.PROMPT
     handle: int
     flags: int
     token_ids: np.ndarray
@@ -41,6 +45,8 @@ class Record(msgspec.Struct, kw_only=True, gc=False):
     ranks: np.ndarray | None = None
     topk_ids: np.ndarray | None = None
     topk_logprobs: np.ndarray | None = None
+    prompt_position: int = -1
+    logprobs_processed: bool = False
 
     @property
     def first_token(self) -> bool:
@@ -84,6 +90,8 @@ def records_of(frame: Frame, ring: str) -> Iterator[Record]:
     offs = frame.token_offsets.tolist()
     doffs = None if frame.draft_offsets is None else frame.draft_offsets.tolist()
     has_lp, k = frame.has_logprobs, frame.k
+    pos = None if frame.positions is None else frame.positions.tolist()
+    processed = frame.logprobs_processed
     for i, (h, fl) in enumerate(zip(frame.handles.tolist(), frame.flags.tolist(), strict=True)):
         a, b = offs[i], offs[i + 1]
         rec = Record(
@@ -94,6 +102,8 @@ def records_of(frame: Frame, ring: str) -> Iterator[Record]:
             handle=h,
             flags=fl,
             token_ids=frame.token_ids[a:b],
+            prompt_position=-1 if pos is None else pos[i],
+            logprobs_processed=processed,
         )
         if doffs is not None and doffs[i + 1] > doffs[i]:
             rec.draft_ids = frame.draft_ids[doffs[i] : doffs[i + 1]]  # type: ignore[index]

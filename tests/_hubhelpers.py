@@ -45,12 +45,20 @@ def enc(
     k: int | None = None,
     kind: int = Kind.TARGET,
     drafts: dict[int, list[int]] | None = None,
+    positions: Sequence[int] | None = None,
+    processed: bool = False,
 ) -> bytes:
-    """One frame; ``k=None``: no logprobs, ``k=0``: logprobs without top-k."""
+    """One frame; ``k=None``: no logprobs, ``k=0``: logprobs without top-k; ``positions``:
+    each record's first prompt position (a ``Kind.PROMPT`` frame); ``processed``: the
+    frame's ``logprobs_processed``."""
     handles = [h for h, _, _ in records]
     toks = [t for _, ts, _ in records for t in ts]
     offs = np.cumsum([0] + [len(ts) for _, ts, _ in records])
     kw: dict[str, Any] = {"flags": [f for _, _, f in records], "step": step, "kind": kind}
+    if positions is not None:
+        kw["positions"] = np.array(positions, np.int32)
+    if processed:
+        kw["logprobs_processed"] = True
     if k is not None:
         kw["logprobs"] = np.array([lp_of(t) for t in toks], np.float32)
         kw["ranks"] = np.array([rank_of(t) for t in toks], np.int32)

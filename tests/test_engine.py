@@ -24,12 +24,11 @@ def model() -> ToyModel:
     return ToyModel(VOCAB, seed=3)
 
 
-def _rows(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _rows(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     rng = np.random.default_rng(seed)
     prev = rng.integers(0, len(VOCAB), n).astype(np.int32)
-    key = rng.integers(0, 1 << 63, n).astype(np.uint64)
-    pos = rng.integers(0, 5000, n).astype(np.int64)
-    return prev, key, pos
+    ctx = rng.integers(0, 1 << 63, n).astype(np.uint64)
+    return prev, ctx
 
 
 # -- vocabulary ------------------------------------------------------------------------------
@@ -60,9 +59,9 @@ def test_vocabulary_encode_is_stable_and_in_range() -> None:
 
 
 def test_state_tables_match_a_direct_recomputation(model: ToyModel) -> None:
-    prev, key, pos = _rows(777)
-    st = model.states(prev, key, pos)
-    lp = log_softmax(model.logits(prev, key, pos))
+    prev, ctx = _rows(777)
+    st = model.states(prev, ctx)
+    lp = log_softmax(model.logits(prev, ctx))
     # log-softmax: probabilities sum to one
     np.testing.assert_allclose(np.exp(lp.astype(np.float64)).sum(axis=1), 1.0, rtol=1e-5)
     np.testing.assert_array_equal(model.lp_table[st], lp)
@@ -172,12 +171,10 @@ def test_step_logprobs_are_those_of_the_model() -> None:
         assert (vals <= 0).all() and (np.diff(vals[:, 1:], axis=1) <= 0).all()
         # the sampled token's logprob never beats the best alternative
         assert (vals[:, 0] <= vals[:, 1] + 1e-6).all()
-        # recompute each position from scratch
+        # recompute each position from scratch: the logits of the whole context
         model = core.model
-        key = np.full(40, request_key(h), dtype=np.uint64)
-        prev = np.array([3 if h == 7 else 4, *out[h]["tokens"][:-1]], dtype=np.int32)
-        lp = log_softmax(model.logits(prev, key, np.arange(40, dtype=np.int64)))
         toks = np.array(out[h]["tokens"], dtype=np.int32)
+        lp = log_softmax(model.context_logits(np.array([3, *out[h]["tokens"]], dtype=np.int32)))
         np.testing.assert_array_equal(vals[:, 0], lp[np.arange(40), toks])
         np.testing.assert_array_equal(ids[:, 1:], top_k(lp, 5)[0])
 
@@ -195,23 +192,25 @@ def test_end_token_stops_without_being_emitted() -> None:
 
 
 def test_temperature_zero_is_greedy_and_seeds_reproduce() -> None:
-    def run(seed: int, temp: float) -> list[int]:
+    def run(seed: int | None, temp: float, prompt: tuple[int, ...] = (5,), handle: int = 1) -> list[int]:
         core = EngineCore(EngineConfig(max_batch=2))
-        core.admit(Admit(1, [5], max_tokens=30, temperature=temp, seed=seed, ignore_eos=True))
-        return _run(core)[1]["tokens"]
+        core.admit(Admit(handle, list(prompt), max_tokens=30, temperature=temp, seed=seed, ignore_eos=True))
+        return _run(core)[handle]["tokens"]
 
     assert run(11, 1.0) == run(11, 1.0)
     assert run(11, 1.0) != run(12, 1.0)
-    greedy = run(11, 0.0)
+    assert run(0, 1.0) == run(0, 1.0, handle=99)  # seed 0 is a seed, whatever the handle
+    assert run(0, 1.0) != run(None, 1.0)  # no seed: a fresh stream each time
+    assert run(None, 1.0) != run(None, 1.0)
+    greedy = run(None, 0.0)
+    assert greedy == run(None, 0.0, handle=7) == run(3, 0.0)  # greedy ignores the sampling stream
+    assert run(None, 0.0, prompt=(6,)) != greedy  # another prompt, another text
+    assert run(None, 0.0, prompt=(9, 5)) != greedy  # the whole context counts, not the last token
     model = EngineCore(EngineConfig(max_batch=2)).model
-    prev = np.array([5, *greedy[:-1]], dtype=np.int32)
-    lg = model.logits(prev, np.full(30, request_key(11), np.uint64), np.arange(30, dtype=np.int64))
+    lg = model.context_logits(np.array([5, *greedy], dtype=np.int32))
     lg[:, VOCAB.eos_id] = -np.inf
-    best = lg.argmax(axis=1)
-    # every token is the argmax, except that the MTP draft proposed with the first token may be
-    # kept at the next position (then it is the draft head's guess)
-    assert greedy[0] == best[0] and greedy[2:] == best[2:].tolist()
-    assert greedy[1] in (best[1], int(model.draft(np.array([greedy[0]], np.int32))[0]))
+    # every token is the argmax of the context's logits, speculative steps included
+    assert greedy == lg.argmax(axis=1).tolist()
 
 
 def test_admission_waits_for_a_free_slot() -> None:

@@ -165,12 +165,13 @@ async def test_unknown_handles_are_counted_and_dropped(ring: shm.Ring) -> None:
 
 
 @pytest.mark.asyncio
-async def test_draft_frames_are_not_output(ring: shm.Ring) -> None:
+async def test_draft_frames_are_draft_deltas_not_output(ring: shm.Ring) -> None:
     async with Hub(ring.name) as hub:
         s = hub.open(1)
         ring.write(enc([(1, [100, 101], 0)], kind=Kind.DRAFT, k=1))
         ring.write(enc([(1, [5], Flag.FINISHED)]))
-        assert [d.token_list() for d in await drain(s)] == [[5]]
+        got = [(d.kind, d.token_list()) for d in await drain(s)]
+        assert got == [(Kind.DRAFT, [100, 101]), (Kind.TARGET, [5])]
         assert hub.stats().records_draft == 1
 
 

@@ -1,11 +1,17 @@
 """A cheap deterministic language model and an honest sampler over its full vocabulary.
 
 Logits of the next token are a seeded bigram table row (the previous token's) plus a noise row
-picked by a counter-based hash of (request key, position): deterministic per request whatever
-the batch, and no random generator state to carry. Logprobs are the log-softmax of those logits
-(the model's distribution before temperature, as vLLM reports by default); the sampled token is
-drawn with temperature from the same logits; top-k is the true top-k (``argpartition`` then a
-sort); the rank is the count of vocabulary logprobs ``>=`` the sampled one.
+picked by a hash of the whole context (every token before the position, with its position) and
+the model seed: a function of the context alone, like a real model's, so the same prompt gives
+the same distributions in any batch, engine or process, and two prompts differ. The context
+hash is a wrapping sum of one ``mix64`` word per (token, position), so a prompt's prefix hashes
+are one ``cumsum`` and a decoding step adds one word per token.
+
+Sampling randomness is separate: a counter-based stream of uniforms per (request key, generated
+position), the key coming from the request's seed (or a fresh one). Logprobs are the log-softmax
+of the logits (raw) or of the distribution sampled from (processed, ``_core``); top-k is the
+true top-k (``argpartition`` then a sort); the rank is the count of vocabulary logprobs ``>=``
+the sampled one.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import numpy.typing as npt
 
 from aiospec.engine._vocab import Vocabulary
 
-__all__ = ("ToyModel", "log_softmax", "ranks_of", "sample", "top_k", "uniform")
+__all__ = ("ToyModel", "context_hashes", "log_softmax", "ranks_of", "sample", "token_hash", "top_k", "uniform")
 
 F32 = npt.NDArray[np.float32]
 I32 = npt.NDArray[np.int32]
@@ -30,6 +36,7 @@ _S30, _S27, _S31, _S11 = np.uint64(30), np.uint64(27), np.uint64(31), np.uint64(
 SALT_NOISE = 1
 SALT_SAMPLE = 2
 SALT_ACCEPT = 3
+SALT_CONTEXT = 4
 
 
 def mix64(x: U64) -> U64:
@@ -50,6 +57,22 @@ def uniform(key: U64, pos: npt.NDArray[np.int64], salt: int) -> npt.NDArray[np.f
 def request_key(seed: int) -> int:
     """The 64-bit stream key of a request seed."""
     return int(mix64(np.array([seed & 0xFFFFFFFFFFFFFFFF], dtype=np.uint64))[0])
+
+
+def token_hash(tokens: npt.NDArray[np.integer], pos: npt.NDArray[np.int64]) -> U64:
+    """The context hash's word of each (token, position): the context hash of tokens
+    ``t[0..n-1]`` is the wrapping sum of ``token_hash(t[j], j)``."""
+    x = (tokens.astype(np.uint64) + np.uint64(1)) * _GOLDEN ^ (pos.astype(np.uint64) * _M2 + np.uint64(SALT_CONTEXT))
+    return mix64(x)
+
+
+def context_hashes(tokens: npt.NDArray[np.integer]) -> U64:
+    """The context hash of every prefix of ``tokens``: ``out[i]`` hashes ``tokens[:i]``
+    (``n + 1`` values; ``out[0]`` = 0, the empty context)."""
+    out = np.zeros(tokens.shape[0] + 1, dtype=np.uint64)
+    if tokens.shape[0]:
+        np.cumsum(token_hash(tokens, np.arange(tokens.shape[0], dtype=np.int64)), out=out[1:])
+    return out
 
 
 def log_softmax(logits: F32) -> F32:
@@ -113,6 +136,7 @@ def ranks_of(lp: F32, tokens: I32) -> I32:
 class ToyModel:
     """Next-token logits from a bigram table plus one of ``noise_rows`` noise rows.
 
+    The noise row is picked by the context hash (``context_hashes``) mixed with the model seed.
     The logits of a position depend only on its *state* ``prev * noise_rows + noise_row``, so
     the distribution of every state is computed once at construction (log-softmax, CDF, true
     top-``max_k`` by ``argpartition``, rank of every token) and a decoding step only gathers:
@@ -144,12 +168,18 @@ class ToyModel:
         table[enders, vocab.eos_id] = 4.0  # texts end after a full stop, now and then
         self.vocab = vocab
         self.vocab_size = v
+        # the model seed's part of every noise row pick (a Python int: no scalar overflow)
+        self._noise_key = np.uint64(((request_key(seed) ^ 0x6A09E667F3BCC908) + SALT_NOISE) & 0xFFFFFFFFFFFFFFFF)
         self.noise_rows = noise_rows
         self.max_k = max_k
         self.table: F32 = table
         self.noise: F32 = (rng.standard_normal((noise_rows, v), dtype=np.float32) * noise_scale).astype(np.float32)
-        # the draft head guesses the noise-free argmax (an MTP head that is right most of the time)
-        self.draft_table: I32 = table.argmax(axis=1).astype(np.int32)
+        # the draft head guesses the noise-free argmax (an MTP head that is right most of the
+        # time); its distribution is the noise-free table's (the draft model's logprobs)
+        self.draft_lp: F32 = log_softmax(table)
+        best2 = top_k(self.draft_lp, 2)[0]
+        self.draft_table: I32 = best2[:, 0].copy()
+        self.draft_second: I32 = best2[:, 1].copy()
         self._build_state_tables()
 
     def _build_state_tables(self) -> None:
@@ -171,20 +201,28 @@ class ToyModel:
         np.put_along_axis(rank, order, (group_end + 1).astype(rank.dtype), axis=1)
         self.rank_table = rank
 
-    def noise_index(self, key: U64, pos: npt.NDArray[np.int64]) -> npt.NDArray[np.intp]:
-        x = mix64(key ^ (pos.astype(np.uint64) * _GOLDEN + np.uint64(SALT_NOISE)))
+    def noise_index(self, ctx: U64) -> npt.NDArray[np.intp]:
+        """The noise row of each context hash (the model seed mixed in)."""
+        x = mix64(ctx ^ self._noise_key)
         out: npt.NDArray[np.intp] = (x % np.uint64(self.noise_rows)).astype(np.intp)
         return out
 
-    def states(self, prev: I32, key: U64, pos: npt.NDArray[np.int64]) -> npt.NDArray[np.intp]:
-        """The model state of the token at ``pos`` of each row, given the token before it."""
-        out: npt.NDArray[np.intp] = prev.astype(np.intp) * self.noise_rows + self.noise_index(key, pos)
+    def states(self, prev: I32, ctx: U64) -> npt.NDArray[np.intp]:
+        """The model state of the next token of each row: ``prev`` the last token of the
+        context, ``ctx`` the context's hash (``context_hashes``)."""
+        out: npt.NDArray[np.intp] = prev.astype(np.intp) * self.noise_rows + self.noise_index(ctx)
         return out
 
-    def logits(self, prev: I32, key: U64, pos: npt.NDArray[np.int64]) -> F32:
+    def logits(self, prev: I32, ctx: U64) -> F32:
         """Recompute the logits of each position from scratch (the reference for the tables)."""
-        out: F32 = self.table[prev] + self.noise[self.noise_index(key, pos)]
+        out: F32 = self.table[prev] + self.noise[self.noise_index(ctx)]
         return out
+
+    def context_logits(self, tokens: npt.NDArray[np.integer]) -> F32:
+        """The logits of every position of a whole context, from scratch: row ``i`` predicts
+        ``tokens[i + 1]`` (``n - 1`` rows): the oracle of prompt logprobs."""
+        t = np.asarray(tokens, dtype=np.int32)
+        return self.logits(t[:-1], context_hashes(t)[1:-1])
 
     def sample_states(
         self, states: npt.NDArray[np.intp], u: npt.NDArray[np.float64], *, ban_eos: npt.NDArray[np.bool_] | None = None

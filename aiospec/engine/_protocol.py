@@ -27,16 +27,36 @@ __all__ = (
 
 
 class Admit(msgspec.Struct, tag="admit", array_like=True, gc=False):
-    """Start a request. ``top_logprobs`` < 0 means no logprobs; 0 means the sampled token's
-    logprob and rank only."""
+    """Start a request (the engine validates every field: ``EngineCore.admit``).
+
+    ``top_logprobs`` < 0 means no logprobs; 0 means the sampled token's logprob and rank
+    only. ``temperature`` 0 is greedy. ``seed``: the sampling stream's seed (any int, 0
+    included); None draws a fresh one. ``ignore_eos``: never sample the end token.
+    ``logit_bias``: token id -> value added to its logit before the softmax (-100..100).
+    ``frequency_penalty`` / ``presence_penalty`` (-2..2, OpenAI's semantics): subtracted
+    from a token's logit, times the number of times it was generated / once it was.
+    ``min_tokens``: the end token and ``stop_token_ids`` are banned until this many tokens
+    were generated. ``stop_token_ids``: sampling one finishes the request; it is emitted as
+    the last output token (vLLM's behaviour); the end token never is. ``prompt_logprobs``: -1
+    none; k >= 0 the logprob, rank and top-k of every prompt position after the first, in
+    ``Kind.PROMPT`` frames before the first token. ``draft_logprobs``: the draft proposals of
+    every speculative step with their logprobs, in ``Kind.DRAFT`` frames.
+    """
 
     handle: int
     prompt_ids: list[int]
     max_tokens: int
     top_logprobs: int = -1
     temperature: float = 1.0
-    seed: int = 0
+    seed: int | None = None
     ignore_eos: bool = False
+    logit_bias: dict[int, float] | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    min_tokens: int = 0
+    stop_token_ids: list[int] = msgspec.field(default_factory=list)
+    prompt_logprobs: int = -1
+    draft_logprobs: bool = False
 
 
 class Abort(msgspec.Struct, tag="abort", array_like=True, gc=False):

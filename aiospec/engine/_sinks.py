@@ -17,8 +17,8 @@ import msgspec
 import numpy as np
 
 import shm
-from aiospec._codec import encode_frame
-from aiospec.engine._core import EngineConfig, StepOutput
+from aiospec._codec import Flag, encode_frame
+from aiospec.engine._core import EngineConfig, StepOutput, ring_geometry
 from aiospec.ops._step import Drafts, Logprobs
 
 __all__ = ("Sink", "make_sink")
@@ -26,6 +26,7 @@ __all__ = ("Sink", "make_sink")
 
 class Sink(Protocol):
     transport: str
+    max_payload: int | None  # the largest frame payload it takes (None: no limit of its own)
 
     def emit(self, out: StepOutput) -> None: ...
 
@@ -47,7 +48,13 @@ def reference_payload(out: StepOutput, producer: int = 0) -> bytes:
     tmask = np.arange(width)[None, :] < nt[rows][:, None]
     offs = np.zeros(rows.size + 1, dtype=np.int32)
     np.cumsum(nt[rows], out=offs[1:])
-    kw: dict[str, Any] = {"flags": st.flags[rows], "step": st.step, "producer": producer}
+    # the kind owns the DRAFT and PROMPT flags, as in the emit op
+    kind_bits = np.int32(Flag.DRAFT | Flag.PROMPT)
+    kw: dict[str, Any] = {"flags": st.flags[rows] & ~kind_bits, "step": st.step, "producer": producer, "kind": st.kind}
+    if st.positions is not None:
+        kw["positions"] = np.asarray(st.positions)[rows]
+    if lp is not None and st.logprobs_processed:
+        kw["logprobs_processed"] = True
     if dr is not None and int(nd.sum()):
         dmask = np.arange(dr.ids.shape[1])[None, :] < nd[rows][:, None]
         doffs = np.zeros(rows.size + 1, dtype=np.int32)
@@ -82,14 +89,10 @@ class RingSink:
 
     def __init__(self, config: EngineConfig) -> None:
         ops = importlib.import_module("aiospec.ops")
-        # the largest step: every slot with num_draft + 1 tokens and max_top_logprobs columns
-        per_token = 4 * 3 + 8 * config.max_top_logprobs
-        worst = 4096 + config.max_batch * (8 + 4 * 4 + (config.num_draft + 1) * per_token)
-        capacity = config.ring_capacity
-        while capacity // 4 < worst:
-            capacity *= 2
-        self.ring = shm.Ring.create(capacity=capacity, max_readers=8, max_record=capacity // 4)
+        capacity, max_record = ring_geometry(config)
+        self.ring = shm.Ring.create(capacity=capacity, max_readers=8, max_record=max_record)
         self.transport = self.ring.name
+        self.max_payload: int | None = self.ring.max_payload
         self.device = _pick_device(config.device)
         try:
             # the backend opens (and the C++ writer builds, once) here, before the engine
@@ -104,10 +107,14 @@ class RingSink:
         self._last_beat = time.monotonic()
 
     def emit(self, out: StepOutput) -> None:
-        """Write one step; ``shm.RingFull`` after a bounded wait leaves nothing written, so
-        the caller may retry the same step."""
+        """Write one step's frames (prompt logprobs, drafts, then the target frame), from
+        ``out.sent`` on; ``shm.RingFull`` after a bounded wait leaves the frame it was writing
+        unwritten and ``out.sent`` at it, so the caller may retry the same step."""
+        steps = out.steps()
         if self._torch is None:
-            self.producer.emit_step(out.emit_step)
+            while out.sent < len(steps):
+                self.producer.emit_step(steps[out.sent])
+                out.sent += 1
             return
         # a GPU worker's tensors: the kernel writes the frame into the ring from the device
         t = self._torch
@@ -115,21 +122,24 @@ class RingSink:
         def dev(a: Any) -> Any:
             return a if not isinstance(a, np.ndarray) else t.from_numpy(np.ascontiguousarray(a)).cuda()
 
-        st = out.emit_step
-        lp, dr = st.logprobs, st.drafts
-        self.producer.emit_step(
-            msgspec.structs.replace(
-                st,
-                handles=dev(st.handles),
-                token_ids=dev(st.token_ids),
-                num_tokens=dev(st.num_tokens),
-                flags=dev(st.flags),
-                logprobs=None
-                if lp is None
-                else Logprobs(dev(lp.ids), dev(lp.values), dev(lp.ranks), dev(lp.offsets), lp.k),
-                drafts=None if dr is None else Drafts(dev(dr.ids), dev(dr.counts)),
+        while out.sent < len(steps):
+            st = steps[out.sent]
+            lp, dr = st.logprobs, st.drafts
+            self.producer.emit_step(
+                msgspec.structs.replace(
+                    st,
+                    handles=dev(st.handles),
+                    token_ids=dev(st.token_ids),
+                    num_tokens=dev(st.num_tokens),
+                    flags=dev(st.flags),
+                    logprobs=None
+                    if lp is None
+                    else Logprobs(dev(lp.ids), dev(lp.values), dev(lp.ranks), dev(lp.offsets), lp.k),
+                    drafts=None if dr is None else Drafts(dev(dr.ids), dev(dr.counts)),
+                    positions=dev(st.positions),
+                )
             )
-        )
+            out.sent += 1
         t.cuda.current_stream().synchronize()  # the step's own sync point; then wake readers
         self.producer.notify()
 
@@ -151,6 +161,8 @@ class BaselineSink:
     def __init__(self, config: EngineConfig) -> None:
         b = importlib.import_module("aiospec.baselines")
         self.transport = config.transport_address
+        # the engine refuses prompt and draft logprobs on these paths: target frames only
+        self.max_payload: int | None = None
         if config.transport == "vllm":
             self._emitter = b.VllmStyleEmitter(config.transport_address, engine_index=config.producer)
         else:

@@ -2,6 +2,11 @@
 
 Words carry a leading space (the GPT-2 convention), so concatenating sampled tokens reads as
 text without a detokenizer. Token 0 is the end token; it is never emitted as output.
+
+``Vocabulary.encode`` is the tokenizer of prompts: the longest token that matches at each
+place (a word token only where the word ends), so that ``decode(encode(text)) == text`` for
+any text the vocabulary spells, the engine's own output included. What it cannot spell is
+mapped to stable stand-ins (see ``encode``).
 """
 
 from __future__ import annotations
@@ -44,13 +49,17 @@ _CAPITALIZED = ("the", "it", "we", "they", "this", "there", "he", "she", "in", "
 _PUNCT = [".", ",", "!", "?", ";", ":", " -", "\n", "\n\n", "'s", " (", ")", ' "', '"']
 
 # multi-byte UTF-8: 2-byte Latin, 3-byte CJK and punctuation, 4-byte emoji
+# a piece the vocabulary cannot spell: a word (with its leading spaces), one other character,
+# or a run of spaces
+_PIECE = re.compile(r"\s*[\w']+|\s*[^\w\s]|\s+|.", re.DOTALL)
+
 _NON_ASCII = [" café", " naïve", " über", " façade", " résumé", "—", "…", " 東京", " 日本", " 😀", " 🚀", " Ω", "€"]
 
 
 class Vocabulary:
     """Token strings by id, their UTF-8 bytes, and a tiny whitespace encoder for prompts."""
 
-    __slots__ = ("_bytes", "_index", "eos_id", "punct_ids", "start_ids", "tokens")
+    __slots__ = ("_bytes", "_index", "_matcher", "eos_id", "punct_ids", "start_ids", "tokens")
 
     def __init__(self, tokens: Sequence[str], eos_id: int = 0) -> None:
         if not tokens:
@@ -65,6 +74,14 @@ class Vocabulary:
         self._index = {t: i for i, t in enumerate(self.tokens)}
         self.punct_ids = tuple(i for i, t in enumerate(self.tokens) if i != eos_id and not any(c.isalpha() for c in t))
         self.start_ids = tuple(i for i, t in enumerate(self.tokens) if t[1:2].isupper())
+        # longest first, so the alternation's first match is the longest; a token that ends in
+        # a word character matches only where the word ends (" the" is not the start of " theory")
+        alts = [
+            re.escape(t) + (r"(?!\w)" if re.match(r"\w", t[-1]) else "")
+            for t in sorted(self.tokens, key=len, reverse=True)
+            if t and self._index[t] != eos_id
+        ]
+        self._matcher = re.compile("|".join(alts))
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -80,16 +97,33 @@ class Vocabulary:
         return "".join(toks[i] for i in token_ids if i != self.eos_id)
 
     def encode(self, text: str) -> list[int]:
-        """Map text to ids: known words and punctuation to their tokens, anything else to a
-        stable pseudo-token (prompts only need a length and a deterministic last token)."""
+        """The token ids of ``text`` (the tokenizer of prompts; the server counts prompt
+        tokens with it).
+
+        At each place the longest matching token is taken, so ``decode(encode(text)) ==
+        text`` whenever the vocabulary spells ``text`` (any concatenation of its tokens does).
+        A piece it cannot spell (an unknown word, a word with no leading space) becomes one
+        token: the word's spaced form when the vocabulary has it (``"The"`` -> ``" The"``),
+        else a stable pseudo-token picked by a hash of the piece; only such pieces do not
+        round-trip. The end token is never produced.
+        """
         out: list[int] = []
         index = self._index
         n = len(self.tokens)
-        for piece in re.findall(r"\s*[\w']+|\s*[^\w\s]|\s+", text):
-            tid = index.get(piece)
-            if tid is None:
-                tid = index.get(" " + piece.strip())
-            if tid is None:
+        match = self._matcher.match
+        pos, end = 0, len(text)
+        while pos < end:
+            m = match(text, pos)
+            if m is not None and m.end() > pos:
+                out.append(index[m.group()])
+                pos = m.end()
+                continue
+            p = _PIECE.match(text, pos)
+            assert p is not None  # the pattern matches any non-empty rest
+            piece = p.group()
+            pos = p.end()
+            tid = index.get(" " + piece.strip())
+            if tid is None or tid == self.eos_id:
                 # FNV-1a: stable across processes, unlike hash()
                 h = 0xCBF29CE484222325
                 for b in piece.encode("utf-8"):
