@@ -26,7 +26,6 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from aiospec.engine import Admit
 from aiospec.openai import PromptLogprobs
 from aiospec.server._engine_link import EngineLink, ServerSettings
 from aiospec.server._generation import Choice, Generation, send_json
@@ -77,26 +76,6 @@ def _json(obj: Any, status: int = 200) -> Response:
 
 class _ClientGone(Exception):
     pass
-
-
-_ADMIT_FIELDS = frozenset(Admit.__struct_fields__)
-# Admit's field -> the request parameter that asks for it
-_PARAM_OF = {"draft_logprobs": "include_draft_logprobs"}
-
-
-def _engine_fields(sampling: dict[str, Any], parsed: Parsed) -> dict[str, Any]:
-    """``sampling`` as the engine's ``Admit`` takes it: a feature the engine does not take is
-    refused by the name of the parameter that asked for it."""
-    for k in sampling:
-        if k not in _ADMIT_FIELDS:
-            param = _PARAM_OF.get(k, k)
-            if k == "prompt_logprobs" and parsed.prompt_logprobs < 0:
-                param = "echo"  # echo with logprobs needs the prompt's
-            raise ApiError(400, f"Invalid '{param}': not supported by this engine.", param=param,
-                           code="unsupported_parameter")  # fmt: skip
-    if sampling.get("seed", 0) is None and Admit.__struct_defaults__[Admit.__struct_fields__.index("seed") - 3] == 0:
-        sampling["seed"] = 0  # an engine whose Admit takes no None: 0 is its "no seed"
-    return sampling
 
 
 class Handlers:
@@ -177,11 +156,12 @@ class Handlers:
                     )  # fmt: skip
             plans.append((i, text, ids, max_tokens))
         wants_prompt = parsed.engine_prompt_logprobs >= 0
+        self._check_engine(parsed, wants_prompt)
         choices: list[Choice] = []
         try:
             for i, text, ids, max_tokens in plans:
                 for j in range(parsed.n):
-                    sampling = _engine_fields(parsed.sampling(j), parsed)
+                    sampling = parsed.sampling(j)
                     # max_tokens = 0 (echo only): one token is decoded, and not shown
                     handle, stream = st.link.submit(ids, max(1, max_tokens), sampling)
                     out = Output(
@@ -200,6 +180,21 @@ class Handlers:
                 st.link.finish(c.handle, abort=True)
             raise
         return choices
+
+    def _check_engine(self, parsed: Parsed, wants_prompt: bool) -> None:
+        """What the engines cannot give: prompt and draft records travel on the ring only, and
+        draft proposals need speculative decoding."""
+        cfg = self.state.settings.engine
+        asked = [("prompt_logprobs" if parsed.prompt_logprobs >= 0 else "echo", wants_prompt),
+                 ("include_draft_logprobs", parsed.draft_logprobs)]  # fmt: skip
+        for param, on in asked:
+            if on and cfg.transport != "ring":
+                raise ApiError(400, f"Invalid '{param}': the {cfg.transport} token path carries output tokens only "
+                               "(the ring carries prompt and draft logprobs).", param=param,
+                               code="unsupported_parameter")  # fmt: skip
+        if parsed.draft_logprobs and cfg.num_draft == 0:
+            msg = "Invalid 'include_draft_logprobs': the engine does no speculative decoding (--num-draft 0)."
+            raise ApiError(400, msg, param="include_draft_logprobs", code="unsupported_parameter")
 
     def _check_model(self, model: str | None) -> None:
         name = self.state.settings.model

@@ -103,11 +103,6 @@ def _settings(a: argparse.Namespace) -> Any:
 
     if not 1 <= a.max_logprobs <= 64:
         raise ValueError(f"--max-logprobs = {a.max_logprobs}: expected 1..64")
-    mode: dict[str, Any] = {}
-    if "logprobs_mode" in EngineConfig.__struct_fields__:
-        mode["logprobs_mode"] = a.logprobs_mode
-    elif a.logprobs_mode != "raw":
-        raise ValueError(f"--logprobs-mode {a.logprobs_mode}: this engine reports raw logprobs only")
     eng = EngineConfig(
         max_batch=_max_batch(a),
         step_time=a.step_ms / 1e3,
@@ -117,7 +112,7 @@ def _settings(a: argparse.Namespace) -> Any:
         transport=a.token_path,
         device=a.device,
         max_top_logprobs=a.max_logprobs,
-        **mode,
+        logprobs_mode=a.logprobs_mode,
     )
     eng.validate()
     if not 0.05 <= a.loop_budget_ms <= 1000:

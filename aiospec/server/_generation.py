@@ -64,13 +64,6 @@ _SSE_HEADERS = [
 _encoder = msgspec.json.Encoder()
 
 
-_PROMPT: Any = getattr(Kind, "PROMPT", None)  # the prompt deltas' kind, where the engine sends them
-
-
-def _kind(d: Delta) -> Any:
-    return getattr(d, "kind", Kind.TARGET)
-
-
 class _Message(msgspec.Struct, gc=False):
     role: str
     content: str
@@ -152,15 +145,14 @@ class Choice:
 
     def take_side(self, d: Delta) -> bool:
         """Keep a prompt or draft delta; False for an output (target) delta."""
-        kind = _kind(d)
+        kind = d.kind
+        if kind == Kind.TARGET:
+            return False
         if kind == Kind.DRAFT:
             self.drafts.append(d)
-            return True
-        if _PROMPT is not None and kind == _PROMPT:
-            if self.prompt_lp is not None:
-                self.prompt_lp.add(d, int(getattr(d, "prompt_position", 0)))
-            return True
-        return False
+        elif kind == Kind.PROMPT and self.prompt_lp is not None:
+            self.prompt_lp.add(d, d.prompt_position)
+        return True
 
 
 class Generation(Response):

@@ -338,9 +338,11 @@ class Parsed(msgspec.Struct, kw_only=True, gc=False):
         seed = self.seed
         if seed is not None and choice:
             seed = (seed + choice + (1 << 63)) % (1 << 64) - (1 << 63)  # stays an int64
-        out: dict[str, Any] = {"top_logprobs": self.top_logprobs, "temperature": self.temperature, "seed": seed,
-                               "ignore_eos": self.ignore_eos}  # fmt: skip
-        extra = {
+        return {
+            "top_logprobs": self.top_logprobs,
+            "temperature": self.temperature,
+            "seed": seed,
+            "ignore_eos": self.ignore_eos,
             "logit_bias": self.logit_bias,
             "frequency_penalty": self.frequency_penalty,
             "presence_penalty": self.presence_penalty,
@@ -349,8 +351,6 @@ class Parsed(msgspec.Struct, kw_only=True, gc=False):
             "prompt_logprobs": self.engine_prompt_logprobs,
             "draft_logprobs": self.draft_logprobs,
         }
-        out.update((k, v) for k, v in extra.items() if v not in (None, 0, 0.0, -1, False, []))
-        return out
 
     @property
     def engine_prompt_logprobs(self) -> int:
