@@ -341,7 +341,7 @@ def _prev_token(outs: list[StepOutput], upto: StepOutput, handle: int) -> int:
         (
             {"seed": 1 << 64},
             r"seed = 18446744073709551616 \(handle 1\): expected None or an int in -2\*\*63\.\.2\*\*64-1",
-        ),  # noqa: E501
+        ),
         ({"logit_bias": {999: 1.0}}, r"logit_bias key = 999 \(handle 1\): expected a token id in 0\.\.4"),
         ({"logit_bias": {1: 101.0}}, r"logit_bias\[1\] = 101\.0 \(handle 1\): expected a number in -100\.\.100"),
         ({"logit_bias": {1: float("nan")}}, r"logit_bias\[1\] = nan \(handle 1\): expected a number in -100\.\.100"),

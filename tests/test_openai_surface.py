@@ -13,13 +13,12 @@ from __future__ import annotations
 import json
 import math
 import re
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
 import openai
 import pytest
+from _openaihelpers import expected_prompt_logprobs, log_softmax, post, same_prompt_logprobs, toy_model
 
 from aiospec.engine import default_vocabulary
 from aiospec.server import ServerProcess
@@ -41,21 +40,6 @@ def server() -> Iterator[ServerProcess]:
 @pytest.fixture(scope="module")
 def client(server: ServerProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-def _post(url: str, body: Any) -> tuple[int, Any]:
-    req = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST"
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            raw = r.read()
-            if r.headers.get("content-type", "").startswith("text/event-stream"):
-                events = [e[6:] for e in raw.decode().split("\n\n") if e.startswith("data: ")]
-                return r.status, [json.loads(e) for e in events if e != "[DONE]"]
-            return r.status, json.loads(raw)
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
 
 
 def _text(client: openai.OpenAI, prompt: Any, **kw: Any) -> str:
@@ -269,7 +253,7 @@ def test_refused_parameters(server: ServerProcess, param: str, value: Any, messa
         ("/v1/completions", {"prompt": "x", "max_tokens": 2}),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}),
     ):
-        status, got = _post(server.url + path, {**body, param: value})
+        status, got = post(server.url + path, {**body, param: value})
         if not message:
             assert status == 200
             continue
@@ -282,7 +266,7 @@ def test_refused_parameters(server: ServerProcess, param: str, value: Any, messa
 @pytest.mark.parametrize(("param", "value", "message"), CHAT_REFUSALS, ids=[r[0] for r in CHAT_REFUSALS])
 def test_refused_chat_parameters(server: ServerProcess, param: str, value: Any, message: str) -> None:
     body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, param: value}
-    status, got = _post(server.url + "/v1/chat/completions", body)
+    status, got = post(server.url + "/v1/chat/completions", body)
     assert status == 400 and got["error"]["param"] == param
     assert re.match(rf"^Invalid '{param}': {param} = .+: {message}", got["error"]["message"]), got["error"]
 
@@ -296,7 +280,7 @@ NEUTRAL: list[tuple[str, Any]] = [
 
 def test_neutral_values_of_refused_parameters_are_served(server: ServerProcess) -> None:
     body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, **dict(NEUTRAL)}
-    status, got = _post(server.url + "/v1/chat/completions", body)
+    status, got = post(server.url + "/v1/chat/completions", body)
     assert status == 200, got
 
 
@@ -339,7 +323,7 @@ BAD_VALUES: list[tuple[str, dict[str, Any], str, str]] = [
 )
 def test_bad_values_name_the_parameter(server: ServerProcess, path: str, body: dict[str, Any], param: str,
                                        message: str) -> None:  # fmt: skip
-    status, got = _post(server.url + path, body)
+    status, got = post(server.url + path, body)
     assert status == 400, got
     assert got["error"]["param"] == param
     assert re.search(message, got["error"]["message"]), got["error"]["message"]
@@ -353,47 +337,6 @@ def test_logprob_floats_are_finite(client: openai.OpenAI) -> None:
 
 
 # -- what needs the engine's side: determinism, sampling fields, prompt and draft logprobs ---------
-
-
-def _model() -> Any:
-    from aiospec.engine import ToyModel
-
-    return ToyModel(VOCAB, seed=0)  # the server's --seed
-
-
-def _log_softmax(x: Any) -> Any:
-    import numpy as np
-
-    x = np.asarray(x, dtype=np.float64)
-    m = x.max(axis=-1, keepdims=True)
-    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
-
-
-def _expected_prompt_logprobs(ids: list[int], k: int) -> list[dict[str, tuple[float, int]] | None]:
-    """vLLM's prompt_logprobs of ``ids``, from the model's logits computed here: per position
-    after the first, the prompt token's (logprob, rank) and the top-k's."""
-    import numpy as np
-
-    lp = _log_softmax(_model().context_logits(np.array(ids)))
-    out: list[dict[str, tuple[float, int]] | None] = [None]
-    for i, row in enumerate(lp):
-        t = ids[i + 1]
-        d = {str(t): (float(row[t]), int((row >= row[t]).sum()))}
-        for r, a in enumerate(np.argsort(-row, kind="stable")[:k]):
-            d.setdefault(str(int(a)), (float(row[a]), r + 1))
-        out.append(d)
-    return out
-
-
-def _same_prompt_logprobs(got: Any, want: list[dict[str, tuple[float, int]] | None]) -> None:
-    assert got is not None and len(got) == len(want)
-    assert got[0] is None
-    for g, w in zip(got[1:], want[1:], strict=True):
-        assert w is not None and list(g) == list(w)  # the prompt's token first, then the top-k
-        for tid, (lp, rank) in w.items():
-            assert g[tid]["logprob"] == pytest.approx(lp, abs=1e-4)
-            assert g[tid]["rank"] == rank
-            assert g[tid]["decoded_token"] == VOCAB.token(int(tid))
 
 
 PROMPT = " the man was in the house"
@@ -422,7 +365,7 @@ def test_greedy_follows_the_model(client: openai.OpenAI) -> None:
     got = [int(t[6:]) for t in lp.tokens or []]
     ctx = VOCAB.encode(PROMPT)
     for t in got:
-        row = _log_softmax(_model().context_logits(np.array([*ctx, 0]))[-1])
+        row = log_softmax(toy_model().context_logits(np.array([*ctx, 0]))[-1])
         row[VOCAB.eos_id] = -np.inf
         assert t == int(np.argmax(row))
         ctx.append(t)
@@ -491,33 +434,33 @@ def test_penalties_reach_the_engine(client: openai.OpenAI) -> None:
 def test_prompt_logprobs_completions(server: ServerProcess, stream: bool) -> None:
     prompts = [PROMPT, " a house"]
     body = {"prompt": prompts, "max_tokens": 3, "prompt_logprobs": 2, "stream": stream, "ignore_eos": True}
-    status, got = _post(server.url + "/v1/completions", body)
+    status, got = post(server.url + "/v1/completions", body)
     assert status == 200, got
     for i, p in enumerate(prompts):
-        want = _expected_prompt_logprobs(VOCAB.encode(p), 2)
+        want = expected_prompt_logprobs(VOCAB.encode(p), 2)
         if stream:
             chunks = [c for c in got if c["choices"] and c["choices"][0]["index"] == i]
             assert "prompt_logprobs" in chunks[0]["choices"][0]
             assert all("prompt_logprobs" not in c["choices"][0] for c in chunks[1:])
-            _same_prompt_logprobs(chunks[0]["choices"][0]["prompt_logprobs"], want)
+            same_prompt_logprobs(chunks[0]["choices"][0]["prompt_logprobs"], want)
         else:
-            _same_prompt_logprobs(got["choices"][i]["prompt_logprobs"], want)
+            same_prompt_logprobs(got["choices"][i]["prompt_logprobs"], want)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_prompt_logprobs_chat(client: openai.OpenAI, stream: bool) -> None:
     msgs = [{"role": "user", "content": "Where was it played?"}]
-    want = _expected_prompt_logprobs(VOCAB.encode("user: Where was it played?\nassistant:"), 1)
+    want = expected_prompt_logprobs(VOCAB.encode("user: Where was it played?\nassistant:"), 1)
     kw: dict[str, Any] = {"model": MODEL, "messages": msgs, "max_tokens": 4, "extra_body": {"prompt_logprobs": 1}}
     if stream:
         chunks = list(client.chat.completions.create(stream=True, **kw))
         assert chunks[0].model_extra is not None
-        _same_prompt_logprobs(chunks[0].model_extra["prompt_logprobs"], want)
+        same_prompt_logprobs(chunks[0].model_extra["prompt_logprobs"], want)
         assert all("prompt_logprobs" not in (c.model_extra or {}) for c in chunks[1:])
     else:
         r = client.chat.completions.create(**kw)
         assert r.model_extra is not None
-        _same_prompt_logprobs(r.model_extra["prompt_logprobs"], want)
+        same_prompt_logprobs(r.model_extra["prompt_logprobs"], want)
     plain = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2)
     assert "prompt_logprobs" not in (plain.model_extra or {})
 
@@ -525,7 +468,7 @@ def test_prompt_logprobs_chat(client: openai.OpenAI, stream: bool) -> None:
 @pytest.mark.parametrize("k", [0, 2])
 def test_echo_with_logprobs(client: openai.OpenAI, k: int) -> None:
     ids = VOCAB.encode(PROMPT)
-    want = _expected_prompt_logprobs(ids, k)
+    want = expected_prompt_logprobs(ids, k)
     kw: dict[str, Any] = {"model": MODEL, "prompt": PROMPT, "max_tokens": 5, "seed": 4, "logprobs": k, **FIXED}
     gen = client.completions.create(**kw).choices[0]
     r = client.completions.create(echo=True, **kw).choices[0]
@@ -560,7 +503,7 @@ def test_echo_with_no_new_tokens_scores_the_prompt(client: openai.OpenAI) -> Non
     assert ch.text == PROMPT and ch.finish_reason == "length"
     assert r.usage is not None and r.usage.completion_tokens == 0 and r.usage.prompt_tokens == len(ids)
     assert ch.logprobs is not None and len(ch.logprobs.tokens or []) == len(ids)
-    want = _expected_prompt_logprobs(ids, 1)
+    want = expected_prompt_logprobs(ids, 1)
     for i in range(1, len(ids)):
         w = want[i]
         assert w is not None and (ch.logprobs.token_logprobs or [])[i] == pytest.approx(w[str(ids[i])][0], abs=1e-4)
@@ -571,7 +514,7 @@ def test_echo_with_no_new_tokens_scores_the_prompt(client: openai.OpenAI) -> Non
 def test_draft_logprobs(server: ServerProcess, chat: bool, stream: bool) -> None:
     import numpy as np
 
-    draft_lp = _log_softmax(_model().draft_lp)
+    draft_lp = log_softmax(toy_model().draft_lp)
     path = "/v1/chat/completions" if chat else "/v1/completions"
     base: dict[str, Any] = {"max_tokens": 24, "seed": 8, "ignore_eos": True, "stream": stream,
                             "return_tokens_as_token_ids": True}  # fmt: skip
@@ -579,8 +522,8 @@ def test_draft_logprobs(server: ServerProcess, chat: bool, stream: bool) -> None
         base |= {"messages": [{"role": "user", "content": "go"}], "logprobs": True, "top_logprobs": 2}
     else:
         base |= {"prompt": "go", "logprobs": 2}
-    _, plain = _post(server.url + path, base)
-    status, got = _post(server.url + path, {**base, "include_draft_logprobs": True})
+    _, plain = post(server.url + path, base)
+    status, got = post(server.url + path, {**base, "include_draft_logprobs": True})
     assert status == 200, got
     chunks = got if stream else [got]
     plain_chunks = plain if stream else [plain]
@@ -614,3 +557,58 @@ def test_draft_logprobs(server: ServerProcess, chat: bool, stream: bool) -> None
         names = [t["token"] for t in tops] if chat else [t for t, _ in tops]
         best = [f"token:{int(a)}" for a in np.argsort(-row, kind="stable")[:2]]
         assert set(best) <= set(names)
+
+
+# -- a server with more logprobs, in processed mode ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def wide(server: ServerProcess) -> Iterator[ServerProcess]:
+    srv = ServerProcess(["--step-ms", "2", "--max-batch", "16", "--max-logprobs", "30", "--logprobs-mode", "processed"])
+    srv.start(timeout=180)
+    try:
+        yield srv
+    finally:
+        assert srv.stop() == 0
+
+
+def test_more_logprobs_than_20_up_to_max_logprobs(wide: ServerProcess) -> None:
+    client = openai.OpenAI(base_url=wide.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    msgs = [{"role": "user", "content": "x"}]
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=3, logprobs=True, top_logprobs=30)
+    content = r.choices[0].logprobs.content if r.choices[0].logprobs else None
+    assert content and all(len(e.top_logprobs) == 30 for e in content)
+    c = client.completions.create(
+        model=MODEL, prompt="x", max_tokens=2, logprobs=25, extra_body={"prompt_logprobs": 30}
+    )
+    assert c.choices[0].logprobs is not None and all(
+        len(t or {}) >= 25 for t in c.choices[0].logprobs.top_logprobs or []
+    )
+    for param, body in (
+        ("top_logprobs", {"messages": msgs, "logprobs": True, "top_logprobs": 31}),
+        ("logprobs", {"prompt": "x", "logprobs": 31}),
+        ("prompt_logprobs", {"prompt": "x", "prompt_logprobs": 31}),
+    ):
+        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        status, got = post(wide.url + path, body)
+        assert status == 400 and got["error"]["param"] == param
+        assert got["error"]["message"] == f"Invalid '{param}': {param} = 31: expected 0..30 (--max-logprobs)."
+
+
+def test_logprobs_mode_processed(server: ServerProcess, wide: ServerProcess) -> None:
+    import numpy as np
+
+    body = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0.5, "seed": 3, "logprobs": 0,
+            "return_tokens_as_token_ids": True}  # fmt: skip
+    runs = {}
+    for mode, srv in (("raw", server), ("processed", wide)):
+        status, got = post(srv.url + "/v1/completions", body)
+        assert status == 200, got
+        runs[mode] = got["choices"][0]["logprobs"]
+    assert runs["raw"]["tokens"] == runs["processed"]["tokens"]  # the same sampling, other logprobs
+    ctx = VOCAB.encode(PROMPT)
+    for i, t in enumerate(int(s[6:]) for s in runs["raw"]["tokens"]):
+        row = toy_model().context_logits(np.array([*ctx, 0]))[-1]
+        assert runs["raw"]["token_logprobs"][i] == pytest.approx(float(log_softmax(row)[t]), abs=1e-4)
+        assert runs["processed"]["token_logprobs"][i] == pytest.approx(float(log_softmax(row / 0.5)[t]), abs=1e-4)
+        ctx.append(t)
