@@ -11,6 +11,7 @@ import msgspec
 import numpy as np
 import pytest
 
+from aiospec._codec import Kind
 from aiospec._stream import Delta
 from aiospec.openai import (
     SSE_DONE,
@@ -20,7 +21,9 @@ from aiospec.openai import (
     ChatLogprobsFormatter,
     CompletionLogprobsFormatter,
     IncrementalText,
+    PromptLogprobs,
     SimpleTokenizer,
+    TokenIdStrings,
     Tokenizer,
     chat_chunk,
     completion_chunk,
@@ -312,3 +315,96 @@ def test_simple_tokenizer_errors() -> None:
     with pytest.raises(ValueError, match=r"^token_id = 6: not in the vocabulary \(6 tokens\)$"):
         ChatLogprobsFormatter(tok()).format(delta([6], [-1.0]))
     assert SimpleTokenizer(["a", b"\xff"]).token_bytes(1) == b"\xff"
+
+
+# -- prompt logprobs, token ids as strings, extension fields ------------------------------------------
+
+
+def prompt_delta(position: int, ids: list[int], lps: list[float], ranks: list[int], top_ids: list[list[int]],
+                 top_lps: list[list[float]]) -> Delta:  # fmt: skip
+    d = delta(ids, lps, top_ids, top_lps)
+    d.ranks = np.array(ranks, np.int32)
+    d.kind = Kind.PROMPT
+    d.prompt_position = position
+    return d
+
+
+# the prompt "Hello world!": positions 1 and 2 have logprobs; at 1 the prompt's token is the
+# top-1, at 2 it is third
+POS1 = ([1], [-0.5], [1], [[1, 0]], [[-0.5, -1.5]])
+POS2 = ([5], [-2.0], [3], [[2, 0]], [[-0.25, -1.0]])
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["one-delta", "two-deltas"])
+def test_prompt_logprobs_in_vllms_shape(split: bool) -> None:
+    pl = PromptLogprobs([0, 1, 5])
+    if split:
+        pl.add(prompt_delta(2, *POS2), 2)
+        pl.add(prompt_delta(1, *POS1), 1)
+    else:
+        both = [a + b for a, b in zip(POS1, POS2, strict=True)]
+        pl.add(prompt_delta(1, *both), 1)
+    assert pl.received == 2
+    assert as_json(pl.vllm(tok(), 2)) == [
+        None,
+        {"1": {"logprob": -0.5, "rank": 1, "decoded_token": " world"},
+         "0": {"logprob": -1.5, "rank": 2, "decoded_token": "Hello"}},
+        {"5": {"logprob": -2.0, "rank": 3, "decoded_token": "!"},
+         "2": {"logprob": -0.25, "rank": 1, "decoded_token": "é"},
+         "0": {"logprob": -1.0, "rank": 2, "decoded_token": "Hello"}},
+    ]  # fmt: skip
+    # k = 1: the prompt's token and the best one (the same at position 1)
+    assert [list(d) if d else None for d in as_json(pl.vllm(tok(), 1))] == [None, ["1"], ["5", "2"]]
+    assert [list(d) if d else None for d in as_json(pl.vllm(tok(), 0))] == [None, ["1"], ["5"]]
+
+
+def test_prompt_logprobs_as_an_echoed_completion() -> None:
+    pl = PromptLogprobs([0, 1, 5])
+    pl.add(prompt_delta(1, *[a + b for a, b in zip(POS1, POS2, strict=True)]), 1)
+    assert as_json(pl.completion(tok(), 1)) == {
+        "tokens": ["Hello", " world", "!"],
+        "token_logprobs": [None, -0.5, -2.0],
+        "top_logprobs": [None, {" world": -0.5}, {"é": -0.25, "!": -2.0}],
+        "text_offset": [0, 5, 11],
+    }
+    # a position that did not come is None, like the first
+    only = PromptLogprobs([0, 1, 5])
+    only.add(prompt_delta(2, *POS2), 2)
+    assert as_json(only.vllm(tok(), 0)) == [None, None, {"5": {"logprob": -2.0, "rank": 3, "decoded_token": "!"}}]
+
+
+def test_prompt_logprobs_refuse_what_is_not_the_prompt() -> None:
+    pl = PromptLogprobs([0, 1, 5])
+    with pytest.raises(ValueError, match=r"^prompt delta at position 2 with 2 tokens: the prompt has 3$"):
+        pl.add(prompt_delta(2, [5, 5], [-1.0, -1.0], [1, 1], [[5], [5]], [[-1.0], [-1.0]]), 2)
+    with pytest.raises(ValueError, match=r"^prompt delta at position 1: its tokens are not the prompt's$"):
+        pl.add(prompt_delta(1, [2], [-1.0], [1], [[2]], [[-1.0]]), 1)
+
+
+def test_token_id_strings() -> None:
+    fmt = ChatLogprobsFormatter(TokenIdStrings(), top_logprobs=1)
+    got = as_json(fmt.format(delta([3], [-0.5], [[4]], [[-0.25]])))
+    b3, b4 = list(b"token:3"), list(b"token:4")
+    assert got == {"content": [{"token": "token:3", "logprob": -0.5, "bytes": b3,
+                                "top_logprobs": [{"token": "token:4", "logprob": -0.25, "bytes": b4}]}]}  # fmt: skip
+    # completions: the strings are ids, the offsets count the text
+    cf = CompletionLogprobsFormatter(TokenIdStrings(), logprobs=0, text_tokenizer=tok())
+    assert as_json(cf.format(delta([0, 1], [-1.0, -2.0]))) == {
+        "tokens": ["token:0", "token:1"], "token_logprobs": [-1.0, -2.0],
+        "top_logprobs": [{"token:0": -1.0}, {"token:1": -2.0}], "text_offset": [0, 5],
+    }  # fmt: skip
+
+
+def test_chunk_extension_members() -> None:
+    enc = ChatChunkEncoder("id", "m", 7, index=2)
+    body = enc.chunk(content="x", choice_extra=b',"draft_logprobs":{"content":[]}', extra=b',"prompt_logprobs":[null]')
+    assert json.loads(body[6:]) == {
+        "object": "chat.completion.chunk", "id": "id", "created": 7, "model": "m",
+        "choices": [{"index": 2, "delta": {"content": "x"}, "logprobs": None, "finish_reason": None,
+                     "draft_logprobs": {"content": []}}],
+        "prompt_logprobs": [None],
+    }  # fmt: skip
+    plain = completion_chunk("id", "m", 7, text="t")
+    assert "prompt_logprobs" not in json.loads(sse(plain)[6:])["choices"][0]  # left out unless set
+    plain.choices[0].prompt_logprobs = [None]
+    assert json.loads(sse(plain)[6:])["choices"][0]["prompt_logprobs"] == [None]
