@@ -11,7 +11,9 @@ token path between engine and server swapped:
   that hands results to asyncio (``aiospec.baselines.FastDeployStyleHub``).
 
 Each configuration runs a fixed number of streaming chat requests (``top_logprobs=5``,
-fixed-length outputs) at a fixed concurrency, with a time cap. The load generator (``aiospec
+fixed-length outputs) at a fixed concurrency, with a time cap; ``--prompt-tokens N`` sets the
+prompts' length and ``--prompt-logprobs K`` asks each request's prompt logprobs too (streamed in
+its first chunk: what the prefill's whole output costs, on the ring path). The load generator (``aiospec
 loadtest``: an asyncio-protocol HTTP client, minimal parsing) runs in its own process at a
 lower CPU priority (``nice``) and starts its streams over a short ramp-up instead of opening
 them all within a millisecond. Reported per run: tokens/s received by the clients, TTFT and
@@ -83,6 +85,7 @@ def _load(
         cmd = [*pin, "nice", "-n", str(a.client_nice), sys.executable, "-m", "aiospec.cli", "loadtest", url,
                "-c", str(concurrency), "-n", str(requests), "--max-tokens", str(max_tokens),
                "--top-logprobs", str(a.top_logprobs), "--prompt-words", str(a.prompt_words),
+               "--prompt-logprobs", str(a.prompt_logprobs),
                "--duration", str(a.time_cap), "--ramp-up", str(ramp_up), "--model", "aiospec-toy",
                "-q", "--json", out.name]  # fmt: skip
         env = dict(os.environ, PYTHONPATH=_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -157,6 +160,25 @@ def run_one(path: str, concurrency: int, a: argparse.Namespace) -> dict[str, Any
     }
 
 
+def _prompt_tokens(words: int) -> float:
+    """The mean prompt tokens of the load's chat requests with ``words`` words."""
+    from aiospec.engine import default_vocabulary
+    from aiospec.loadtest._client import _prompt
+    from aiospec.server._requests import ChatMessage, chat_prompt
+
+    vocab = default_vocabulary()
+    n = [len(vocab.encode(chat_prompt([ChatMessage("user", _prompt(i, words))]))) for i in range(64)]
+    return sum(n) / len(n)
+
+
+def _words_for(tokens: int) -> int:
+    """The fewest prompt words whose chat prompts have about ``tokens`` tokens."""
+    words = 1
+    while _prompt_tokens(words) < tokens:
+        words += max(1, int((tokens - _prompt_tokens(words)) // 2))
+    return words
+
+
 def _median(rs: list[dict[str, Any]]) -> dict[str, Any]:
     """Field-wise median of repeated runs of one configuration; the samples are kept."""
 
@@ -188,6 +210,20 @@ def main() -> int:
     p.add_argument("--requests-per-stream", type=float, default=2.0, help="requests = concurrency x this")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--prompt-words", type=int, default=16)
+    p.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="prompts of about N tokens (sets --prompt-words; the JSON says the mean)",
+    )
+    p.add_argument(
+        "--prompt-logprobs",
+        type=int,
+        default=-1,
+        metavar="K",
+        help="ask each request's prompt logprobs, top-K (ring path only; default: none)",
+    )
     p.add_argument("--top-logprobs", type=int, default=5)
     p.add_argument("--max-batch", type=int, default=512, help="engine slots (the FastDeploy struct holds 512)")
     p.add_argument("--step-ms", type=float, default=10.0)
@@ -203,6 +239,11 @@ def main() -> int:
     p.add_argument("--repeat", type=int, default=1, help="repetitions (interleaved); medians are reported")
     p.add_argument("--json", metavar="PATH", help="also write the JSON here")
     a = p.parse_args()
+    if a.prompt_tokens is not None:
+        a.prompt_words = _words_for(a.prompt_tokens)
+    a.prompt_tokens_mean = round(_prompt_tokens(a.prompt_words), 1)
+    if a.prompt_logprobs >= 0 and a.paths != ["ring"]:
+        p.error("--prompt-logprobs: the baseline token paths carry output tokens only (--paths ring)")
 
     samples: dict[tuple[int, str], list[dict[str, Any]]] = {}
     failures: list[dict[str, Any]] = []

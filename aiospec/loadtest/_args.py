@@ -19,6 +19,9 @@ def add_load_args(p: argparse.ArgumentParser, *, concurrency: int, requests: int
     p.add_argument("--top-logprobs", type=int, default=5, help="alternatives per token, 0..20 (%(default)s)")
     p.add_argument("--no-logprobs", action="store_true", help="ask for no logprobs")
     p.add_argument(
+        "--prompt-logprobs", type=int, default=-1, metavar="K", help="ask the prompt's logprobs, top-K (default: none)"
+    )
+    p.add_argument(
         "--no-ignore-eos", action="store_true", help="let requests end at the end token (default: fixed length)"
     )
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (%(default)s)")

@@ -43,6 +43,7 @@ class LoadConfig(msgspec.Struct, kw_only=True):
     top_logprobs: int = 5
     ignore_eos: bool = True
     temperature: float = 1.0
+    prompt_logprobs: int = -1  # vLLM's extension: k >= 0 asks the prompt's logprobs (the first chunk has them)
     duration: float | None = None  # stop starting requests after this many seconds
     ramp_up: float = 0.0  # spread the first wave of requests over this many seconds
     timeout: float = 120.0  # seconds a request may go without receiving data
@@ -145,6 +146,8 @@ def _body(cfg: LoadConfig, model: str, i: int) -> bytes:
     }
     if cfg.ignore_eos:
         body["ignore_eos"] = True
+    if cfg.prompt_logprobs >= 0:
+        body["prompt_logprobs"] = cfg.prompt_logprobs
     if cfg.endpoint == "chat":
         body["messages"] = [{"role": "user", "content": _prompt(i, cfg.prompt_words)}]
         if cfg.logprobs:

@@ -29,6 +29,7 @@ def config_from_args(url: str, a: argparse.Namespace, model: str | None = None) 
         top_logprobs=a.top_logprobs,
         ignore_eos=not a.no_ignore_eos,
         temperature=a.temperature,
+        prompt_logprobs=a.prompt_logprobs,
         duration=a.duration,
         ramp_up=a.ramp_up,
         api_key=getattr(a, "api_key", None) or None,
