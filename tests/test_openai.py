@@ -356,6 +356,8 @@ def test_prompt_logprobs_in_vllms_shape(split: bool) -> None:
     # k = 1: the prompt's token and the best one (the same at position 1)
     assert [list(d) if d else None for d in as_json(pl.vllm(tok(), 1))] == [None, ["1"], ["5", "2"]]
     assert [list(d) if d else None for d in as_json(pl.vllm(tok(), 0))] == [None, ["1"], ["5"]]
+    for k in range(4):  # the joined JSON is the Structs' encoding
+        assert pl.vllm_json(tok(), k) == msgspec.json.encode(pl.vllm(tok(), k))
 
 
 def test_prompt_logprobs_as_an_echoed_completion() -> None:
@@ -371,6 +373,18 @@ def test_prompt_logprobs_as_an_echoed_completion() -> None:
     only = PromptLogprobs([0, 1, 5])
     only.add(prompt_delta(2, *POS2), 2)
     assert as_json(only.vllm(tok(), 0)) == [None, None, {"5": {"logprob": -2.0, "rank": 3, "decoded_token": "!"}}]
+    assert only.vllm_json(tok(), 2) == msgspec.json.encode(only.vllm(tok(), 2))
+    # the same id twice in a position's top-k (ties of a sloppy engine): written once, as by vllm()
+    dup = PromptLogprobs([0, 1])
+    dup.add(prompt_delta(1, [1], [-math.inf], [0], [[2, 2, 1]], [[-0.5, -0.5, -1.0]]), 1)
+    assert dup.vllm_json(tok(), 3) == msgspec.json.encode(dup.vllm(tok(), 3))
+    assert as_json(dup.vllm(tok(), 3)) == [
+        None,
+        {
+            "1": {"logprob": -9999.0, "rank": None, "decoded_token": " world"},
+            "2": {"logprob": -0.5, "rank": 1, "decoded_token": "é"},
+        },
+    ]
 
 
 def test_prompt_logprobs_refuse_what_is_not_the_prompt() -> None:

@@ -31,6 +31,9 @@ class PromptLogprob(msgspec.Struct, gc=False):
     decoded_token: str
 
 
+_encoder = msgspec.json.Encoder()
+
+
 def _f(x: float) -> float:
     return x if math.isfinite(x) else LOGPROB_FLOOR
 
@@ -110,6 +113,55 @@ class PromptLogprobs:
                 d.setdefault(str(a), PromptLogprob(_f(v), j + 1, get(a)[0]))
             out.append(d)
         return out
+
+    def vllm_json(self, tokenizer: Tokenizer, k: int) -> bytes:
+        """The JSON of ``vllm(tokenizer, k)``, byte for byte, joined from pieces encoded once
+        per token id (a 512-token prompt at k = 5 in about a tenth of the time)."""
+        n = len(self.ids)
+        if n <= 1 or not self._have[1:].all():
+            return _encoder.encode(self.vllm(tokenizer, k))  # positions missing: the plain way
+        c = cache_for(tokenizer)
+        ids = np.asarray(self.ids[1:], dtype=np.int64)
+        kk = 0 if k <= 0 or self._top_ids is None else min(k, self._top_ids.shape[1])
+        cols_ids = [ids[:, None]]
+        cols_lp = [self._lp[1:, None]]
+        cols_rank = [self._rank[1:, None]]
+        keep = [np.ones((n - 1, 1), bool)]
+        if kk:
+            assert self._top_ids is not None and self._top_lps is not None
+            tid = self._top_ids[1:, :kk]
+            cols_ids.append(tid)
+            cols_lp.append(self._top_lps[1:, :kk])
+            cols_rank.append(np.broadcast_to(np.arange(1, kk + 1), (n - 1, kk)))
+            first = tid != ids[:, None]  # the prompt's token is not written twice, nor any id
+            for j in range(1, kk):
+                first[:, j] &= (tid[:, :j] != tid[:, j : j + 1]).all(axis=1)
+            keep.append(first)
+        mask = np.concatenate(keep, axis=1)
+        mask &= self._have[1:, None]
+        e_ids = np.concatenate(cols_ids, axis=1)[mask].tolist()
+        e_lp = np.concatenate(cols_lp, axis=1)[mask]
+        e_rank = np.concatenate(cols_rank, axis=1)[mask].tolist()
+        m = len(e_ids)
+        floats = _encoder.encode(np.where(np.isfinite(e_lp), e_lp, LOGPROB_FLOOR).tolist())[1:-1].split(b",")
+        ranks = _encoder.encode([r or None for r in e_rank])[1:-1].split(b",")
+        # six pieces per entry, filled column by column: what comes before it (the row's
+        # opening, or a comma), its head, logprob, ',"rank":', rank, and decoded token
+        parts = [b""] * (6 * m + 1)
+        seps = [b","] * m
+        counts = np.cumsum(mask.sum(axis=1))
+        starts = [0, *counts[:-1].tolist()]
+        for row, (at, end) in enumerate(zip(starts, counts.tolist(), strict=True)):
+            if at < end:
+                seps[at] = b"[null,{" if row == 0 else b"},{"
+        parts[0:-1:6] = seps
+        parts[1:-1:6] = map(c.prompt_head.__getitem__, e_ids)
+        parts[2:-1:6] = floats
+        parts[3:-1:6] = [b',"rank":'] * m
+        parts[4:-1:6] = ranks
+        parts[5:-1:6] = map(c.prompt_tail.__getitem__, e_ids)
+        parts[-1] = b"}]"
+        return b"".join(parts)
 
     def completion(self, tokenizer: Tokenizer, k: int, text_tokenizer: Tokenizer | None = None) -> CompletionLogprobs:
         """The prompt's part of an echoed completion's ``logprobs``: per prompt token its

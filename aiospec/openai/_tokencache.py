@@ -34,7 +34,7 @@ class TokenCache:
     JSON pieces of its logprobs entries, so that a chunk is joined from bytes (the floats go
     between ``head`` and the piece after it)."""
 
-    __slots__ = ("_tok", "_cache", "raw", "head", "top", "top_last", "main", "main_bare")
+    __slots__ = ("_tok", "_cache", "raw", "head", "top", "top_last", "main", "main_bare", "prompt_head", "prompt_tail")
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self._tok = tokenizer
@@ -48,6 +48,10 @@ class TokenCache:
         # ',"bytes":[...],"top_logprobs":[': a position's entry, its alternatives follow
         self.main = _Fragments(lambda t: self._bytes(t) + b',"top_logprobs":[')
         self.main_bare = _Fragments(lambda t: self._bytes(t) + b',"top_logprobs":[]},')
+        # an entry of a prompt position's dict (vLLM's prompt_logprobs): '"<id>":{"logprob":',
+        # the float, ',"rank":', the rank, then ',"decoded_token":"..."}'
+        self.prompt_head = _Fragments(lambda t: b'"%d":{"logprob":' % t)
+        self.prompt_tail = _Fragments(lambda t: b',"decoded_token":' + _encoder.encode(self.get(t)[0]) + b"}")
 
     def _bytes(self, token_id: int) -> bytes:
         return b',"bytes":' + _encoder.encode(self.get(token_id)[1])

@@ -349,7 +349,7 @@ class Generation(Response):
         p = self.parsed
         extra = b""
         if c.first and c.prompt_lp is not None and p.prompt_logprobs >= 0:
-            extra += b',"prompt_logprobs":' + _encoder.encode(c.prompt_lp.vllm(self.display, p.prompt_logprobs))
+            extra += b',"prompt_logprobs":' + c.prompt_lp.vllm_json(self.display, p.prompt_logprobs)
         if p.continuous_usage:
             extra += self._usage_json(c)
         choice_extra = b""
@@ -374,7 +374,7 @@ class Generation(Response):
             return None
         choice = CompletionChoice(c.index, text, lp, fr)
         if c.first and c.prompt_lp is not None and p.prompt_logprobs >= 0:
-            choice.prompt_logprobs = c.prompt_lp.vllm(self.display, p.prompt_logprobs)
+            choice.prompt_logprobs = msgspec.Raw(c.prompt_lp.vllm_json(self.display, p.prompt_logprobs))
         if p.draft_logprobs and c.drafts:
             choice.draft_logprobs = self._drafts(c)
         chunk = CompletionChunk(self.rid, self.created, self.model, [choice])
@@ -464,7 +464,7 @@ class Generation(Response):
             chat = _ChatCompletion(self.rid, self.created, self.model, out, usage)
             c0 = choices[0]
             if p.prompt_logprobs >= 0 and c0.prompt_lp is not None:
-                chat.prompt_logprobs = c0.prompt_lp.vllm(self.display, p.prompt_logprobs)
+                chat.prompt_logprobs = msgspec.Raw(c0.prompt_lp.vllm_json(self.display, p.prompt_logprobs))
             body = chat
         else:
             cout = []
@@ -482,7 +482,7 @@ class Generation(Response):
                         plp = _join(plp, x)
                 cc = _CompletionChoice(c.index, text, plp, c.out.finish_reason)
                 if p.prompt_logprobs >= 0 and c.prompt_lp is not None:
-                    cc.prompt_logprobs = c.prompt_lp.vllm(self.display, p.prompt_logprobs)
+                    cc.prompt_logprobs = msgspec.Raw(c.prompt_lp.vllm_json(self.display, p.prompt_logprobs))
                 if p.draft_logprobs:
                     cc.draft_logprobs = self._drafts(c)
                 cout.append(cc)
