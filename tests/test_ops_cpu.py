@@ -276,11 +276,15 @@ def test_cpu_and_reference_agree_on_arbitrary_inputs(data: st.DataObject) -> Non
         "handles": np.array(data.draw(st.lists(st.integers(-2, 9), min_size=b, max_size=b)), np.int64),
         "token_ids": _ids(data, (b, w), i64),
         "num_tokens": np.array(data.draw(st.lists(_count(w), min_size=b, max_size=b)), np.int32),
-        "kind": data.draw(st.sampled_from([0, 1])),
+        "kind": data.draw(st.sampled_from([0, 1, 2])),
         "step": data.draw(st.integers(0, (1 << 64) - 1)),
+        "logprobs_processed": data.draw(st.booleans()),
     }
+    if kw["kind"] == 2 or data.draw(st.integers(0, 9)) == 0:  # a prompt frame, or (rarely) misplaced positions
+        pos = data.draw(st.lists(st.sampled_from([0, 1, 7, 1 << 20, -1, 1 << 31]), min_size=b, max_size=b))
+        kw["positions"] = np.array(pos if i64 else [p % (1 << 31) for p in pos], np.int64 if i64 else np.int32)
     if data.draw(st.booleans(), label="flags"):
-        fl = data.draw(st.lists(st.sampled_from([0, 0, 0, 1, 2, 4, 8, 16, 32, 3, 64, -1]), min_size=b, max_size=b))
+        fl = data.draw(st.lists(st.sampled_from([0, 0, 0, 1, 2, 4, 8, 16, 32, 3, 64, 128, -1]), min_size=b, max_size=b))
         kw["flags"] = np.array(fl, np.int32)
     if data.draw(st.booleans(), label="drafts"):
         wd = data.draw(st.integers(0, 2))
@@ -290,8 +294,10 @@ def test_cpu_and_reference_agree_on_arbitrary_inputs(data: st.DataObject) -> Non
         n = data.draw(st.integers(0, 8))
         width = data.draw(st.integers(1, 4))
         kw["lp_ids"] = _ids(data, (n, width), data.draw(st.booleans()))
+        # ties, signed zeros and -inf make the sampled_pos rule's rank and bit comparisons matter
+        value = st.one_of(st.floats(-50, 0, width=32), st.sampled_from([-0.0, 0.0, -1.0, -np.inf]))
         kw["lp_values"] = np.array(
-            data.draw(st.lists(st.floats(-50, 0, width=32), min_size=n * width, max_size=n * width)), np.float32
+            data.draw(st.lists(value, min_size=n * width, max_size=n * width)), np.float32
         ).reshape(n, width)
         kw["lp_ranks"] = _ids(data, (n,), data.draw(st.booleans()))
         offs = sorted(data.draw(st.lists(st.integers(-1, n + 1), min_size=b + 1, max_size=b + 1)))
@@ -299,6 +305,9 @@ def test_cpu_and_reference_agree_on_arbitrary_inputs(data: st.DataObject) -> Non
             offs = data.draw(st.permutations(offs))
         kw["lp_offsets"] = np.array(offs, np.int32)
         kw["k"] = data.draw(st.one_of(st.none(), st.integers(-2, width)))
+        if data.draw(st.booleans(), label="tiny ids"):  # tokens found in their top-k (sampled_pos)
+            for key in ("token_ids", "lp_ids"):
+                kw[key] = np.where(np.abs(kw[key]) < 1000, kw[key] % 3, kw[key]).astype(kw[key].dtype)
     max_record = data.draw(st.sampled_from([0, 128, 256, 512, 4096]), label="max_record")
     ref = _outcome(lambda: build_frame(**kw, max_record=max_record or None))
     cpp = _outcome(lambda: cpp_frame(**kw, max_record=max_record))
