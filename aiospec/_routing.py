@@ -307,15 +307,12 @@ class Router:
             del self.table[c.handle]
 
     def plan(self, frames: list[Frame]) -> list[Unit]:
-        """Units for a batch of frames: the prompt and draft frames one unit each, in order and
-        first, then the target frames, runs of frames with the same columns regrouped.
-
-        Routing the other kinds first keeps every order a stream promises: a request's prompt
-        frames precede its first token in the ring, and its drafts only move ahead of target
-        tokens of the same batch (they are never merged with them)."""
+        """Units for a batch of frames, in ring order: runs of target frames with the same
+        columns regrouped, and each prompt or draft frame a unit of its own (it ends the run
+        before it), so that every stream gets its records of every kind in ring order.
+        Prompt and draft records are never merged with target records."""
         units: list[Unit] = []
         run: list[Frame] = []
-        targets: list[Unit] = []
         for f in frames:
             if not f.num_records:
                 continue
@@ -324,6 +321,9 @@ class Router:
                     self.records_draft += f.num_records
                 else:
                     self.records_prompt += f.num_records
+                if run:
+                    units.append(_frame_unit(run[0]) if len(run) == 1 else _merged_unit(run))
+                    run = []
                 units.append(_frame_unit(f))
                 continue
             if run and (
@@ -331,12 +331,12 @@ class Router:
                 or f.k != run[0].k
                 or f.logprobs_processed != run[0].logprobs_processed
             ):
-                targets.append(_frame_unit(run[0]) if len(run) == 1 else _merged_unit(run))
+                units.append(_frame_unit(run[0]) if len(run) == 1 else _merged_unit(run))
                 run = []
             run.append(f)
         if run:
-            targets.append(_frame_unit(run[0]) if len(run) == 1 else _merged_unit(run))
-        return units + targets
+            units.append(_frame_unit(run[0]) if len(run) == 1 else _merged_unit(run))
+        return units
 
     def route(self, u: Unit, start: int, stop: int) -> None:
         """Route groups ``start:stop`` of ``u``; unknown handles are counted and dropped."""

@@ -24,6 +24,8 @@ I32 = np.int32
 F32 = np.float32
 
 MODES = ("normal", "speculative", "pd_first_token", "draft", "flags_only", "idle")
+# prompt frames (a prefill node's prompt logprobs) go through the C ABI, not the Paddle op
+NATIVE_MODES = (*MODES, "prompt")
 
 
 def make_step(
@@ -55,6 +57,9 @@ def make_step(
     elif mode in ("flags_only", "idle"):
         w = 1
         num_tokens = np.zeros(rows, dtype=np.int32)
+    elif mode == "prompt":
+        w = 4 * width  # a chunk of each prompt, at most w positions a row
+        num_tokens = np.where(active, rng.integers(0, w + 1, rows), 0).astype(np.int32)
     else:
         raise ValueError(mode)
     token_ids = np.full((rows, w), -1, dtype=id_t)
@@ -77,8 +82,10 @@ def make_step(
         "num_tokens": num_tokens,
         "flags": flags,
         "step": step,
-        "kind": Kind.DRAFT if mode == "draft" else Kind.TARGET,
+        "kind": Kind.DRAFT if mode == "draft" else Kind.PROMPT if mode == "prompt" else Kind.TARGET,
     }
+    if mode == "prompt":
+        out["positions"] = np.where(active, rng.integers(0, 1 << 20, rows), -1).astype(id_t)
     if mode == "pd_first_token":
         draft_ids = np.full((rows, 1), -1, dtype=id_t)
         num_draft = active.astype(np.int32)
@@ -97,6 +104,8 @@ def make_step(
         lp_ranks = rng.integers(1, 50, n).astype(id_t)
         _sample_from_topk(rng, out, lp_offsets, lp_ids, lp_values, lp_ranks, k_max if k is None or k == -1 else k)
         out.update(lp_ids=lp_ids, lp_values=lp_values, lp_ranks=lp_ranks, lp_offsets=lp_offsets, k=k)
+        if mode in ("prompt", "speculative"):
+            out["logprobs_processed"] = bool(rng.random() < 0.5)
     return out
 
 

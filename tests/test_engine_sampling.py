@@ -9,10 +9,12 @@ import math
 import numpy as np
 import pytest
 
-from aiospec import Flag, Kind
+from aiospec import Flag, Kind, decode_frame
+from aiospec import _payload_layout as L
 from aiospec.engine import Admit, EngineConfig, EngineCore, Vocabulary, default_vocabulary
 from aiospec.engine._core import StepOutput
 from aiospec.engine._model import log_softmax, ranks_of, top_k
+from aiospec.ops import build_step
 
 VOCAB = default_vocabulary()
 TINY = Vocabulary(["<|endoftext|>", " a", " b", " c", " d"])
@@ -247,7 +249,7 @@ def test_prompt_logprobs_equal_the_log_softmax_of_the_model() -> None:
 
 def test_prompt_logprobs_split_to_fit_the_frame() -> None:
     prompts = {h: VOCAB.encode(" the house" * (10 + 7 * h)) for h in range(1, 4)}
-    core = EngineCore(EngineConfig(max_batch=4), max_payload=2048)
+    core = EngineCore(EngineConfig(max_batch=4), max_record=1024)
     for h, p in prompts.items():
         core.admit(Admit(h, p, max_tokens=2, prompt_logprobs=3))
     outs = _steps(core)
@@ -260,11 +262,13 @@ def test_prompt_logprobs_split_to_fit_the_frame() -> None:
         # in position order, contiguous, covering positions 1..n-1
         assert [r[1] for r in mine] == [1 + sum(len(r[2]) for r in mine[:i]) for i in range(len(mine))]
         assert [t for r in mine for t in r[2]] == p[1:]
-    for st in outs[0].prompt_steps:
-        assert int(st.num_tokens.sum()) * (4 * 4 + 8 * 3 + 16) < 2048
+    for st in outs[0].prompt_steps:  # each frame, header included, within the ring's max_record
+        assert L.FRAME_HEADER + len(build_step(st)) <= 1024
+        frame = decode_frame(build_step(st))
+        assert frame.kind == Kind.PROMPT and (frame.flags & Flag.PROMPT).all()
     assert outs[0].steps()[-1] is outs[0].emit_step  # the target frame comes last
-    with pytest.raises(ValueError, match=r"^max_payload = 64: too small for one prompt position with k = 3$"):
-        small = EngineCore(EngineConfig(max_batch=2), max_payload=64)
+    with pytest.raises(ValueError, match=r"^max_record = 64: too small for one prompt position with k = 3$"):
+        small = EngineCore(EngineConfig(max_batch=2), max_record=64)
         small.admit(Admit(1, [1, 2], max_tokens=1, prompt_logprobs=3))
         small.step()
 

@@ -11,8 +11,9 @@ import pytest
 from _hubhelpers import check_logprobs, drain, enc, get, until
 
 import shm
-from aiospec._codec import Flag, Kind
+from aiospec._codec import Flag, Kind, decode_frame
 from aiospec._hub import Hub
+from aiospec._routing import Router
 from aiospec._stream import Delta
 from aiospec.engine import Admit, EngineConfig, EngineGroup, ToyModel, default_vocabulary
 from aiospec.engine._model import log_softmax, ranks_of, top_k
@@ -24,8 +25,8 @@ def _prompt(handle: int, first: int, tokens: list[int], k: int = 2) -> bytes:
     return enc([(handle, tokens, 0)], k=k, kind=Kind.PROMPT, positions=[first])
 
 
-def _kinds(deltas: list[Delta]) -> list[tuple[int, list[int]]]:
-    return [(d.kind, d.token_list()) for d in deltas]
+def _kinds(deltas: list[Delta | None]) -> list[tuple[int, list[int]]]:
+    return [(d.kind, d.token_list()) for d in deltas if d is not None]
 
 
 @pytest.mark.asyncio
@@ -104,10 +105,39 @@ async def test_draft_deltas_are_routed_and_never_mixed(ring: shm.Ring) -> None:
     assert got[-1].finished and not any(d.finished or d.first_token for d in got if d.kind == Kind.DRAFT)
     for d in got:
         check_logprobs(d, 1)
-    # merged per kind: the drafts arrived first (before the step's target tokens)
-    assert _kinds(got_slow) == [(Kind.TARGET, [5]), (Kind.DRAFT, [101, 200, 102, 200, 103, 200]), (Kind.TARGET, [1, 2, 3])]
-    assert got_slow[1].num_steps == 3 and got_slow[-1].finished
+    # read after the end: merged per kind, the finishing target delta last
+    assert _kinds(got_slow) == [(Kind.DRAFT, [101, 200, 102, 200, 103, 200]), (Kind.TARGET, [5, 1, 2, 3])]
+    assert got_slow[0].num_steps == 3 and got_slow[-1].finished and got_slow[-1].first_token
     assert _kinds(got_other) == [(Kind.TARGET, [5, 1, 2, 3])]  # it asked for none: none came
+
+
+def _route(router: Router, batches: list[list[bytes]]) -> None:
+    for batch in batches:
+        for unit in router.plan([decode_frame(b) for b in batch]):
+            router.route(unit, 0, len(unit))
+
+
+@pytest.mark.parametrize("one_batch", [False, True], ids=["frame-by-frame", "one-batch"])
+def test_a_lagging_reader_gets_each_kind_merged(one_batch: bool) -> None:
+    frames = [
+        enc([(1, [5], Flag.FIRST_TOKEN)], k=0),
+        enc([(1, [9, 9], 0)], kind=Kind.DRAFT, k=0, step=1),
+        enc([(1, [6, 7], 0)], k=0, step=1),
+        enc([(1, [8, 8], 0)], kind=Kind.DRAFT, k=0, step=2),
+    ]
+    router = Router()
+    c = router.open(1, None)
+    _route(router, [frames] if one_batch else [[f] for f in frames])
+    assert c.statistics().buffered_tokens == 7 and c.statistics().buffered_steps == 4
+    got = [c.get_nowait(), c.get_nowait()]
+    _route(router, [[enc([(1, [1], 0)], k=0, step=2)]])
+    got.append(c.get_nowait())
+    assert c.get_nowait() is None
+    # one delta per kind, the target tokens (which began to wait first) first
+    assert _kinds(got[:2]) == [(Kind.TARGET, [5, 6, 7]), (Kind.DRAFT, [9, 9, 8, 8])]
+    assert _kinds(got[2:]) == [(Kind.TARGET, [1])]
+    assert [d.num_steps for d in got if d is not None] == [2, 2, 1]
+    c.close()
 
 
 @pytest.mark.asyncio

@@ -81,6 +81,9 @@ async def test_delta_conversions(ring: shm.Ring) -> None:
             "finished": True,
             "num_steps": 1,
             "step": 9,
+            "kind": 0,
+            "prompt_position": -1,
+            "logprobs_processed": False,
         }
         assert d.token_ids.dtype == np.int32 and d.logprobs is not None and d.logprobs.dtype == np.float32
 

@@ -25,7 +25,7 @@ target frame. The MTP draft token of the first step travels in ``draft_ids``.
 Prompt logprobs (``prompt_logprobs`` = k >= 0): at the prefill step the logprob, rank and top-k
 of every prompt position after the first go out as ``Kind.PROMPT`` frames before the step's
 target frame (which has the request's FIRST_TOKEN record), split so that no frame exceeds the
-ring's largest payload; a request's positions come in order.
+ring's ``max_record``; a request's positions come in order.
 
 Logprobs mode (``EngineConfig.logprobs_mode``): ``"raw"`` reports the log-softmax of the
 model's logits; ``"processed"`` that of the distribution sampled from (after the logits
@@ -37,18 +37,17 @@ draft head's, never processed.
 
 from __future__ import annotations
 
+import functools
 import math
 import secrets
 from collections import deque
-from collections.abc import Callable
 from typing import Literal
 
 import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from aiospec import _payload_layout as L
-from aiospec._codec import Flag, Kind
+from aiospec._codec import Flag, Kind, prompt_tokens_fit
 from aiospec.engine._model import (
     SALT_ACCEPT,
     SALT_SAMPLE,
@@ -126,18 +125,11 @@ def ring_geometry(config: EngineConfig) -> tuple[int, int]:
     return capacity, capacity // 4
 
 
-def _prompt_room(max_payload: int, k: int) -> Callable[[int], int]:
-    """How many prompt positions a ``Kind.PROMPT`` frame of ``r`` records with ``k`` top-k
-    columns holds within ``max_payload`` bytes: an upper bound of the payload (every column
-    present, each padded), so that no frame can exceed it."""
-    fixed = L.HEADER_SPACE + L.COLUMN_ALIGN * (len(L.COLUMNS) + 2)
-    per_record = 8 + 4 + 4 + 4 + 8
-    per_token = 4 * 4 + 8 * k + 16
-
-    def room(r: int) -> int:
-        return max(0, (max_payload - fixed - per_record * r) // per_token)
-
-    return room
+@functools.lru_cache(maxsize=4096)
+def _prompt_room(max_record: int, records: int, k: int) -> int:
+    """How many prompt positions a ``Kind.PROMPT`` frame of ``records`` records with ``k``
+    top-k columns holds within ``max_record`` (the codec's bound, whatever the values)."""
+    return prompt_tokens_fit(max_record, records, k)
 
 
 class StepOutput:
@@ -215,20 +207,16 @@ def _bad(name: str, value: object, handle: int, expected: str) -> ValueError:
 class EngineCore:
     """Slots, queue and the decoding step of one engine (or one half of a PD pair).
 
-    ``max_payload``: the largest frame payload the sink takes (the ring's ``max_payload``);
-    prompt logprob frames are split to fit it.
+    ``max_record``: the largest frame the sink takes, header included (the ring's
+    ``max_record``); prompt logprob frames are split to fit it.
     """
 
-    def __init__(
-        self, config: EngineConfig, vocab: Vocabulary | None = None, *, max_payload: int | None = None
-    ) -> None:
+    def __init__(self, config: EngineConfig, vocab: Vocabulary | None = None, *, max_record: int | None = None) -> None:
         config.validate()
         self.config = config
         self.vocab = vocab or default_vocabulary()
         self.model = ToyModel(self.vocab, seed=config.seed, max_k=max(2, config.max_top_logprobs))
-        if max_payload is None:
-            max_payload = ring_geometry(config)[1] - 16
-        self.max_payload = max_payload
+        self.max_record = ring_geometry(config)[1] if max_record is None else max_record
         self.processed = config.logprobs_mode == "processed"
         n = config.max_batch
         self._active = np.zeros(n, dtype=bool)
@@ -719,11 +707,10 @@ class EngineCore:
         )
 
     def _prompt_steps(self, slots: npt.NDArray[np.intp]) -> list[EmitStep]:
-        """The ``Kind.PROMPT`` frames of the prompts of ``slots``, each within ``max_payload``;
+        """The ``Kind.PROMPT`` frames of the prompts of ``slots``, each within ``max_record``;
         a record is a run of one prompt's positions, in order."""
         reqs = [self._requests[s] for s in slots.tolist()]
         k = max(r.prompt_logprobs for r in reqs if r is not None)
-        fits = _prompt_room(self.max_payload, k)
         out: list[EmitStep] = []
         # records of the frame being filled: (handle, first position, tokens, lp, rank, ids, vals)
         recs: list[tuple[int, int, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
@@ -742,11 +729,11 @@ class EngineCore:
             toks = np.asarray(req.prompt_ids[1:], dtype=np.int32)
             a = 0
             while a < toks.size:
-                room = fits(len(recs) + 1) - used
+                room = _prompt_room(self.max_record, len(recs) + 1, k) - used
                 if room < 1:
                     if not recs:
                         raise ValueError(
-                            f"max_payload = {self.max_payload}: too small for one prompt position with k = {k}"
+                            f"max_record = {self.max_record}: too small for one prompt position with k = {k}"
                         )
                     close()
                     continue

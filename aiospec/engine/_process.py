@@ -44,7 +44,7 @@ _IDLE_WAIT = 0.1  # seconds between heartbeats while there is nothing to decode
 class _Loop:
     def __init__(self, config: EngineConfig, ctl: socket.socket, handoff: socket.socket | None, sink: Sink) -> None:
         self.config = config
-        self.core = EngineCore(config, max_payload=sink.max_payload)
+        self.core = EngineCore(config, max_record=sink.max_record)
         self.ctl = ctl
         self.handoff = handoff
         self.sink = sink

@@ -26,7 +26,7 @@ __all__ = ("Sink", "make_sink")
 
 class Sink(Protocol):
     transport: str
-    max_payload: int | None  # the largest frame payload it takes (None: no limit of its own)
+    max_record: int | None  # the largest frame it takes, header included (None: no limit of its own)
 
     def emit(self, out: StepOutput) -> None: ...
 
@@ -92,7 +92,7 @@ class RingSink:
         capacity, max_record = ring_geometry(config)
         self.ring = shm.Ring.create(capacity=capacity, max_readers=8, max_record=max_record)
         self.transport = self.ring.name
-        self.max_payload: int | None = self.ring.max_payload
+        self.max_record: int | None = self.ring.max_record
         self.device = _pick_device(config.device)
         try:
             # the backend opens (and the C++ writer builds, once) here, before the engine
@@ -162,7 +162,7 @@ class BaselineSink:
         b = importlib.import_module("aiospec.baselines")
         self.transport = config.transport_address
         # the engine refuses prompt and draft logprobs on these paths: target frames only
-        self.max_payload: int | None = None
+        self.max_record: int | None = None
         if config.transport == "vllm":
             self._emitter = b.VllmStyleEmitter(config.transport_address, engine_index=config.producer)
         else:
