@@ -388,3 +388,41 @@ def test_old_admissions_still_decode() -> None:
     assert old.logit_bias is None and old.stop_token_ids == [] and old.prompt_logprobs == -1
     new = Admit(2, [1], 5, logit_bias={3: -1.5}, stop_token_ids=[4], seed=None, draft_logprobs=True)
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(new), type=Admit) == new
+
+
+def test_a_full_ring_resumes_the_step_where_it_stopped() -> None:
+    import shm
+    from aiospec.engine._sinks import RingSink
+
+    sink = RingSink(EngineConfig(max_batch=2, ring_capacity=1 << 16, device="python", max_top_logprobs=5))
+    try:
+        reader = sink.ring.reader()
+        core = EngineCore(EngineConfig(max_batch=2, max_top_logprobs=5), max_record=sink.max_record)
+        prompt = VOCAB.encode(" the house was" * 800)  # more prompt frames than the ring holds
+        core.admit(Admit(3, prompt, max_tokens=2, prompt_logprobs=5))
+        out = core.step()
+        assert out is not None and len(out.prompt_steps) > 6
+        frames = []
+        stalls = 0
+        while out.sent < len(out.steps()):
+            try:
+                sink.emit(out)
+            except shm.RingFull:  # the reader lags: the ring fills and the step stops there
+                stalls += 1
+                assert 0 < out.sent < len(out.steps())
+            frames += [decode_frame(bytes(v)) for v in reader.poll(1000)]
+            reader.release()
+        assert stalls >= 1
+        frames += [decode_frame(bytes(v)) for v in reader.poll(1000)]
+        reader.release()
+        # every frame once, in order: the prompt's positions, then the first token
+        assert [f.kind for f in frames] == [Kind.PROMPT] * len(out.prompt_steps) + [Kind.TARGET]
+        got = [int(t) for f in frames[:-1] for t in f.token_ids]
+        assert got == prompt[1:]
+        assert [int(f.positions[0]) for f in frames[:-1]] == [
+            1 + sum(f.num_tokens for f in frames[:i]) for i in range(len(frames) - 1)
+        ]
+        reader.close()
+    finally:
+        sink.close()
+        sink.ring.unlink()
