@@ -612,3 +612,14 @@ def test_logprobs_mode_processed(server: ServerProcess, wide: ServerProcess) -> 
         assert runs["raw"]["token_logprobs"][i] == pytest.approx(float(log_softmax(row)[t]), abs=1e-4)
         assert runs["processed"]["token_logprobs"][i] == pytest.approx(float(log_softmax(row / 0.5)[t]), abs=1e-4)
         ctx.append(t)
+
+
+@pytest.mark.parametrize("name", ["include_stop_str_in_output", "no_stop_trim"])
+def test_stop_string_kept_on_request(client: openai.OpenAI, name: str) -> None:
+    kw: dict[str, Any] = {"max_tokens": 40, "temperature": 0}
+    full = _text(client, PROMPT, extra_body={"ignore_eos": True}, **kw)
+    stop = full[6:10]
+    cut = full.index(stop)
+    assert _text(client, PROMPT, stop=[stop], extra_body={"ignore_eos": True}, **kw) == full[:cut]
+    kept = _text(client, PROMPT, stop=[stop], extra_body={"ignore_eos": True, name: True}, **kw)
+    assert kept == full[: cut + len(stop)]
