@@ -217,9 +217,7 @@ def test_records_after_the_end_are_dropped() -> None:
 def test_delta_views_alias_the_frame_copy_until_merged() -> None:
     router = Router()
     s = opened(router, 1)
-    # k = 0: the token ids are a column of the frame (with 1..255 top-k columns they are stored
-    # as positions in the top-k and made when the frame is decoded)
-    route(router, enc([(1, [5, 6], 0)], k=0))
+    route(router, enc([(1, [5, 6], 0)], k=1))
     d = s.get_nowait()
     assert d is not None
     assert not d.token_ids.flags.writeable  # a view of the frame copy: the one copy made
