@@ -51,6 +51,7 @@ _PUNCT = [".", ",", "!", "?", ";", ":", " -", "\n", "\n\n", "'s", " (", ")", ' "
 # multi-byte UTF-8: 2-byte Latin, 3-byte CJK and punctuation, 4-byte emoji
 # a piece the vocabulary cannot spell: a word (with its leading spaces), one other character,
 # or a run of spaces
+_WORD_CHAR = re.compile(r"\w")
 _PIECE = re.compile(r"\s*[\w']+|\s*[^\w\s]|\s+|.", re.DOTALL)
 
 _NON_ASCII = [" café", " naïve", " über", " façade", " résumé", "—", "…", " 東京", " 日本", " 😀", " 🚀", " Ω", "€"]
@@ -59,7 +60,7 @@ _NON_ASCII = [" café", " naïve", " über", " façade", " résumé", "—", "�
 class Vocabulary:
     """Token strings by id, their UTF-8 bytes, and a tiny whitespace encoder for prompts."""
 
-    __slots__ = ("_bytes", "_index", "_matcher", "eos_id", "punct_ids", "start_ids", "tokens")
+    __slots__ = ("_bytes", "_index", "_lengths", "eos_id", "punct_ids", "start_ids", "tokens")
 
     def __init__(self, tokens: Sequence[str], eos_id: int = 0) -> None:
         if not tokens:
@@ -74,14 +75,9 @@ class Vocabulary:
         self._index = {t: i for i, t in enumerate(self.tokens)}
         self.punct_ids = tuple(i for i, t in enumerate(self.tokens) if i != eos_id and not any(c.isalpha() for c in t))
         self.start_ids = tuple(i for i, t in enumerate(self.tokens) if t[1:2].isupper())
-        # longest first, so the alternation's first match is the longest; a token that ends in
-        # a word character matches only where the word ends (" the" is not the start of " theory")
-        alts = [
-            re.escape(t) + (r"(?!\w)" if re.match(r"\w", t[-1]) else "")
-            for t in sorted(self.tokens, key=len, reverse=True)
-            if t and self._index[t] != eos_id
-        ]
-        self._matcher = re.compile("|".join(alts))
+        # the lengths to try at each place, longest first (a dict lookup per length is far
+        # cheaper than a regex alternation over every token)
+        self._lengths = tuple(sorted({len(t) for i, t in enumerate(self.tokens) if t and i != eos_id}, reverse=True))
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -110,13 +106,28 @@ class Vocabulary:
         out: list[int] = []
         index = self._index
         n = len(self.tokens)
-        match = self._matcher.match
+        eos = self.eos_id
+        lengths = self._lengths
+        word = _WORD_CHAR.match
         pos, end = 0, len(text)
         while pos < end:
-            m = match(text, pos)
-            if m is not None and m.end() > pos:
-                out.append(index[m.group()])
-                pos = m.end()
+            # the longest token at pos; one that ends in a word character only where the word
+            # ends (" the" is not the start of " theory")
+            found = False
+            for size in lengths:
+                stop = pos + size
+                if stop > end:
+                    continue
+                tid = index.get(text[pos:stop])
+                if tid is None or tid == eos:
+                    continue
+                if stop < end and word(text, stop - 1) and word(text, stop):
+                    continue
+                out.append(tid)
+                pos = stop
+                found = True
+                break
+            if found:
                 continue
             p = _PIECE.match(text, pos)
             assert p is not None  # the pattern matches any non-empty rest
