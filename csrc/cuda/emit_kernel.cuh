@@ -331,8 +331,8 @@ __global__ void __launch_bounds__(kThreads)
     emit_kernel(aiospec_emit_args a, RingRef ring, State* st, Mapped* m, const uint64_t* step_dev,
                 int rows_per_block) {
   extern __shared__ long long sh[];
-  __shared__ unsigned long long s_key, s_idkey;
-  __shared__ int s_write, s_last;
+  __shared__ unsigned long long s_key, s_idkey, s_needed;
+  __shared__ int s_write, s_last, s_full, s_pad;
   __shared__ alignas(8) uint8_t s_header[AIOSPEC_HEADER_SPACE];
   const int tid = threadIdx.x;
   const int rpb = rows_per_block;
@@ -347,10 +347,18 @@ __global__ void __launch_bounds__(kThreads)
   // issued now, used after the row checks: their latency hides behind that work
   const uint64_t head = st->head;
   const uint64_t tail_cache = tid < 32 ? st->tail_cache : 0;
+  // the counters the committing thread adds to (only the last launch changed them)
+  const uint64_t frames_written = tid == 0 ? st->frames_written : 0;
+  const uint64_t bytes_written = tid == 0 ? st->bytes_written : 0;
   const uint64_t step = step_dev != nullptr ? *step_dev : a.step;
+  // one block: the frame is committed by this block alone, with no device-memory round trip
+  // between its stores and the commit (no counter, no state read back)
+  const bool solo = gridDim.x == 1;
   if (tid == 0) {
     s_key = kNoError;
     s_idkey = kNoError;
+    s_full = 0;
+    s_pad = 0;
   }
   __syncthreads();
 
@@ -431,8 +439,12 @@ __global__ void __launch_bounds__(kThreads)
     if (tid == 0) {
       s_write = valid && room;
       if (valid && !room) {
-        st->needed_tail = head + need - ring.capacity;
-        atomicExch(&st->full, 1u);
+        s_full = 1;
+        s_needed = head + need - ring.capacity;
+        if (!solo) {
+          st->needed_tail = s_needed;
+          atomicExch(&st->full, 1u);
+        }
       }
       if (s_write && blockIdx.x == 0) {
         if (pad != 0) {
@@ -442,7 +454,8 @@ __global__ void __launch_bounds__(kThreads)
           st_u64(ring.data + 8, 0);
           __threadfence_system();
           st_release_sys_u64(f + 8, pad | (uint64_t(AIOSPEC_FRAME_PAD) << 32));
-          st->pad_done = 1;
+          s_pad = 1;
+          if (!solo) st->pad_done = 1;
         }
         aiospec_write_header(s_header, &lay, a.producer, step, a.kind);
       }
@@ -530,34 +543,49 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
 
-  // 6. Count this block done; the last one decides.
+  // 6. Count this block done; the last one decides (one block: it is the last).
   if (key != kNoError) atomicMin(&s_idkey, key);
 #if AIOSPEC_FENCE_MODE == 0
   __threadfence_system();
 #endif
   __syncthreads();
-  if (tid == 0) {
-    if (s_idkey != kNoError) atomicMin(&st->key, s_idkey);
-#if AIOSPEC_FENCE_MODE >= 2
-    __threadfence();
-#else
-    __threadfence_system();  // the block's stores (ordered by the barrier) at system scope
+  unsigned long long idkey;
+  unsigned int full, pad_done;
+  uint64_t needed_tail;
+  if (solo) {
+    if (tid != 0) return;
+#if AIOSPEC_FENCE_MODE == 1
+    __threadfence_system();
 #endif
-    s_last = atomicAdd(&st->blocks_done, 1u) == gridDim.x - 1;
-  }
-  __syncthreads();
-  if (!s_last || tid != 0) return;
+    idkey = s_idkey;
+    full = s_full;
+    pad_done = s_pad;
+    needed_tail = s_needed;
+  } else {
+    if (tid == 0) {
+      if (s_idkey != kNoError) atomicMin(&st->key, s_idkey);
+#if AIOSPEC_FENCE_MODE >= 2
+      __threadfence();
+#else
+      __threadfence_system();  // the block's stores (ordered by the barrier) at system scope
+#endif
+      s_last = atomicAdd(&st->blocks_done, 1u) == gridDim.x - 1;
+    }
+    __syncthreads();
+    if (!s_last || tid != 0) return;
 
-  // every other block is done: plain loads (issued together) and stores will do
-  __threadfence();
-  volatile State* vs = st;
-  const unsigned long long idkey = vs->key;
-  const unsigned int full = vs->full;
-  const unsigned int pad_done = vs->pad_done;
-  vs->key = kNoError;
-  vs->full = 0;
-  vs->pad_done = 0;
-  vs->blocks_done = 0;
+    // every other block is done: plain loads (issued together) and stores will do
+    __threadfence();
+    volatile State* vs = st;
+    idkey = vs->key;
+    full = vs->full;
+    pad_done = vs->pad_done;
+    needed_tail = vs->needed_tail;
+    vs->key = kNoError;
+    vs->full = 0;
+    vs->pad_done = 0;
+    vs->blocks_done = 0;
+  }
   if (pad_done) {
     st->head = pos;
     st_u64(ring.ctl + AIOSPEC_OFF_HEAD, pos);
@@ -578,7 +606,7 @@ __global__ void __launch_bounds__(kThreads)
   }
   if (full) {
     aiospec_error e;
-    aiospec_set_error(&e, AIOSPEC_E_RING_FULL, AIOSPEC_ARG_FRAME, -1, -1, int64_t(size), int64_t(st->needed_tail),
+    aiospec_set_error(&e, AIOSPEC_E_RING_FULL, AIOSPEC_ARG_FRAME, -1, -1, int64_t(size), int64_t(needed_tail),
                       int64_t(head), -1);
     report_error(e, ring, st, m, step);
     return;
@@ -596,10 +624,10 @@ __global__ void __launch_bounds__(kThreads)
   st_release_sys_u64(frame + 8, commit);
 #endif
   st->head = pos + size;
-  st->frames_written += 1;
-  st->bytes_written += lay.payload_len;
-  st_u64(ring.ctl + AIOSPEC_OFF_FRAMES_WRITTEN, st->frames_written);
-  st_u64(ring.ctl + AIOSPEC_OFF_BYTES_WRITTEN, st->bytes_written);
+  st->frames_written = frames_written + 1;
+  st->bytes_written = bytes_written + lay.payload_len;
+  st_u64(ring.ctl + AIOSPEC_OFF_FRAMES_WRITTEN, frames_written + 1);
+  st_u64(ring.ctl + AIOSPEC_OFF_BYTES_WRITTEN, bytes_written + lay.payload_len);
 #if AIOSPEC_FENCE_MODE == 0
   __threadfence_system();
 #endif
