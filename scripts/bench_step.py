@@ -17,7 +17,8 @@ step is captured in a CUDA graph. Output paths, all in the same run and on the s
   FastDeploy's fixed 530,448-byte struct per 512 rows (``bench_emit.fd_pack``), ``msgsnd``
   on a SysV queue (``kernel.msgmax`` raised for the run with ``--raise-msgmax`` as root, as
   FastDeploy's FAQ says; a pipe where that is impossible, labelled);
-* ``vllm``: ``non_blocking`` copies into pinned buffers and an event; the host enqueues the
+* ``vllm``: ``non_blocking`` copies of the sampled tokens and the logprob tensors into pinned
+  buffers (the request ids and counts are the host's already) and an event; the host enqueues the
   next step before it waits for that event, then gathers, packs with msgspec (the
   ``aiospec.baselines`` vLLM-style ``EngineCoreOutputs``) and PUSHes over ZeroMQ, so the
   packing overlaps the next step on the GPU, as vLLM's asynchronous scheduling does.
@@ -174,6 +175,7 @@ class Step:
         self.lp_values[:, 1:].copy_(top_v)
         self.lp_ranks.copy_(rank)
         self.ids.copy_(sampled)  # the next step's input
+        self.step_no.add_(1)  # the engine's step counter on the device (every path has it)
 
     def emit_step(self) -> Any:
         from aiospec.ops import EmitStep, Logprobs
@@ -251,7 +253,6 @@ def run_batch(torch: Any, model: Any, args: argparse.Namespace, batch: int, fd_i
 
                 def with_emit() -> None:
                     st.run()
-                    st.step_no.add_(1)
                     prepared.emit(step_tensor=st.step_no)
 
                 in_graph = True
@@ -355,12 +356,15 @@ def run_batch(torch: Any, model: Any, args: argparse.Namespace, batch: int, fd_i
         # -- vLLM-style ----------------------------------------------------------------------
         emitter = VllmStyleEmitter(readers["zmq_address"])
         try:
-            names = ("handles", "token_ids", "num_tokens", "lp_ids", "lp_values", "lp_ranks", "lp_offsets")
+            # what vLLM copies: the sampled tokens and the logprob tensors; the request ids and
+            # the counts are the scheduler's, on the host already
+            names = ("token_ids", "lp_ids", "lp_values", "lp_ranks")
+            known = {nm: getattr(st, nm).cpu().numpy() for nm in ("handles", "num_tokens", "lp_offsets")}
             pinned = [
                 {nm: torch.empty_like(getattr(st, nm), device="cpu").pin_memory() for nm in names} for _ in range(2)
             ]
             events = [torch.cuda.Event(), torch.cuda.Event()]
-            host_views = [{nm: b[nm].numpy() for nm in names} for b in pinned]
+            host_views = [{**known, **{nm: b[nm].numpy() for nm in names}} for b in pinned]
             pending: list[int] = []
 
             def enqueue(i: int) -> None:

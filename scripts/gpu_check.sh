@@ -115,10 +115,15 @@ if has ncu; then
       ncu --clock-control none -k regex:emit_kernel --launch-skip 2 --launch-count 1 \
         --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
         --section MemoryWorkloadAnalysis --section SchedulerStats --section SourceCounters \
-        --metrics gpu__time_duration.sum,sm__cycles_elapsed.max,smsp__cycles_active.max "$DRIVER" one "$@" 4
+        --metrics gpu__time_duration.sum,sm__cycles_elapsed.max,smsp__cycles_active.max --print-details all \
+        "$DRIVER" one "$@" 4
+    }
+    ncu_source() {  # where the small emit's warps stall, per source line
+      ncu --clock-control none -k regex:emit_kernel --launch-skip 2 --launch-count 1 --section SourceCounters \
+        --section WarpStateStats --page source --print-source cuda --csv "$DRIVER" one 64 1 -1 4
     }
     export DRIVER
-    stage ncu 240 bash -c "$(declare -f ncu_one); ncu_one 64 1 -1 && ncu_one 256 6 20"
+    stage ncu 240 bash -c "$(declare -f ncu_one ncu_source); ncu_one 64 1 -1 && ncu_one 256 6 20 && ncu_source"
     cp "$LOGS/ncu.log" "$OUT/ncu.txt"
   else
     echo "ncu not found" | tee "$LOGS/ncu.log"
@@ -159,11 +164,13 @@ if has variants; then
   build_variant f3 -DAIOSPEC_FENCE_MODE=3 &
   build_variant t128 -DAIOSPEC_THREADS=128 &
   build_variant t512 -DAIOSPEC_THREADS=512 &
+  build_variant solo0 -DAIOSPEC_SOLO_BYTES=0 &
+  build_variant solo64k -DAIOSPEC_SOLO_BYTES=65536 &
   wait
   variants() {
     echo "## default build (fence mode 2, 256 threads), rows per block 4 8 16 32"
     "$DRIVER" time 4 8 16 32
-    for v in f0 f1 t128 t512; do
+    for v in f0 f1 t128 t512 solo0 solo64k; do
       echo "## $v"
       "$DRIVER.$v" time 8
       "$DRIVER.$v" 60 | tail -n 1

@@ -39,7 +39,7 @@ __all__ = (
     "resolve_stream",
 )
 
-CUDA_ABI_VERSION = 2  # AIOSPEC_CUDA_ABI_VERSION
+CUDA_ABI_VERSION = 3  # AIOSPEC_CUDA_ABI_VERSION
 E_RING_FULL = 64  # AIOSPEC_E_RING_FULL
 E_MAX_ROWS = 65  # AIOSPEC_E_MAX_ROWS
 _CUDA_ERROR_INVALID_VALUE = 1
@@ -104,6 +104,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "aiospec_cuda_last_error": (None, (p, ctypes.POINTER(ErrorWord))),
         "aiospec_cuda_placeholder": (vp, (p,)),
         "aiospec_cuda_check": (ctypes.c_int, (p, ctypes.POINTER(ErrorWord), u64p)),
+        "aiospec_cuda_error_seq": (vp, (p,)),
         "aiospec_cuda_format_error": (ctypes.c_int, (p, ctypes.POINTER(ErrorWord), ctypes.c_char_p, ctypes.c_size_t)),
         "aiospec_cuda_notify": (ctypes.c_int, (p,)),
         "aiospec_cuda_stats_get": (None, (p, ctypes.POINTER(CudaStats))),
@@ -262,6 +263,9 @@ class CudaProducer:
         self._step = ctypes.c_uint64()
         self._err_ref = ctypes.byref(self._err)
         self._step_ref = ctypes.byref(self._step)
+        # the mapped error counter: a load tells whether check() has anything to report
+        self._seq_word = ctypes.c_uint64.from_address(lib.aiospec_cuda_error_seq(self._h))
+        self._seen_seq = 0
         self._args_keep: tuple[Inputs, EmitArgs] | None = None
 
     name = "cuda"
@@ -292,7 +296,8 @@ class CudaProducer:
         self._launched(self._lib.aiospec_cuda_emit_ex(h, ctypes.byref(args), step_ptr, s))
         # the kernels read the tensors later: keep this call's views alive until the next one
         self._args_keep = (inputs, args)
-        self.check()
+        if self._seq_word.value != self._seen_seq:  # a kernel published an error since the last check
+            self.check()
 
     def bind(self, inputs: Inputs, *, timeout: float | None = None) -> _Bound:
         """A call enqueueing one frame of ``inputs`` per call, with the argument block,
@@ -329,6 +334,7 @@ class CudaProducer:
     def check(self) -> None:
         """Raise the oldest unreported error of finished emit kernels (no synchronization)."""
         h = self._handle("check")
+        self._seen_seq = self._seq_word.value
         if self._lib.aiospec_cuda_check(h, self._err_ref, self._step_ref):
             exc = self._to_exception(self._err)
             exc.step = int(self._step.value)  # type: ignore[attr-defined]
@@ -406,7 +412,7 @@ def _current_stream(owner: Any, device: int) -> Any:
 class _Bound:
     """``CudaProducer.bind``: one step's argument block and its views, reused by every call."""
 
-    __slots__ = ("_prod", "_keep", "_args", "_a_ref", "_current", "_owner", "_emit", "_check")
+    __slots__ = ("_prod", "_keep", "_args", "_a_ref", "_current", "_owner", "_emit")
 
     def __init__(self, prod: CudaProducer, inputs: Inputs, args: EmitArgs) -> None:
         self._prod = prod
@@ -416,7 +422,6 @@ class _Bound:
         self._owner = inputs.handles.owner
         self._current = _current_stream(self._owner, prod.device)
         self._emit = prod._lib.aiospec_cuda_emit_ex
-        self._check = prod._lib.aiospec_cuda_check
 
     def __call__(self, step: int, kind: int, stream: Any, step_tensor: Any) -> None:
         p = self._prod
@@ -433,10 +438,8 @@ class _Bound:
             p._launched(status)
         # the kernel reads the tensors later: they stay alive with the producer until its next emit
         p._args_keep = self._keep
-        if self._check(h, p._err_ref, p._step_ref):
-            exc = p._to_exception(p._err)
-            exc.step = int(p._step.value)  # type: ignore[attr-defined]
-            raise exc
+        if p._seq_word.value != p._seen_seq:  # a kernel published an error since the last check
+            p.check()
 
 
 # a "forever" the kernels can count in device clock ticks

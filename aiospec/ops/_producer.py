@@ -19,6 +19,7 @@ from shm import Ring, RingError
 __all__ = ("PreparedEmit", "Producer", "emit", "available_backends")
 
 _DEVICES = (None, "cpu", "cuda", "python")
+_U64_MAX = (1 << 64) - 1
 
 
 def _cuda_module() -> Any:
@@ -316,7 +317,7 @@ class PreparedEmit:
         Raises what ``emit_step`` raises for these inputs.
         """
         x = self._inputs
-        if step is not None or kind is not None:
+        if kind is not None or (step is not None and not (type(step) is int and 0 <= step <= _U64_MAX)):
             check_scalars(x.step if step is None else step, x.kind if kind is None else kind)
         p = self._producer
         with p._lock:

@@ -387,6 +387,10 @@ int aiospec_cuda_check(aiospec_cuda_producer* p, aiospec_error* out, uint64_t* s
   return 1;
 }
 
+const volatile uint64_t* aiospec_cuda_error_seq(const aiospec_cuda_producer* p) {
+  return p != nullptr && p->mh != nullptr ? reinterpret_cast<const volatile uint64_t*>(&p->mh->seq) : nullptr;
+}
+
 int aiospec_cuda_format_error(const aiospec_cuda_producer* p, const aiospec_error* e, char* buf, size_t size) {
   if (e->code == AIOSPEC_E_RING_FULL && p != nullptr && p->ring != nullptr) {
     // the CPU writer's RingFull message (ring.h), with the readers as they lag now
