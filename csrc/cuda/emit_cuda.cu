@@ -387,6 +387,13 @@ int aiospec_cuda_check(aiospec_cuda_producer* p, aiospec_error* out, uint64_t* s
   return 1;
 }
 
+#ifdef AIOSPEC_PHASES
+// Measurement builds only (emit_kernel.cuh): the last emit's phase clocks.
+int aiospec_cuda_phases(unsigned long long* out) {
+  return int(cudaMemcpyFromSymbol(out, aiospec_cuda_phase_clock, 16 * sizeof(unsigned long long)));
+}
+#endif
+
 const volatile uint64_t* aiospec_cuda_error_seq(const aiospec_cuda_producer* p) {
   return p != nullptr && p->mh != nullptr ? reinterpret_cast<const volatile uint64_t*>(&p->mh->seq) : nullptr;
 }

@@ -58,6 +58,20 @@
 #ifndef AIOSPEC_THREADS
 #define AIOSPEC_THREADS 256
 #endif
+// AIOSPEC_PHASES: thread 0 of block 0 (phases 9 = entry, 0-6) and the committing thread (7, 8) store
+// clock64() at each phase boundary into aiospec_cuda_phase_clock (emit_cuda.cu), where the
+// driver's "phases" mode reads them; meaningful for one-block frames (one SM's clock).
+#ifdef AIOSPEC_PHASES
+__device__ unsigned long long aiospec_cuda_phase_clock[16];
+#define AIOSPEC_PHASE(n)                                                                         \
+  do {                                                                                           \
+    if ((n) == 7 || (n) == 8 || (blockIdx.x == 0 && threadIdx.x == 0)) aiospec_cuda_phase_clock[n] = clock64(); \
+  } while (0)
+#else
+#define AIOSPEC_PHASE(n) \
+  do {                   \
+  } while (0)
+#endif
 
 namespace aiospec {
 namespace cuda {
@@ -352,6 +366,7 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ unsigned long long s_key, s_idkey, s_needed;
   __shared__ int s_write, s_last, s_full, s_pad;
   __shared__ alignas(8) uint8_t s_header[AIOSPEC_HEADER_SPACE];
+  AIOSPEC_PHASE(9);
   const int tid = threadIdx.x;
   const int rpb = rows_per_block;
   long long* s_rec = sh;
@@ -380,6 +395,7 @@ __global__ void __launch_bounds__(kThreads)
     s_pad = 0;
   }
   __syncthreads();
+  AIOSPEC_PHASE(0);
 
   // 1. Structural checks of every row (the id checks are switched off by declaring the id
   //    inputs int32; this block checks the int64 ids of its own rows where it copies them),
@@ -401,6 +417,7 @@ __global__ void __launch_bounds__(kThreads)
     if (i < row0) before.r += v.r, before.t += v.t, before.d += v.d;
   }
   __syncthreads();
+  AIOSPEC_PHASE(1);
   const uint64_t skey = s_key;
   const int64_t live = skey == kNoError ? rows : key_row(skey);  // rows [0, live) passed
   if (skey != kNoError) {
@@ -414,6 +431,7 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
   block_sum2(before, total);
+  AIOSPEC_PHASE(2);
 
   // 2. This block's rows: exclusive prefix sums (rows past `live` are empty).
   {
@@ -428,6 +446,7 @@ __global__ void __launch_bounds__(kThreads)
     if (tid < n && aiospec_has_logprobs(&a)) s_lp[tid] = a.lp_offsets[row0 + tid];
   }
 
+  AIOSPEC_PHASE(3);
   // 3. Layout, frame position and space (every block reaches the same layout and position).
   aiospec_frame_layout lay;
   aiospec_compute_layout(uint64_t(total.r), uint64_t(total.t), uint64_t(total.d), aiospec_frame_k(&a),
@@ -485,6 +504,7 @@ __global__ void __launch_bounds__(kThreads)
   uint8_t* frame = ring.data + (pos & ring.mask);
   uint8_t* pay = frame + AIOSPEC_FRAME_HEADER;
 
+  AIOSPEC_PHASE(4);
   // 4. Block 0: the frame-wide words (block0::write_frame_words).
   if (write && blockIdx.x == 0) block0::write_frame_words(tid, lay, frame, pos, s_header);
 
@@ -562,12 +582,14 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
 
+  AIOSPEC_PHASE(5);
   // 6. Count this block done; the last one decides (one block: it is the last).
   if (key != kNoError) atomicMin(&s_idkey, key);
 #if AIOSPEC_FENCE_MODE == 0
   __threadfence_system();
 #endif
   __syncthreads();
+  AIOSPEC_PHASE(6);
   unsigned long long idkey;
   unsigned int full, pad_done;
   uint64_t needed_tail;
@@ -642,6 +664,7 @@ __global__ void __launch_bounds__(kThreads)
 #else
   st_release_sys_u64(frame + 8, commit);
 #endif
+  AIOSPEC_PHASE(7);
   st->head = pos + size;
   st->frames_written = frames_written + 1;
   st->bytes_written = bytes_written + lay.payload_len;
@@ -651,6 +674,7 @@ __global__ void __launch_bounds__(kThreads)
   __threadfence_system();
 #endif
   st_u64(ring.ctl + AIOSPEC_OFF_HEAD, pos + size);
+  AIOSPEC_PHASE(8);
 }
 
 }  // namespace cuda

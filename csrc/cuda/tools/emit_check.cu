@@ -34,6 +34,10 @@
 #include "aiospec/emit_cuda.h"
 #include "aiospec/layout.h"
 
+#ifdef AIOSPEC_PHASES
+extern "C" int aiospec_cuda_phases(unsigned long long* out);
+#endif
+
 namespace {
 
 int g_failures = 0;
@@ -569,7 +573,26 @@ void one_config(int64_t rows, int64_t tokens, int64_t k, int n) {
   }
   Inputs in = timing_inputs(rng, rows, tokens, k);
   aiospec_emit_args da = in.device_args(0);
+#ifdef AIOSPEC_PHASES
+  // each emit alone (the GPU otherwise idle), the clock of every phase boundary against the
+  // kernel's entry; the median over the emits
+  std::vector<std::vector<double>> ph(10);
+  for (int i = 0; i < n; ++i) {
+    CUDA_OK(aiospec_cuda_emit(p, &da, 0));
+    CUDA_OK(cudaDeviceSynchronize());
+    unsigned long long c[16];
+    CUDA_OK(cudaError_t(aiospec_cuda_phases(c)));
+    for (int k = 0; k <= 8; ++k) ph[size_t(k)].push_back(double(c[k] - c[9]));
+  }
+  std::printf("phases rows=%lld tokens=%lld k=%lld cycles_from_entry", (long long)rows, (long long)tokens, (long long)k);
+  for (int k = 0; k <= 8; ++k) {
+    std::sort(ph[size_t(k)].begin(), ph[size_t(k)].end());
+    std::printf(" p%d=%.0f", k, ph[size_t(k)][ph[size_t(k)].size() / 2]);
+  }
+  std::printf("\n");
+#else
   for (int i = 0; i < n; ++i) CUDA_OK(aiospec_cuda_emit(p, &da, 0));
+#endif
   CUDA_OK(cudaDeviceSynchronize());
   aiospec_error e;
   CHECK(aiospec_cuda_check(p, &e, nullptr) == 0, "device error: %d", e.code);
