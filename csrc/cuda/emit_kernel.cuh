@@ -307,10 +307,9 @@ __device__ void report_error(const aiospec_error& e, const RingRef& ring, State*
 // ---- block 0's frame-wide words ---------------------------------------------------------------
 
 // Besides its rows, block 0 writes the words of the frame no row owns, one task per range of
-// threads (disjoint, so they run side by side; the header tasks fill warp 0's spare lanes).
+// threads (disjoint, so they run side by side); the msgpack header is the last warp's.
 namespace block0 {
-// [kHeaderWords, + HEADER_SPACE / 8): the msgpack header, 8 bytes a thread
-constexpr int kHeaderWords = 0;
+// (the msgpack header: block 0's last warp, see step 4 of the kernel)
 // the frame's absolute position (readers use it to detect a frame from an earlier lap)
 constexpr int kPositionWord = 32;
 // token_offsets[R] = T and draft_offsets[R] = D: the offset columns' last entries
@@ -322,17 +321,13 @@ constexpr int kColumnPads = 64;
 constexpr int kAlignTail = 96;
 constexpr int kAlignTailWords = AIOSPEC_FRAME_ALIGN / 8;
 
-static_assert(kHeaderWords + AIOSPEC_HEADER_SPACE / 8 <= kPositionWord, "header words overlap");
+static_assert(AIOSPEC_HEADER_SPACE / 8 <= 32, "the header warp stores a word a lane");
 static_assert(kColumnPads + AIOSPEC_NUM_COLUMNS <= kAlignTail, "column pads overlap the tail");
 static_assert(kAlignTail + kAlignTailWords <= kThreads, "block 0's tasks need more threads");
 
 __device__ __forceinline__ void write_frame_words(int tid, const aiospec_frame_layout& lay, uint8_t* frame,
-                                                  uint64_t pos, const uint8_t* header) {
+                                                  uint64_t pos) {
   uint8_t* pay = frame + AIOSPEC_FRAME_HEADER;
-  if (tid >= kHeaderWords && tid < kHeaderWords + AIOSPEC_HEADER_SPACE / 8) {
-    const int w = tid - kHeaderWords;
-    st_u64(pay + 8 * w, reinterpret_cast<const uint64_t*>(header)[w]);
-  }
   if (tid == kPositionWord) st_u64(frame, pos);
   if (tid == kTokenOffsetsEnd) st_u32(pay + lay.off[AIOSPEC_COL_TOKEN_OFFSETS] + 4 * lay.r, uint32_t(lay.t));
   if (tid == kDraftOffsetsEnd && lay.d > 0) {
@@ -430,7 +425,8 @@ __global__ void __launch_bounds__(kThreads)
       if (i < row0) before.r += v.r, before.t += v.t, before.d += v.d;
     }
   }
-  block_sum2(before, total);
+  // one block holds every row: its scan below gives the totals, no block-wide sums needed
+  if (!solo) block_sum2(before, total);
   AIOSPEC_PHASE(2);
 
   // 2. This block's rows: exclusive prefix sums (rows past `live` are empty).
@@ -444,6 +440,10 @@ __global__ void __launch_bounds__(kThreads)
       s_dr[tid] = before.d + ex.d;
     }
     if (tid < n && aiospec_has_logprobs(&a)) s_lp[tid] = a.lp_offsets[row0 + tid];
+    if (solo) {
+      __syncthreads();
+      total = Triple{s_rec[n], s_tok[n], s_dr[n]};
+    }
   }
 
   AIOSPEC_PHASE(3);
@@ -495,7 +495,6 @@ __global__ void __launch_bounds__(kThreads)
           s_pad = 1;
           if (!solo) st->pad_done = 1;
         }
-        aiospec_write_header(s_header, &lay, a.producer, step, a.kind);
       }
     }
   }
@@ -505,8 +504,20 @@ __global__ void __launch_bounds__(kThreads)
   uint8_t* pay = frame + AIOSPEC_FRAME_HEADER;
 
   AIOSPEC_PHASE(4);
-  // 4. Block 0: the frame-wide words (block0::write_frame_words).
-  if (write && blockIdx.x == 0) block0::write_frame_words(tid, lay, frame, pos, s_header);
+  // 4. Block 0: the frame-wide words (block0::write_frame_words); the header is encoded and
+  //    stored by block 0's last warp (one serial encoder, then a lane a word) while the other
+  //    warps go on with the rows: nothing waits for it before the commit's barrier.
+  if (write && blockIdx.x == 0) {
+    block0::write_frame_words(tid, lay, frame, pos);
+    if ((tid >> 5) == kThreads / 32 - 1) {
+      const int lane = tid & 31;
+      if (lane == 0) aiospec_write_header(s_header, &lay, a.producer, step, a.kind);
+      __syncwarp();
+      if (lane < AIOSPEC_HEADER_SPACE / 8) {
+        st_u64(pay + 8 * lane, reinterpret_cast<const uint64_t*>(s_header)[lane]);
+      }
+    }
+  }
 
   // 5. This block's rows: records, then token ids with their logprobs and ranks, draft ids,
   //    top-k ids and logprobs. Int64 ids are checked even when nothing is written.
