@@ -19,7 +19,10 @@ import numpy.typing as npt
 from aiospec import _payload_layout as L
 from shm import AiospecError
 
-__all__ = ("Frame", "FrameError", "Kind", "Flag", "encode_frame", "decode_frame", "frame_layout")
+__all__ = (
+    "Frame", "FrameError", "Kind", "Flag", "encode_frame", "decode_frame", "frame_layout", "prompt_tokens_fit",
+    "prepare_frame", "sampled_positions", "uses_sampled_pos",
+)  # fmt: skip
 
 
 class FrameError(AiospecError, ValueError):
@@ -32,22 +35,27 @@ class FrameError(AiospecError, ValueError):
 
 
 class Kind(enum.IntEnum):
-    """What a frame carries: the target model's tokens (``TARGET``, 0) or a draft model's
-    proposals with their logprobs (``DRAFT``, 1; FastDeploy's ``message_flag`` 4). Every
-    record of a ``DRAFT`` frame has ``Flag.DRAFT`` set."""
+    """What a frame carries: the target model's tokens (``TARGET``, 0), a draft model's
+    proposals with their logprobs (``DRAFT``, 1; FastDeploy's ``message_flag`` 4), or a
+    prefill node's prompt logprobs (``PROMPT``, 2: record ``r``'s token ``j`` is the prompt
+    token at position ``positions[r] + j``). Every record of a ``DRAFT`` frame has
+    ``Flag.DRAFT`` set, every record of a ``PROMPT`` frame ``Flag.PROMPT``."""
 
     TARGET = L.KIND_TARGET
     DRAFT = L.KIND_DRAFT
+    PROMPT = L.KIND_PROMPT
 
 
 class Flag(enum.IntFlag):
-    """Bits of a record's ``flags`` word (within ``FLAG_MASK``, 0x3f; docs/wire-format.md).
+    """Bits of a record's ``flags`` (within ``FLAG_MASK``, 0x7f; docs/wire-format.md).
 
     ``FIRST_TOKEN``: the request's first token (a prefill node's record, possibly with the MTP
     draft as a draft id); ``FINISHED``: the request ended with this record; ``PREEMPTED``: the
     engine preempted it (it may resume); ``RECOVERY_STOP``: stopped by the engine's recovery
     (FastDeploy's ``-3``); ``ABORTED``: aborted by the engine; ``DRAFT``: the tokens are a
-    draft model's. A record with flags and no tokens is valid.
+    draft model's; ``PROMPT``: the tokens are prompt tokens with their logprobs (set on
+    every record of a ``Kind.PROMPT`` frame and on no other). A record with flags and no
+    tokens is valid.
     """
 
     NONE = 0
@@ -57,6 +65,7 @@ class Flag(enum.IntFlag):
     RECOVERY_STOP = L.FLAG_RECOVERY_STOP
     ABORTED = L.FLAG_ABORTED
     DRAFT = L.FLAG_DRAFT
+    PROMPT = L.FLAG_PROMPT
 
 
 # msgpack could carry negative or wider integers in the same places: the typed decoder
@@ -75,24 +84,32 @@ class _Header(msgspec.Struct, array_like=True, gc=False, frozen=True):
     r: _U32
     t: _U32
     d: _U32
+    e: _U32
+    nt: _U32
+    nd: _U32
     off_handles: _U32
     off_flags: _U32
+    off_positions: _U32
     off_token_offsets: _U32
     off_token_ids: _U32
+    off_sampled_pos: _U32
     off_draft_offsets: _U32
     off_draft_ids: _U32
     off_logprobs: _U32
     off_ranks: _U32
     off_topk_ids: _U32
     off_topk_logprobs: _U32
+    off_exception_ids: _U32
+    off_exception_logprobs: _U32
+    off_exception_ranks: _U32
     payload_len: _U32
 
 
 _header_decoder = msgspec.msgpack.Decoder(_Header)
 
-# array16 of 20 (0xdc 0x00 0x14), then u32 fields as 0xce + be32 and the step as 0xcf + be64
+# array16 of 28 (0xdc 0x00 0x1c), then u32 fields as 0xce + be32 and the step as 0xcf + be64
 # (msgpack is big-endian); fixed widths so a GPU thread can write the header without branching.
-_HEADER_STRUCT = struct.Struct(">BH" + "BI" * 2 + "BQ" + "BI" * 17)
+_HEADER_STRUCT = struct.Struct(">BH" + "BI" * 2 + "BQ" + "BI" * (L.HEADER_FIELDS - 3))
 assert _HEADER_STRUCT.size == L.HEADER_LEN
 
 # the type byte of every header element: 0xce (uint 32) but 0xcf (uint 64) for the step; any
@@ -106,37 +123,111 @@ _I32_MAX = 0x7FFFFFFF
 # the wire type of each column (docs/wire-format.md, section 4)
 _DTYPES: dict[str, np.dtype[Any]] = {
     "handles": np.dtype("<u8"),
-    "flags": np.dtype("<u4"),
+    "flags": np.dtype("u1"),
+    "positions": np.dtype("<i4"),
     "token_offsets": np.dtype("<i4"),
     "token_ids": np.dtype("<i4"),
+    "sampled_pos": np.dtype("u1"),
     "draft_offsets": np.dtype("<i4"),
     "draft_ids": np.dtype("<i4"),
     "logprobs": np.dtype("<f4"),
     "ranks": np.dtype("<i4"),
     "topk_ids": np.dtype("<i4"),
     "topk_logprobs": np.dtype("<f4"),
+    "exception_ids": np.dtype("<i4"),
+    "exception_logprobs": np.dtype("<f4"),
+    "exception_ranks": np.dtype("<i4"),
 }
 _SIZES = tuple(_DTYPES[c].itemsize for c in L.COLUMNS)
+assert len(L.COLUMNS) == L.NUM_COLUMNS == L.HF_PAYLOAD_LEN - L.HF_COLUMNS
 
 
-def _column_counts(r: int, t: int, d: int, k: int, has_logprobs: bool) -> tuple[int, ...]:
+def uses_sampled_pos(k: int, has_logprobs: bool) -> bool:
+    """Whether a frame stores its sampled tokens as positions in the top-k (``sampled_pos``
+    and the exception columns) instead of ``token_ids`` / ``logprobs`` / ``ranks``: with
+    logprobs and ``1 <= k <= SAMPLED_POS_MAX_K`` (255)."""
+    return has_logprobs and 1 <= k <= L.SAMPLED_POS_MAX_K
+
+
+def _column_counts(
+    r: int, t: int, d: int, k: int, has_logprobs: bool, e: int, uniform_tokens: bool, uniform_drafts: bool,
+    prompt: bool,
+) -> tuple[int, ...]:  # fmt: skip
     """Elements of each column, in ``COLUMNS`` order; -1 = absent."""
-    lp = t if has_logprobs else -1
-    topk = t * k if k > 0 else -1
-    return (r, r, r + 1, t, r + 1 if d > 0 else -1, d if d > 0 else -1, lp, lp, topk, topk)
+    sp = uses_sampled_pos(k, has_logprobs)
+    lp = t if has_logprobs and not sp else -1
+    topk = t * k if has_logprobs and k > 0 else -1
+    exc = e if sp and e > 0 else -1
+    return (
+        r,  # handles
+        r,  # flags
+        r if prompt else -1,  # positions
+        -1 if uniform_tokens else r + 1,  # token_offsets
+        -1 if sp else t,  # token_ids
+        t if sp else -1,  # sampled_pos
+        r + 1 if d > 0 and not uniform_drafts else -1,  # draft_offsets
+        d if d > 0 else -1,  # draft_ids
+        lp,  # logprobs
+        lp,  # ranks
+        topk,  # topk_ids
+        topk,  # topk_logprobs
+        exc,  # exception_ids
+        exc,  # exception_logprobs
+        exc,  # exception_ranks
+    )
 
 
-def frame_layout(r: int, t: int, d: int, k: int, has_logprobs: bool) -> tuple[list[int], int]:
-    """Canonical column offsets (0 = absent, in ``COLUMNS`` order) and the payload length."""
+def frame_layout(
+    r: int,
+    t: int,
+    d: int,
+    k: int,
+    has_logprobs: bool,
+    *,
+    e: int = 0,
+    uniform_tokens: bool = False,
+    uniform_drafts: bool = False,
+    prompt: bool = False,
+) -> tuple[list[int], int]:
+    """Canonical column offsets (0 = absent, in ``COLUMNS`` order) and the payload length of a
+    frame with R records, T tokens, D draft ids, top-k columns, E exceptions (counted only
+    when ``uses_sampled_pos``), with or without the ``token_offsets`` / ``draft_offsets``
+    columns (``uniform_*``: omitted) and the ``positions`` column (``prompt``)."""
     offsets = []
     pos = L.HEADER_SPACE
-    for n, size in zip(_column_counts(r, t, d, k, has_logprobs), _SIZES, strict=True):
+    counts = _column_counts(r, t, d, k, has_logprobs, e, uniform_tokens, uniform_drafts, prompt)
+    for n, size in zip(counts, _SIZES, strict=True):
         if n < 0:
             offsets.append(0)
             continue
         offsets.append(pos)
         pos = L.align(pos + n * size, L.COLUMN_ALIGN)
     return offsets, pos
+
+
+def prompt_tokens_fit(max_record: int, records: int, k: int) -> int:
+    """The most prompt tokens (positions) a ``Kind.PROMPT`` frame of ``records`` records with
+    logprobs and top-``k`` columns can carry in a ring whose ``max_record`` is given, whatever
+    the values: the size is taken with token offsets and with every token an exception (the
+    largest encoding). A producer splits a long prompt into frames of at most this many
+    tokens; 0 means not even an empty frame of that many records fits."""
+    if records < 0 or not 0 <= k <= L.MAX_TOPK:
+        raise ValueError(f"records = {records}, k = {k}: expected records >= 0 and k in 0..{L.MAX_TOPK}")
+
+    def fits(t: int) -> bool:
+        _, plen = frame_layout(records, t, 0, k, True, e=t, prompt=True)
+        return L.align(L.FRAME_HEADER + plen, L.FRAME_ALIGN) <= max_record
+
+    if not fits(0):
+        return 0
+    lo, hi = 0, max(1, max_record)  # a token takes at least one byte: hi never fits
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 # -- encoder ---------------------------------------------------------------------------
@@ -160,7 +251,65 @@ def _column(value: Any, name: str, dtype: npt.DTypeLike, shape: tuple[int, ...])
     return np.ascontiguousarray(arr, dtype=target.newbyteorder("<"))
 
 
-def encode_frame(
+def sampled_positions(
+    token_ids: np.ndarray, logprobs: np.ndarray, ranks: np.ndarray, topk_ids: np.ndarray, topk_logprobs: np.ndarray
+) -> np.ndarray:
+    """The ``sampled_pos`` column (u8[T]) of the given per-token columns (int32 / float32):
+    the first ``j`` with ``topk_ids[t, j] == token_ids[t]``, ``topk_logprobs[t, j]`` of the
+    same bits as ``logprobs[t]`` and ``ranks[t]`` equal to the number of ``j' < k`` with
+    ``topk_logprobs[t, j'] >= logprobs[t]``; ``SAMPLED_EXCEPTION`` (255) where there is none.
+    The rule every writer follows (docs/wire-format.md, "sampled_pos")."""
+    t = token_ids.shape[0]
+    if t == 0:
+        return np.zeros(0, np.uint8)
+    count = np.count_nonzero(topk_logprobs >= logprobs[:, None], axis=1)
+    match = (topk_ids == token_ids[:, None]) & (topk_logprobs.view(np.uint32) == logprobs.view(np.uint32)[:, None])
+    match &= (count == ranks)[:, None]
+    found = match.any(axis=1)
+    return np.where(found, np.argmax(match, axis=1), L.SAMPLED_EXCEPTION).astype(np.uint8)
+
+
+class _Prepared:
+    """A frame checked and laid out, not yet written: its size is known before its bytes."""
+
+    __slots__ = ("header", "offsets", "payload_len", "cols")
+
+    def __init__(self, header: list[int], offsets: list[int], payload_len: int, cols: dict[str, Any]) -> None:
+        self.header = header
+        self.offsets = offsets
+        self.payload_len = payload_len
+        self.cols = cols
+
+    @property
+    def frame_size(self) -> int:
+        return L.align(L.FRAME_HEADER + self.payload_len, L.FRAME_ALIGN)
+
+    def tobytes(self) -> bytes:
+        if self.payload_len > _U32_MAX:
+            raise FrameError(f"frame: payload of {self.payload_len} bytes exceeds the u32 length field")
+        out = bytearray(self.payload_len)
+        fields: list[int] = [0xDC, L.HEADER_FIELDS]
+        for i, v in enumerate(self.header):
+            fields += [0xCF if i == L.HF_STEP else 0xCE, v]
+        _HEADER_STRUCT.pack_into(out, 0, *fields)
+        for name, off in zip(L.COLUMNS, self.offsets, strict=True):
+            col = self.cols.get(name)
+            if col is not None:
+                raw = col.tobytes()
+                out[off : off + len(raw)] = raw
+        return bytes(out)
+
+
+def _uniform(offs: np.ndarray) -> int:
+    """The count every record has (offsets of R + 1 entries), or -1 when they differ."""
+    if offs.shape[0] <= 1:
+        return 0
+    steps = np.diff(offs)
+    first = int(steps[0])
+    return first if bool((steps == first).all()) else -1
+
+
+def prepare_frame(
     handles: Any,
     token_offsets: Any,
     token_ids: Any,
@@ -172,26 +321,13 @@ def encode_frame(
     topk_logprobs: Any = None,
     draft_offsets: Any = None,
     draft_ids: Any = None,
+    positions: Any = None,
     step: int = 0,
     kind: int = Kind.TARGET,
     producer: int = 0,
-) -> bytes:
-    """Encode one decoding step, given as records, as a frame payload (docs/wire-format.md).
-
-    ``handles`` u64[R] (one per record, >= 0); ``token_offsets`` i32[R+1] prefix sums into
-    ``token_ids`` i32[T] (record ``i`` has ``token_ids[token_offsets[i]:token_offsets[i+1]]``);
-    ``flags`` u32[R] (``Flag`` bits; default 0); with logprobs, ``logprobs`` f32[T] and
-    ``ranks`` i32[T] and optionally ``topk_ids`` i32[T, k] / ``topk_logprobs`` f32[T, k];
-    ``draft_offsets`` i32[R+1] into ``draft_ids`` i32[D]; ``step`` (u64), ``kind`` (``Kind``)
-    and ``producer`` (u32) go to the header. Records of a ``Kind.DRAFT`` frame get
-    ``Flag.DRAFT`` set.
-
-    This is the pure-Python reference the C++ and CUDA writers match byte for byte; the emit
-    op's input (a batch in row order, ``aiospec.ops.EmitStep``) becomes these records through
-    ``aiospec.ops.build_step``. Raises ``FrameError`` for arrays that break the format
-    (negative handles, offsets that are not monotonic or do not end at T or D, a bad ``kind``,
-    ``k`` over ``MAX_TOPK``, ...).
-    """
+    logprobs_processed: bool = False,
+) -> _Prepared:
+    """``encode_frame``'s checks and layout (same arguments); ``.tobytes()`` writes it."""
     h = np.asarray(handles)
     if h.ndim != 1:
         raise FrameError(f"handles: expected a 1-D array, got shape {h.shape}")
@@ -207,18 +343,32 @@ def encode_frame(
     _check_offsets(offs, "token_offsets", t)
     tok = _column(tok, "token_ids", np.int32, (t,))
     kind = int(kind)
-    if kind not in (L.KIND_TARGET, L.KIND_DRAFT):
-        raise FrameError(f"kind: expected 0 (target) or 1 (draft), got {kind}")
+    if kind not in (L.KIND_TARGET, L.KIND_DRAFT, L.KIND_PROMPT):
+        raise FrameError(f"kind: expected 0 (target), 1 (draft) or 2 (prompt), got {kind}")
     if flags is None:
-        fl = np.zeros(r, dtype="<u4")
+        fl = np.zeros(r, dtype=np.uint8)
     else:
-        fl = _column(flags, "flags", np.uint32, (r,))
-        if fl.size and int(fl.max()) & ~L.FLAG_MASK:
-            raise FrameError(f"flags: unknown bits in 0x{int(fl.max()):x}, known mask 0x{L.FLAG_MASK:x}")
-    if kind == L.KIND_DRAFT:
-        fl = fl | np.uint32(L.FLAG_DRAFT)
-    elif fl.size and int(np.bitwise_or.reduce(fl)) & L.FLAG_DRAFT:
-        raise FrameError("flags: DRAFT (32) is set in a target frame; it marks the records of kind = draft frames")
+        fl32 = _column(flags, "flags", np.uint32, (r,))
+        if fl32.size and int(np.bitwise_or.reduce(fl32)) & ~L.FLAG_MASK:
+            raise FrameError(f"flags: unknown bits in 0x{int(fl32.max()):x}, known mask 0x{L.FLAG_MASK:x}")
+        fl = fl32.astype(np.uint8)
+    kind_bits = {L.KIND_TARGET: 0, L.KIND_DRAFT: L.FLAG_DRAFT, L.KIND_PROMPT: L.FLAG_PROMPT}
+    for bit, name, k_of in ((L.FLAG_DRAFT, "DRAFT", L.KIND_DRAFT), (L.FLAG_PROMPT, "PROMPT", L.KIND_PROMPT)):
+        if kind != k_of and fl.size and int(np.bitwise_or.reduce(fl)) & bit:
+            raise FrameError(
+                f"flags: {name} ({bit}) is set in a kind = {kind} frame; it marks the records of kind = {k_of} frames"
+            )
+    if kind_bits[kind]:
+        fl = fl | np.uint8(kind_bits[kind])
+    pos_col = None
+    if kind == L.KIND_PROMPT:
+        if positions is None:
+            raise FrameError("positions: required for kind = 2 (prompt) frames")
+        pos_col = _column(positions, "positions", np.int32, (r,))
+        if pos_col.size and int(pos_col.min()) < 0:
+            raise FrameError(f"positions: expected values >= 0, got {int(pos_col.min())}")
+    elif positions is not None:
+        raise FrameError(f"positions: only prompt frames (kind = 2) carry positions, got kind = {kind}")
     if (draft_offsets is None) != (draft_ids is None):
         raise FrameError("draft_offsets and draft_ids: give both or neither")
     d = 0
@@ -246,39 +396,103 @@ def encode_frame(
         k = tk.shape[1]
         if k > L.MAX_TOPK:
             raise FrameError(f"topk_ids: k={k} exceeds the maximum {L.MAX_TOPK}")
-    offsets, payload_len = frame_layout(r, t, d, k, has_lp)
-    if payload_len > _U32_MAX:
-        raise FrameError(f"frame: payload of {payload_len} bytes exceeds the u32 length field")
-    cols: dict[str, np.ndarray | None] = dict.fromkeys(L.COLUMNS)
-    cols["handles"], cols["flags"], cols["token_offsets"], cols["token_ids"] = h, fl, offs, tok
-    if d:
-        cols["draft_offsets"], cols["draft_ids"] = doffs, dids
-    if has_lp:
-        cols["logprobs"] = _column(logprobs, "logprobs", np.float32, (t,))
-        cols["ranks"] = _column(ranks, "ranks", np.int32, (t,))
-    if k:
-        cols["topk_ids"] = _column(topk_ids, "topk_ids", np.int32, (t, k))
-        cols["topk_logprobs"] = _column(topk_logprobs, "topk_logprobs", np.float32, (t, k))
     for name, value in (("producer", producer), ("R", r), ("T", t), ("D", d)):
         if not 0 <= int(value) <= _U32_MAX:
             raise FrameError(f"{name}: expected 0..{_U32_MAX}, got {value}")
     if not 0 <= int(step) < 1 << 64:
         raise FrameError(f"step: expected 0..2**64-1, got {step}")
-    out = bytearray(payload_len)
-    fields: list[int] = [0xDC, L.HEADER_FIELDS]
-    values = [
-        L.PAYLOAD_VERSION, int(producer), int(step), kind,
-        L.FRAME_HAS_LOGPROBS if has_lp else 0, k, r, t, d, *offsets, payload_len,
+    cols: dict[str, Any] = {"handles": h, "flags": fl, "positions": pos_col}
+    nt = _uniform(offs)
+    fflags = 0
+    if nt >= 0:
+        fflags |= L.FRAME_UNIFORM_TOKENS
+    else:
+        cols["token_offsets"] = offs
+    nd = 0
+    if d > 0 and doffs is not None:
+        nd = _uniform(doffs)
+        if nd > 0:
+            fflags |= L.FRAME_UNIFORM_DRAFTS
+        else:
+            nd = 0
+            cols["draft_offsets"] = doffs
+        cols["draft_ids"] = dids
+    e = 0
+    if has_lp:
+        fflags |= L.FRAME_HAS_LOGPROBS | (L.FRAME_LOGPROBS_PROCESSED if logprobs_processed else 0)
+        lp = _column(logprobs, "logprobs", np.float32, (t,))
+        rk = _column(ranks, "ranks", np.int32, (t,))
+        if k:
+            cols["topk_ids"] = tk_ids = _column(topk_ids, "topk_ids", np.int32, (t, k))
+            cols["topk_logprobs"] = tk_lps = _column(topk_logprobs, "topk_logprobs", np.float32, (t, k))
+        if uses_sampled_pos(k, True):
+            sp = sampled_positions(tok, lp, rk, tk_ids, tk_lps)
+            cols["sampled_pos"] = sp
+            exc = sp == L.SAMPLED_EXCEPTION
+            e = int(np.count_nonzero(exc))
+            if e:
+                cols["exception_ids"] = tok[exc]
+                cols["exception_logprobs"] = lp[exc]
+                cols["exception_ranks"] = rk[exc]
+        else:
+            cols["token_ids"], cols["logprobs"], cols["ranks"] = tok, lp, rk
+    else:
+        cols["token_ids"] = tok
+    offsets, payload_len = frame_layout(
+        r, t, d, k, has_lp, e=e, uniform_tokens=nt >= 0, uniform_drafts=nd > 0, prompt=pos_col is not None
+    )
+    header = [
+        L.PAYLOAD_VERSION, int(producer), int(step), kind, fflags, k, r, t, d, e, max(nt, 0), nd,
+        *offsets, payload_len,
     ]  # fmt: skip
-    for i, v in enumerate(values):
-        fields += [0xCF if i == L.HF_STEP else 0xCE, v]
-    _HEADER_STRUCT.pack_into(out, 0, *fields)
-    for name, off in zip(L.COLUMNS, offsets, strict=True):
-        col = cols[name]
-        if col is not None:
-            raw = col.tobytes()
-            out[off : off + len(raw)] = raw
-    return bytes(out)
+    return _Prepared(header, offsets, payload_len, cols)
+
+
+def encode_frame(
+    handles: Any,
+    token_offsets: Any,
+    token_ids: Any,
+    *,
+    flags: Any = None,
+    logprobs: Any = None,
+    ranks: Any = None,
+    topk_ids: Any = None,
+    topk_logprobs: Any = None,
+    draft_offsets: Any = None,
+    draft_ids: Any = None,
+    positions: Any = None,
+    step: int = 0,
+    kind: int = Kind.TARGET,
+    producer: int = 0,
+    logprobs_processed: bool = False,
+) -> bytes:
+    """Encode one decoding step, given as records, as a frame payload (docs/wire-format.md).
+
+    ``handles`` u64[R] (one per record, >= 0); ``token_offsets`` i32[R+1] prefix sums into
+    ``token_ids`` i32[T] (record ``i`` has ``token_ids[token_offsets[i]:token_offsets[i+1]]``);
+    ``flags`` u32[R] (``Flag`` bits; default 0); with logprobs, ``logprobs`` f32[T] and
+    ``ranks`` i32[T] and optionally ``topk_ids`` i32[T, k] / ``topk_logprobs`` f32[T, k];
+    ``draft_offsets`` i32[R+1] into ``draft_ids`` i32[D]; ``positions`` i32[R] (>= 0; required
+    for, and only for, ``Kind.PROMPT``: record ``i``'s first token is the prompt token at
+    ``positions[i]``); ``step`` (u64), ``kind`` (``Kind``) and ``producer`` (u32) go to the
+    header, and ``logprobs_processed`` (the logprobs are of the distribution sampled from,
+    not of the raw logits) to its flags when the frame has logprobs. Records of a
+    ``Kind.DRAFT`` frame get ``Flag.DRAFT`` set, those of a ``Kind.PROMPT`` frame
+    ``Flag.PROMPT``.
+
+    The arguments are the canonical columns; the encoder picks the compact encoding the format
+    prescribes (no offsets column for uniform counts, sampled tokens as positions in the
+    top-k). This is the pure-Python reference the C++ and CUDA writers match byte for byte;
+    the emit op's input (a batch in row order, ``aiospec.ops.EmitStep``) becomes these records
+    through ``aiospec.ops.build_step``. Raises ``FrameError`` for arrays that break the format
+    (negative handles, offsets that are not monotonic or do not end at T or D, a bad ``kind``,
+    ``k`` over ``MAX_TOPK``, ...).
+    """
+    return prepare_frame(
+        handles, token_offsets, token_ids, flags=flags, logprobs=logprobs, ranks=ranks, topk_ids=topk_ids,
+        topk_logprobs=topk_logprobs, draft_offsets=draft_offsets, draft_ids=draft_ids, positions=positions,
+        step=step, kind=kind, producer=producer, logprobs_processed=logprobs_processed,
+    ).tobytes()  # fmt: skip
 
 
 def _check_offsets(offs: np.ndarray, name: str, total: int) -> None:
@@ -296,22 +510,26 @@ def _check_offsets(offs: np.ndarray, name: str, total: int) -> None:
 
 
 class Frame:
-    """One decoded frame: header fields plus zero-copy numpy views of the columns.
+    """One decoded frame: header fields plus the canonical columns as numpy arrays.
 
     Header: ``version``, ``producer``, ``step``, ``kind`` (``Kind``), ``k`` (top-k columns),
-    ``has_logprobs``, ``nbytes`` (the payload's size). Columns, per record (R): ``handles``
-    u64, ``flags`` u32, ``token_offsets`` / ``draft_offsets`` i32[R+1]; per token (T):
-    ``token_ids`` i32, ``logprobs`` f32, ``ranks`` i32, ``topk_ids`` i32[T, k],
-    ``topk_logprobs`` f32[T, k]; ``draft_ids`` i32[D]. Absent columns are ``None``.
-    ``num_records`` and ``num_tokens`` are R and T.
+    ``has_logprobs``, ``logprobs_processed`` (the logprobs are of the distribution sampled
+    from, after temperature, biases and penalties, rather than of the raw logits),
+    ``nbytes`` (the payload's size). Columns, per record (R): ``handles`` u64, ``flags``
+    (u32 values), ``token_offsets`` / ``draft_offsets`` i32[R+1], ``positions`` i32 (prompt
+    frames only); per token (T): ``token_ids`` i32, ``logprobs`` f32, ``ranks`` i32,
+    ``topk_ids`` i32[T, k], ``topk_logprobs`` f32[T, k]; ``draft_ids`` i32[D]. Absent columns
+    are ``None``. ``num_records`` and ``num_tokens`` are R and T.
 
-    The views alias the buffer given to ``decode_frame``; keep the buffer alive (and
+    The columns are the same whatever compact encoding the frame used: those the frame
+    carries as they are (handles, positions, the top-k, offsets when counts vary) are
+    zero-copy views of the buffer given to ``decode_frame``; keep the buffer alive (and
     unchanged) while they are used. Made by ``decode_frame`` only.
     """
 
     __slots__ = (
-        "version", "producer", "step", "kind", "k", "has_logprobs", "nbytes",
-        "handles", "flags", "token_offsets", "token_ids", "draft_offsets", "draft_ids",
+        "version", "producer", "step", "kind", "k", "has_logprobs", "logprobs_processed", "nbytes",
+        "handles", "flags", "positions", "token_offsets", "token_ids", "draft_offsets", "draft_ids",
         "logprobs", "ranks", "topk_ids", "topk_logprobs", "rows",
     )  # fmt: skip
 
@@ -321,9 +539,11 @@ class Frame:
     kind: Kind
     k: int
     has_logprobs: bool
+    logprobs_processed: bool
     nbytes: int
     handles: np.ndarray
     flags: np.ndarray
+    positions: np.ndarray | None
     token_offsets: np.ndarray
     token_ids: np.ndarray
     draft_offsets: np.ndarray | None
@@ -349,17 +569,23 @@ class Frame:
         )
 
 
+_KIND_FLAG = {L.KIND_TARGET: 0, L.KIND_DRAFT: L.FLAG_DRAFT, L.KIND_PROMPT: L.FLAG_PROMPT}
+_KIND_NAME = {L.KIND_TARGET: "target", L.KIND_DRAFT: "draft", L.KIND_PROMPT: "prompt"}
+
+
 def decode_frame(buffer: Any, *, validate_offsets: bool = True) -> Frame:
     """Decode a frame payload; raises ``FrameError`` naming the first field that is wrong.
 
-    ``buffer`` is anything exporting the buffer protocol (bytes, a memoryview into the ring);
-    the returned ``Frame``'s columns are zero-copy views of it. The msgpack header is read
-    with one reused typed decoder and every count and offset is checked against the
-    canonical layout before a view is made; the header must use the fixed-width integer
-    encodings and zero reserved bytes. ``validate_offsets=False`` skips the O(R) checks (the
-    offset columns' monotonicity, the flags' bits and their DRAFT bit against the frame's
-    kind, the zero padding after each column; the header and sizes are still checked), for
-    readers that trust their producer.
+    ``buffer`` is anything exporting the buffer protocol (bytes, a memoryview into the ring).
+    The msgpack header is read with one reused typed decoder and every count and offset is
+    checked against the canonical layout before a column is touched; the header must use
+    the fixed-width integer encodings and zero reserved bytes. The returned ``Frame`` has the
+    canonical columns whatever the frame's encoding (see ``Frame``). ``validate_offsets=False``
+    skips the checks that cost O(R) and are not needed to read the columns within bounds
+    (the offset columns' monotonicity and canonical form, the flags' bits and their DRAFT /
+    PROMPT bits against the frame's kind, the zero padding after each column; the header,
+    the sizes and the ``sampled_pos`` values are still checked), for readers that trust
+    their producer.
     """
     mv = memoryview(buffer)
     if mv.ndim != 1 or mv.itemsize != 1:
@@ -392,59 +618,142 @@ def decode_frame(buffer: Any, *, validate_offsets: bool = True) -> Frame:
         )
     if hd.version != L.PAYLOAD_VERSION:
         raise FrameError(f"header.version: expected {L.PAYLOAD_VERSION}, got {hd.version}")
-    if hd.kind not in (L.KIND_TARGET, L.KIND_DRAFT):
-        raise FrameError(f"header.kind: expected 0 (target) or 1 (draft), got {hd.kind}")
-    if hd.fflags & ~L.FRAME_HAS_LOGPROBS:
-        raise FrameError(f"header.fflags: unknown bits 0x{hd.fflags:x}")
-    has_lp = bool(hd.fflags & L.FRAME_HAS_LOGPROBS)
+    if hd.kind not in _KIND_FLAG:
+        raise FrameError(f"header.kind: expected 0 (target), 1 (draft) or 2 (prompt), got {hd.kind}")
+    ff = hd.fflags
+    if ff & ~L.FRAME_FLAGS_MASK:
+        raise FrameError(f"header.fflags: unknown bits 0x{ff & ~L.FRAME_FLAGS_MASK:x} in 0x{ff:x}")
+    has_lp = bool(ff & L.FRAME_HAS_LOGPROBS)
+    if ff & L.FRAME_LOGPROBS_PROCESSED and not has_lp:
+        raise FrameError("header.fflags: LOGPROBS_PROCESSED (8) without HAS_LOGPROBS (1)")
     if hd.k > L.MAX_TOPK or (hd.k and not has_lp):
         raise FrameError(f"header.k: expected 0..{L.MAX_TOPK} (and >0 only with logprobs), got {hd.k}")
+    r, t, d, e = hd.r, hd.t, hd.d, hd.e
+    uni_t = bool(ff & L.FRAME_UNIFORM_TOKENS)
+    uni_d = bool(ff & L.FRAME_UNIFORM_DRAFTS)
+    if uni_t:
+        if r * hd.nt != t:
+            raise FrameError(f"header.NT: {r} records of NT={hd.nt} tokens, but T={t}")
+    elif hd.nt:
+        raise FrameError(f"header.NT: expected 0 without UNIFORM_TOKENS, got {hd.nt}")
+    elif r == 0:
+        raise FrameError("header.fflags: a frame without records has uniform counts (UNIFORM_TOKENS, 2)")
+    if uni_d:
+        if d == 0 or r * hd.nd != d:
+            raise FrameError(f"header.ND: {r} records of ND={hd.nd} draft ids, but D={d} (UNIFORM_DRAFTS needs D > 0)")
+    elif hd.nd:
+        raise FrameError(f"header.ND: expected 0 without UNIFORM_DRAFTS, got {hd.nd}")
+    sp = uses_sampled_pos(hd.k, has_lp)
+    if e > (t if sp else 0):
+        raise FrameError(f"header.E: expected 0..{t if sp else 0} (exceptions exist only with sampled_pos), got {e}")
     if hd.payload_len != n:
         raise FrameError(f"header.payload_len: expected {n} (the frame size), got {hd.payload_len}")
     # R, T, D are u32 in the wire, so the products below cannot overflow Python ints; the
     # payload length bounds them before any array is made.
-    if hd.r * 8 > n or hd.t * 4 > n or hd.d * 4 > n or hd.t * hd.k * 4 > n:
-        raise FrameError(f"header: counts R={hd.r} T={hd.t} D={hd.d} k={hd.k} exceed the {n}-byte frame")
-    offsets, expected_len = frame_layout(hd.r, hd.t, hd.d, hd.k, has_lp)
+    if r * 9 > n or t > n or d * 4 > n or t * hd.k * 8 > n:
+        raise FrameError(f"header: counts R={r} T={t} D={d} k={hd.k} exceed the {n}-byte frame")
+    prompt = hd.kind == L.KIND_PROMPT
+    offsets, expected_len = frame_layout(
+        r, t, d, hd.k, has_lp, e=e, uniform_tokens=uni_t, uniform_drafts=uni_d, prompt=prompt
+    )
     got = (
-        hd.off_handles, hd.off_flags, hd.off_token_offsets, hd.off_token_ids, hd.off_draft_offsets,
-        hd.off_draft_ids, hd.off_logprobs, hd.off_ranks, hd.off_topk_ids, hd.off_topk_logprobs,
+        hd.off_handles, hd.off_flags, hd.off_positions, hd.off_token_offsets, hd.off_token_ids,
+        hd.off_sampled_pos, hd.off_draft_offsets, hd.off_draft_ids, hd.off_logprobs, hd.off_ranks,
+        hd.off_topk_ids, hd.off_topk_logprobs, hd.off_exception_ids, hd.off_exception_logprobs,
+        hd.off_exception_ranks,
     )  # fmt: skip
     for name, want, have in zip(L.COLUMNS, offsets, got, strict=True):
         if want != have:
             raise FrameError(f"header.{name} offset: expected {want}, got {have}")
     if expected_len != n:
         raise FrameError(f"header: columns need {expected_len} bytes, frame has {n}")
+    counts = _column_counts(r, t, d, hd.k, has_lp, e, uni_t, uni_d, prompt)
+    raw: dict[str, np.ndarray | None] = {}
+    for name, off, cnt in zip(L.COLUMNS, offsets, counts, strict=True):
+        raw[name] = None if off == 0 else np.frombuffer(mv, dtype=_DTYPES[name], count=cnt, offset=off)
     f = Frame()
     f.version, f.producer, f.step, f.kind = hd.version, hd.producer, hd.step, Kind(hd.kind)
     f.k, f.has_logprobs, f.nbytes = hd.k, has_lp, n
+    f.logprobs_processed = bool(ff & L.FRAME_LOGPROBS_PROCESSED)
     f.rows = None
-    counts = _column_counts(hd.r, hd.t, hd.d, hd.k, has_lp)
-    for name, off, cnt in zip(L.COLUMNS, offsets, counts, strict=True):
-        if off == 0:
-            setattr(f, name, None)
-        else:
-            setattr(f, name, np.frombuffer(mv, dtype=_DTYPES[name], count=cnt, offset=off))
-    if f.topk_ids is not None and f.topk_logprobs is not None:
-        f.topk_ids = f.topk_ids.reshape(hd.t, hd.k)
-        f.topk_logprobs = f.topk_logprobs.reshape(hd.t, hd.k)
-    _check_decoded_offsets(f.token_offsets, "token_offsets", hd.t, validate_offsets)
-    if f.draft_offsets is not None:
-        _check_decoded_offsets(f.draft_offsets, "draft_offsets", hd.d, validate_offsets)
+    f.handles = raw["handles"]  # type: ignore[assignment]
+    fl8 = raw["flags"]
+    assert fl8 is not None
+    f.flags = fl8.astype(np.uint32)
+    f.positions = raw["positions"]
+    tk_ids = tk_lps = None
+    if hd.k:
+        tk_ids = raw["topk_ids"].reshape(t, hd.k)  # type: ignore[union-attr]
+        tk_lps = raw["topk_logprobs"].reshape(t, hd.k)  # type: ignore[union-attr]
+    f.topk_ids, f.topk_logprobs = tk_ids, tk_lps
+    if uni_t:
+        f.token_offsets = np.arange(r + 1, dtype=np.int32) * np.int32(hd.nt)
+    else:
+        f.token_offsets = raw["token_offsets"]  # type: ignore[assignment]
+        _check_decoded_offsets(f.token_offsets, "token_offsets", t, validate_offsets)
+    f.draft_ids = raw["draft_ids"]
+    if uni_d:
+        f.draft_offsets = np.arange(r + 1, dtype=np.int32) * np.int32(hd.nd)
+    else:
+        f.draft_offsets = raw["draft_offsets"]
+        if f.draft_offsets is not None:
+            _check_decoded_offsets(f.draft_offsets, "draft_offsets", d, validate_offsets)
+    if sp:
+        assert tk_ids is not None and tk_lps is not None
+        f.token_ids, f.logprobs, f.ranks = _expand_sampled(raw, tk_ids, tk_lps, hd.k, e)
+    else:
+        f.token_ids = raw["token_ids"]  # type: ignore[assignment]
+        f.logprobs, f.ranks = raw["logprobs"], raw["ranks"]
     if validate_offsets:
-        if hd.r:
-            fl = f.flags
-            if int(np.bitwise_or.reduce(fl)) & ~L.FLAG_MASK:
-                raise FrameError(f"flags: unknown bits, known mask 0x{L.FLAG_MASK:x}")
-            drafts = int(np.count_nonzero(fl & L.FLAG_DRAFT))
-            want = hd.r if hd.kind == L.KIND_DRAFT else 0
-            if drafts != want:
-                raise FrameError(
-                    f"flags: {drafts} of {hd.r} records have DRAFT (32) in a "
-                    f"{'draft' if hd.kind == L.KIND_DRAFT else 'target'} frame, expected {want}"
-                )
+        if r:
+            bits = int(np.bitwise_or.reduce(fl8))
+            if bits & ~L.FLAG_MASK:
+                raise FrameError(f"flags: unknown bits 0x{bits & ~L.FLAG_MASK:x}, known mask 0x{L.FLAG_MASK:x}")
+            for bit, name, k_of in ((L.FLAG_DRAFT, "DRAFT", L.KIND_DRAFT), (L.FLAG_PROMPT, "PROMPT", L.KIND_PROMPT)):
+                have = int(np.count_nonzero(fl8 & bit))
+                want = r if hd.kind == k_of else 0
+                if have != want:
+                    raise FrameError(
+                        f"flags: {have} of {r} records have {name} ({bit}) in a {_KIND_NAME[hd.kind]} frame, "
+                        f"expected {want}"
+                    )
+            if f.positions is not None and int(f.positions.min()) < 0:
+                raise FrameError(f"positions: expected values >= 0, got {int(f.positions.min())}")
+        if not uni_t and _uniform(f.token_offsets) >= 0:
+            raise FrameError("token_offsets: every record has the same count; the canonical frame sets UNIFORM_TOKENS")
+        if f.draft_offsets is not None and not uni_d and _uniform(f.draft_offsets) > 0:
+            raise FrameError("draft_offsets: every record has the same count; the canonical frame sets UNIFORM_DRAFTS")
         _check_padding(mv, offsets, counts)
     return f
+
+
+def _expand_sampled(
+    raw: dict[str, np.ndarray | None], tk_ids: np.ndarray, tk_lps: np.ndarray, k: int, e: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """token_ids, logprobs and ranks of a ``sampled_pos`` frame (checked: every value is a
+    top-k column or SAMPLED_EXCEPTION, and the exceptions are as many as header.E says)."""
+    sp = raw["sampled_pos"]
+    assert sp is not None
+    exc = sp == L.SAMPLED_EXCEPTION
+    if sp.size:
+        bad = (sp >= k) & ~exc
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise FrameError(f"sampled_pos[{i}] = {int(sp[i])}: expected 0..{k - 1} (k = {k}) or 255 (exception)")
+    n_exc = int(np.count_nonzero(exc))
+    if n_exc != e:
+        raise FrameError(f"sampled_pos: {n_exc} exceptions (255), header.E says {e}")
+    t = sp.shape[0]
+    col = np.where(exc, 0, sp).astype(np.intp)
+    rows = np.arange(t)
+    ids = tk_ids[rows, col]
+    lps = tk_lps[rows, col]
+    ranks = np.count_nonzero(tk_lps >= lps[:, None], axis=1).astype(np.int32)
+    if e:
+        ids[exc] = raw["exception_ids"]
+        lps[exc] = raw["exception_logprobs"]
+        ranks[exc] = raw["exception_ranks"]
+    return ids, lps, ranks
 
 
 def _check_padding(mv: memoryview, offsets: list[int], counts: tuple[int, ...]) -> None:
@@ -458,9 +767,10 @@ def _check_padding(mv: memoryview, offsets: list[int], counts: tuple[int, ...]) 
 
 
 _HEADER_NAMES = (
-    "version", "producer", "step", "kind", "fflags", "k", "R", "T", "D",
+    "version", "producer", "step", "kind", "fflags", "k", "R", "T", "D", "E", "NT", "ND",
     *(f"{c} offset" for c in L.COLUMNS), "payload_len",
 )  # fmt: skip
+assert len(_HEADER_NAMES) == L.HEADER_FIELDS
 
 
 def _header_value_error(raw: memoryview, exc: msgspec.ValidationError) -> FrameError:

@@ -16,25 +16,32 @@ from shm.layout import FRAME_ALIGN, FRAME_HEADER, align
 
 __all__ = ("FRAME_ALIGN", "FRAME_HEADER", "align", "constants")
 
-PAYLOAD_VERSION: Final = 1
-HEADER_FIELDS: Final = 20  # msgpack array16 (0xdc + be16 count) length
-HEADER_LEN: Final = 107  # 3 (array16) + 19 * 5 (0xce u32) + 9 (0xcf u64 step)
-HEADER_SPACE: Final = 112  # HEADER_LEN rounded up to 8: first column offset
+PAYLOAD_VERSION: Final = 2
+HEADER_FIELDS: Final = 28  # msgpack array16 (0xdc + be16 count) length
+HEADER_LEN: Final = 147  # 3 (array16) + 27 * 5 (0xce u32) + 9 (0xcf u64 step)
+HEADER_SPACE: Final = 152  # HEADER_LEN rounded up to 8: first column offset
 COLUMN_ALIGN: Final = 8
 
 KIND_TARGET: Final = 0
 KIND_DRAFT: Final = 1
+KIND_PROMPT: Final = 2  # a prefill node's prompt logprobs (records carry FLAG_PROMPT)
 
-FRAME_HAS_LOGPROBS: Final = 1  # payload header "fflags" bit
+# payload header "fflags" bits
+FRAME_HAS_LOGPROBS: Final = 1  # logprobs and ranks (and k top-k columns) per token
+FRAME_UNIFORM_TOKENS: Final = 2  # every record has header.NT tokens: no token_offsets column
+FRAME_UNIFORM_DRAFTS: Final = 4  # D > 0 and every record has header.ND draft ids: no draft_offsets
+FRAME_LOGPROBS_PROCESSED: Final = 8  # logprobs of the distribution sampled from, not the raw logits
+FRAME_FLAGS_MASK: Final = 15
 
-# per-record flags (u32 column)
+# per-record flags (u8 column)
 FLAG_FIRST_TOKEN: Final = 1
 FLAG_FINISHED: Final = 2
 FLAG_PREEMPTED: Final = 4
 FLAG_RECOVERY_STOP: Final = 8
 FLAG_ABORTED: Final = 16
 FLAG_DRAFT: Final = 32
-FLAG_MASK: Final = 63
+FLAG_PROMPT: Final = 64
+FLAG_MASK: Final = 127
 
 # msgpack header element index of each field
 HF_VERSION: Final = 0
@@ -46,24 +53,38 @@ HF_K: Final = 5
 HF_R: Final = 6
 HF_T: Final = 7
 HF_D: Final = 8
-HF_COLUMNS: Final = 9  # ten column offsets follow, in COLUMNS order
-HF_PAYLOAD_LEN: Final = 19
+HF_E: Final = 9  # exceptions: tokens whose sampled_pos is SAMPLED_EXCEPTION
+HF_NT: Final = 10  # tokens per record with FRAME_UNIFORM_TOKENS, else 0
+HF_ND: Final = 11  # draft ids per record with FRAME_UNIFORM_DRAFTS, else 0
+HF_COLUMNS: Final = 12  # fifteen column offsets follow, in COLUMNS order
+HF_PAYLOAD_LEN: Final = 27
 
 # canonical column order; absent columns have offset 0
 COLUMNS: Final = (
     "handles",
     "flags",
+    "positions",
     "token_offsets",
     "token_ids",
+    "sampled_pos",
     "draft_offsets",
     "draft_ids",
     "logprobs",
     "ranks",
     "topk_ids",
     "topk_logprobs",
+    "exception_ids",
+    "exception_logprobs",
+    "exception_ranks",
 )
+NUM_COLUMNS: Final = 15
 
 MAX_TOPK: Final = 1024  # largest k a frame may carry
+# sampled_pos (u8) replaces token_ids, logprobs and ranks when a frame has logprobs and
+# 1 <= k <= SAMPLED_POS_MAX_K; the value SAMPLED_EXCEPTION marks a token stored in the
+# exception columns instead
+SAMPLED_POS_MAX_K: Final = 255
+SAMPLED_EXCEPTION: Final = 255
 
 
 def constants() -> dict[str, int]:

@@ -4,8 +4,8 @@
 The model is a Llama built by ``transformers`` from a config, random bf16 weights (nothing is
 downloaded). One step: the model over one new token per row (``use_cache=False``: a decode
 step's matrix work without attention over a context, so the step is shorter than a real
-one and every overhead below is an upper bound), log-softmax in float32, a sampled token
-(Gumbel-max), its logprob and rank, the top-k; the sampled tokens feed the next step. The
+one and every overhead below is an upper bound), log-softmax in float32, the top-k, a token sampled
+among them (Gumbel-max), its logprob and rank; the sampled tokens feed the next step. The
 step is captured in a CUDA graph. Output paths, all in the same run and on the same buffers:
 
 * ``none``: no output path (the step alone);
@@ -163,11 +163,13 @@ class Step:
         torch = self.torch
         logits = self.model(input_ids=self.ids, position_ids=self.pos, use_cache=False).logits[:, -1, :]
         lp = torch.log_softmax(logits.float(), dim=-1)
-        gumbel = -torch.log(-torch.log(torch.rand_like(lp).clamp_(1e-20, 1.0)))
-        sampled = torch.argmax(lp + gumbel, dim=-1, keepdim=True)
-        s_lp = lp.gather(1, sampled)
-        rank = (lp > s_lp).sum(dim=1) + 1
         top_v, top_i = torch.topk(lp, self.k, dim=-1)
+        # top-k sampling (Gumbel-max over the k best), as serving engines sample
+        gumbel = -torch.log(-torch.log(torch.rand_like(top_v).clamp_(1e-20, 1.0)))
+        pick = torch.argmax(top_v + gumbel, dim=-1, keepdim=True)
+        sampled = top_i.gather(1, pick)
+        s_lp = top_v.gather(1, pick)
+        rank = (lp > s_lp).sum(dim=1) + 1
         self.token_ids.copy_(sampled)
         self.lp_ids[:, :1].copy_(sampled)
         self.lp_ids[:, 1:].copy_(top_i)

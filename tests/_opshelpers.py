@@ -24,6 +24,8 @@ I32 = np.int32
 F32 = np.float32
 
 MODES = ("normal", "speculative", "pd_first_token", "draft", "flags_only", "idle")
+# prompt frames (a prefill node's prompt logprobs) go through the C ABI, not the Paddle op
+NATIVE_MODES = (*MODES, "prompt")
 
 
 def make_step(
@@ -55,6 +57,9 @@ def make_step(
     elif mode in ("flags_only", "idle"):
         w = 1
         num_tokens = np.zeros(rows, dtype=np.int32)
+    elif mode == "prompt":
+        w = 4 * width  # a chunk of each prompt, at most w positions a row
+        num_tokens = np.where(active, rng.integers(0, w + 1, rows), 0).astype(np.int32)
     else:
         raise ValueError(mode)
     token_ids = np.full((rows, w), -1, dtype=id_t)
@@ -77,8 +82,10 @@ def make_step(
         "num_tokens": num_tokens,
         "flags": flags,
         "step": step,
-        "kind": Kind.DRAFT if mode == "draft" else Kind.TARGET,
+        "kind": Kind.DRAFT if mode == "draft" else Kind.PROMPT if mode == "prompt" else Kind.TARGET,
     }
+    if mode == "prompt":
+        out["positions"] = np.where(active, rng.integers(0, 1 << 20, rows), -1).astype(id_t)
     if mode == "pd_first_token":
         draft_ids = np.full((rows, 1), -1, dtype=id_t)
         num_draft = active.astype(np.int32)
@@ -95,8 +102,42 @@ def make_step(
         if n:
             lp_values[rng.random((n, k_max + 1)) < 0.02] = -np.inf
         lp_ranks = rng.integers(1, 50, n).astype(id_t)
+        _sample_from_topk(rng, out, lp_offsets, lp_ids, lp_values, lp_ranks, k_max if k is None or k == -1 else k)
         out.update(lp_ids=lp_ids, lp_values=lp_values, lp_ranks=lp_ranks, lp_offsets=lp_offsets, k=k)
+        if mode in ("prompt", "speculative"):
+            out["logprobs_processed"] = bool(rng.random() < 0.5)
     return out
+
+
+def _sample_from_topk(
+    rng: np.random.Generator,
+    out: dict[str, Any],
+    lp_offsets: np.ndarray,
+    lp_ids: np.ndarray,
+    lp_values: np.ndarray,
+    lp_ranks: np.ndarray,
+    k: int,
+) -> None:
+    """Make most emitted tokens what a sampler gives: column 0 of their logprob row is the
+    token, which also sits in the top-k with the same logprob and a rank that counts the
+    top-k at or above it (the frame's sampled_pos case); some stay exceptions: not in the
+    top-k, in it with a rank that disagrees, or in it twice (the first column counts)."""
+    nt, tok = out["num_tokens"], out["token_ids"]
+    for i in range(nt.shape[0]):
+        for j in range(int(nt[i])):
+            r = int(lp_offsets[i]) + j
+            lp_ids[r, 0] = tok[i, j]
+            u = rng.random()
+            if k == 0 or u >= 0.9:
+                continue  # not in the top-k: an exception
+            c = int(rng.integers(1, k + 1))
+            lp_ids[r, c] = tok[i, j]
+            lp_values[r, 0] = lp_values[r, c]
+            if u < 0.1 and c < k:  # a duplicate further right: the first one is the position
+                lp_ids[r, k] = tok[i, j]
+                lp_values[r, k] = lp_values[r, c]
+            count = int(np.count_nonzero(lp_values[r, 1 : k + 1] >= lp_values[r, 0]))
+            lp_ranks[r] = count + (1 if 0.8 <= u < 0.9 else 0)  # a rank beyond the top-k: an exception
 
 
 def naive_records(inp: dict[str, Any]) -> list[dict[str, Any]]:
@@ -112,8 +153,11 @@ def naive_records(inp: dict[str, Any]) -> list[dict[str, Any]]:
         d = int(inp["num_draft"][i]) if inp.get("num_draft") is not None else 0
         if n == 0 and f == 0 and d == 0:
             continue
+        f &= ~(Flag.DRAFT | Flag.PROMPT)  # the kind owns these two bits
         if inp.get("kind", Kind.TARGET) == Kind.DRAFT:
             f |= Flag.DRAFT
+        if inp.get("kind", Kind.TARGET) == Kind.PROMPT:
+            f |= Flag.PROMPT
         rec: dict[str, Any] = {
             "handle": int(inp["handles"][i]),
             "flags": f,
@@ -281,7 +325,29 @@ INVALID: list[tuple[str, dict[str, object], str]] = [
     ),
     ("lp_ranks_len", with_(lp_ranks=arr([1, 1, 1], I64)), r"^lp_ranks: expected shape \[4\], got \[3\]$"),
     ("lp_offsets_len", with_(lp_offsets=arr([0, 2, 3], I32)), r"^lp_offsets: expected shape \[4\], got \[3\]$"),
-    ("kind", with_(kind=2), r"^kind = 2: expected 0 \(target\) or 1 \(draft\)$"),
+    ("kind", with_(kind=3), r"^kind = 3: expected 0 \(target\), 1 \(draft\) or 2 \(prompt\)$"),
+    ("prompt_without_positions", with_(kind=2), r"^positions: required when kind = 2 \(prompt\)$"),
+    (
+        "positions_on_a_target_frame",
+        with_(positions=arr([0, 0, 0], I32)),
+        r"^positions: given with kind = 0, expected none \(only prompt frames, kind = 2, carry positions\)$",
+    ),
+    (
+        "positions_dtype",
+        with_(kind=2, positions=arr([0, 0, 0], F32)),
+        r"^positions: expected dtype int32 or int64, got float32$",
+    ),
+    ("positions_len", with_(kind=2, positions=arr([0, 0], I32)), r"^positions: expected shape \[3\], got \[2\]$"),
+    (
+        "position_negative",
+        with_(kind=2, positions=arr([0, -3, 0], I64)),
+        r"^positions\[1\] = -3: expected 0\.\.2147483647 \(a prompt position\)$",
+    ),
+    (
+        "position_wide",
+        with_(kind=2, positions=arr([1 << 31, 0, 0], I64)),
+        r"^positions\[0\] = 2147483648: expected 0\.\.2147483647 \(a prompt position\)$",
+    ),
     ("k_too_big", with_(k=3), r"^k = 3: expected 0\.\.2 \(lp_ids width - 1\)$"),
     ("k_negative", with_(k=-2), r"^k = -2: expected 0\.\.2 \(lp_ids width - 1\)$"),
     ("step", with_(step=-1), r"^step = -1: expected an integer in 0\.\.18446744073709551615$"),
@@ -297,11 +363,15 @@ INVALID: list[tuple[str, dict[str, object], str]] = [
         r"^num_tokens\[2\] = -1: expected 0\.\.2 \(max_tokens\)$",
     ),
     ("num_draft_over", with_(num_draft=arr([0, 2, 0], I32)), r"^num_draft\[1\] = 2: expected 0\.\.1 \(max_draft\)$"),
-    ("flags_unknown", with_(flags=arr([0, 64, 0], I32)), r"^flags\[1\] = 64: expected bits within 0x3f \(FLAG_MASK\)$"),
+    (
+        "flags_unknown",
+        with_(flags=arr([0, 128, 0], I32)),
+        r"^flags\[1\] = 128: expected bits within 0x7f \(FLAG_MASK\)$",
+    ),
     (
         "flags_negative",
         with_(flags=arr([-1, 0, 0], I32)),
-        r"^flags\[0\] = -1: expected bits within 0x3f \(FLAG_MASK\)$",
+        r"^flags\[0\] = -1: expected bits within 0x7f \(FLAG_MASK\)$",
     ),
     (
         "handle_negative",

@@ -77,7 +77,11 @@ def test_layout_is_self_consistent() -> None:
     assert P.align(P.HEADER_LEN, P.COLUMN_ALIGN) == P.HEADER_SPACE
     assert len(P.COLUMNS) == P.HF_PAYLOAD_LEN - P.HF_COLUMNS
     assert P.FLAG_MASK == (P.FLAG_FIRST_TOKEN | P.FLAG_FINISHED | P.FLAG_PREEMPTED | P.FLAG_RECOVERY_STOP
-                           | P.FLAG_ABORTED | P.FLAG_DRAFT)  # fmt: skip
+                           | P.FLAG_ABORTED | P.FLAG_DRAFT | P.FLAG_PROMPT)  # fmt: skip
+    assert P.FRAME_FLAGS_MASK == (P.FRAME_HAS_LOGPROBS | P.FRAME_UNIFORM_TOKENS | P.FRAME_UNIFORM_DRAFTS
+                                  | P.FRAME_LOGPROBS_PROCESSED)  # fmt: skip
+    assert P.FLAG_MASK < 256  # the flags column is u8
+    assert len(P.COLUMNS) == P.NUM_COLUMNS and P.SAMPLED_EXCEPTION == P.SAMPLED_POS_MAX_K <= 255
 
 
 def test_frame_layout_offsets_are_aligned_and_ordered() -> None:
@@ -87,5 +91,6 @@ def test_frame_layout_offsets_are_aligned_and_ordered() -> None:
     assert all(o % P.COLUMN_ALIGN == 0 for o in present)
     assert present[0] == P.HEADER_SPACE
     assert total % P.COLUMN_ALIGN == 0
-    # handles 3*8=24 -> 136; flags 12 -> 152 (aligned from 148); offsets 16 -> 168; ids 28 -> 200 (196)
-    assert offsets[:4] == [112, 136, 152, 168]
+    # handles 3*8=24 -> 176; flags 3 -> 184 (aligned from 179); positions absent; offsets 16 -> 200;
+    # token_ids absent (k = 5: sampled_pos) at 200, 7 -> 208
+    assert offsets[:6] == [152, 176, 0, 184, 0, 200]

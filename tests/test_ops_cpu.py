@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _opshelpers import INVALID, MODES, base, collect_kw, make_step
+from _opshelpers import INVALID, MODES, NATIVE_MODES, base, collect_kw, make_step
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -96,7 +96,7 @@ def test_ctypes_structs_match_the_c_header(tmp_path: Path) -> None:
 
 def test_abi_and_layout_versions() -> None:
     lib = _cpu.load_library()
-    assert lib.aiospec_abi_version() == EMIT_ABI_VERSION == 2
+    assert lib.aiospec_abi_version() == EMIT_ABI_VERSION == 3
     assert lib.aiospec_layout_version() == (L.VERSION << 16) | P.PAYLOAD_VERSION
 
 
@@ -105,12 +105,15 @@ ERROR_SAMPLES = [
     (ErrorCode.MISSING, Arg.LP_VALUES, -1, -1, Arg.LP_IDS, 0, 0),
     (ErrorCode.MISSING, Arg.HANDLES, -1, -1, 0, 0, 0),
     (ErrorCode.DIM, Arg.ROWS, -1, -1, -5, 0, 2147483647),
-    (ErrorCode.KIND, Arg.KIND, -1, -1, 7, 0, 1),
+    (ErrorCode.KIND, Arg.KIND, -1, -1, 7, 0, 2),
+    (ErrorCode.POSITIONS, Arg.POSITIONS, -1, -1, 2, 0, 0),
+    (ErrorCode.POSITIONS, Arg.POSITIONS, -1, -1, 1, 0, 0),
+    (ErrorCode.POSITION, Arg.POSITIONS, 3, -1, -4, 0, (1 << 31) - 1),
     (ErrorCode.K, Arg.K, -1, -1, 30, 0, 20),
     (ErrorCode.K, Arg.K, -1, -1, 2000, 0, 1024),
     (ErrorCode.COUNT, Arg.NUM_TOKENS, 3, -1, 7, 0, 6),
     (ErrorCode.COUNT, Arg.NUM_DRAFT, 0, -1, -1, 0, 1),
-    (ErrorCode.FLAGS, Arg.FLAGS, 12, -1, 128, 0, 63),
+    (ErrorCode.FLAGS, Arg.FLAGS, 12, -1, 128, 0, 127),
     (ErrorCode.HANDLE, Arg.HANDLES, 4, -1, -9, 0, (1 << 63) - 1),
     (ErrorCode.OFFSET, Arg.LP_OFFSETS, 5, -1, 2, 4, 10),
     (ErrorCode.SPAN, Arg.LP_OFFSETS, 5, -1, 1, 3, (1 << 63) - 1),
@@ -131,14 +134,23 @@ def test_c_and_python_error_messages_agree(fields: tuple[int, ...]) -> None:
 
 
 @pytest.mark.parametrize("rows", [1, 19, 99, 989])
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", NATIVE_MODES)
 @pytest.mark.parametrize("k_max,k", [(None, None), (0, None), (5, None), (20, None), (20, 5), (20, 0)])
 @pytest.mark.parametrize("i64", [True, False], ids=["i64", "i32"])
 def test_cpu_frames_are_byte_identical(rows: int, mode: str, k_max: int | None, k: int | None, i64: bool) -> None:
-    rng = np.random.default_rng([rows, MODES.index(mode), k_max or 0, 99 if k is None else k, i64])
+    rng = np.random.default_rng([rows, NATIVE_MODES.index(mode), k_max or 0, 99 if k is None else k, i64])
     inp = make_step(rng, rows, mode=mode, k_max=k_max, k=k, i64=i64, extra_lp_rows=int(rng.integers(0, 2)))
     inp["step"] = int(rng.integers(0, 1 << 63)) * 2 + 1  # exercise the high bits of the u64
     inp["producer"] = int(rng.integers(0, 1 << 32))
+    assert cpp_frame(**inp) == build_frame(**inp)
+
+
+@pytest.mark.parametrize("mode", NATIVE_MODES)
+@pytest.mark.parametrize("k", [1, 255, 256])
+def test_cpu_frames_at_the_sampled_pos_limits_are_byte_identical(mode: str, k: int) -> None:
+    # k = 255 is the widest top-k whose columns sampled_pos can index; k = 256 keeps token_ids
+    rng = np.random.default_rng([k, NATIVE_MODES.index(mode)])
+    inp = make_step(rng, 19, mode=mode, k_max=k + 2, k=k, i64=bool(k % 2))
     assert cpp_frame(**inp) == build_frame(**inp)
 
 
@@ -195,7 +207,8 @@ def test_c_checks_catch_what_python_wrappers_would(ring: shm.Ring) -> None:
     # the C ABI validates on its own: scalar checks that the Python wrapper pre-empts
     x = collect_kw(**base())  # type: ignore[arg-type]
     for field, value, message in [
-        ("kind", 5, r"^kind = 5: expected 0 \(target\) or 1 \(draft\)$"),
+        ("kind", 5, r"^kind = 5: expected 0 \(target\), 1 \(draft\) or 2 \(prompt\)$"),
+        ("kind", 2, r"^positions: required when kind = 2 \(prompt\)$"),
         ("k", 9, r"^k = 9: expected 0\.\.2 \(lp_ids width - 1\)$"),
         ("rows", -1, r"^rows = -1: expected 0\.\.2147483647$"),
         ("lp_width", 0, r"^lp_width = 0: expected 1\.\.2147483647$"),
@@ -263,11 +276,15 @@ def test_cpu_and_reference_agree_on_arbitrary_inputs(data: st.DataObject) -> Non
         "handles": np.array(data.draw(st.lists(st.integers(-2, 9), min_size=b, max_size=b)), np.int64),
         "token_ids": _ids(data, (b, w), i64),
         "num_tokens": np.array(data.draw(st.lists(_count(w), min_size=b, max_size=b)), np.int32),
-        "kind": data.draw(st.sampled_from([0, 1])),
+        "kind": data.draw(st.sampled_from([0, 1, 2])),
         "step": data.draw(st.integers(0, (1 << 64) - 1)),
+        "logprobs_processed": data.draw(st.booleans()),
     }
+    if kw["kind"] == 2 or data.draw(st.integers(0, 9)) == 0:  # a prompt frame, or (rarely) misplaced positions
+        pos = data.draw(st.lists(st.sampled_from([0, 1, 7, 1 << 20, -1, 1 << 31]), min_size=b, max_size=b))
+        kw["positions"] = np.array(pos if i64 else [p % (1 << 31) for p in pos], np.int64 if i64 else np.int32)
     if data.draw(st.booleans(), label="flags"):
-        fl = data.draw(st.lists(st.sampled_from([0, 0, 0, 1, 2, 4, 8, 16, 32, 3, 64, -1]), min_size=b, max_size=b))
+        fl = data.draw(st.lists(st.sampled_from([0, 0, 0, 1, 2, 4, 8, 16, 32, 3, 64, 128, -1]), min_size=b, max_size=b))
         kw["flags"] = np.array(fl, np.int32)
     if data.draw(st.booleans(), label="drafts"):
         wd = data.draw(st.integers(0, 2))
@@ -277,8 +294,10 @@ def test_cpu_and_reference_agree_on_arbitrary_inputs(data: st.DataObject) -> Non
         n = data.draw(st.integers(0, 8))
         width = data.draw(st.integers(1, 4))
         kw["lp_ids"] = _ids(data, (n, width), data.draw(st.booleans()))
+        # ties, signed zeros and -inf make the sampled_pos rule's rank and bit comparisons matter
+        value = st.one_of(st.floats(-50, 0, width=32), st.sampled_from([-0.0, 0.0, -1.0, -np.inf]))
         kw["lp_values"] = np.array(
-            data.draw(st.lists(st.floats(-50, 0, width=32), min_size=n * width, max_size=n * width)), np.float32
+            data.draw(st.lists(value, min_size=n * width, max_size=n * width)), np.float32
         ).reshape(n, width)
         kw["lp_ranks"] = _ids(data, (n,), data.draw(st.booleans()))
         offs = sorted(data.draw(st.lists(st.integers(-1, n + 1), min_size=b + 1, max_size=b + 1)))
@@ -286,6 +305,9 @@ def test_cpu_and_reference_agree_on_arbitrary_inputs(data: st.DataObject) -> Non
             offs = data.draw(st.permutations(offs))
         kw["lp_offsets"] = np.array(offs, np.int32)
         kw["k"] = data.draw(st.one_of(st.none(), st.integers(-2, width)))
+        if data.draw(st.booleans(), label="tiny ids"):  # tokens found in their top-k (sampled_pos)
+            for key in ("token_ids", "lp_ids"):
+                kw[key] = np.where(np.abs(kw[key]) < 1000, kw[key] % 3, kw[key]).astype(kw[key].dtype)
     max_record = data.draw(st.sampled_from([0, 128, 256, 512, 4096]), label="max_record")
     ref = _outcome(lambda: build_frame(**kw, max_record=max_record or None))
     cpp = _outcome(lambda: cpp_frame(**kw, max_record=max_record))
@@ -312,7 +334,7 @@ def test_empty_tensors_with_null_pointers_are_still_given() -> None:
     args = x.args()
     assert args.lp_ids and args.handles and args.lp_values
     lay = _cpu.validate(x)
-    assert (lay.r, lay.k, lay.fflags) == (0, 3, P.FRAME_HAS_LOGPROBS)
+    assert (lay.r, lay.k, lay.fflags) == (0, 3, P.FRAME_HAS_LOGPROBS | P.FRAME_UNIFORM_TOKENS)
     assert _cpu.build_payload(x) == build_frame(**kw)
 
 

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 import shm
-from aiospec._codec import decode_frame
+from aiospec._codec import Kind, decode_frame
 from aiospec.ops import EmitError, Producer, _cuda, build_frame
 from tests._opshelpers import collect_kw, make_step, read_frames
 
@@ -179,6 +179,8 @@ def test_frames_byte_identical_to_reference(torch: Any, rows: int, k: int) -> No
         make_step(rng, rows, mode="normal", k_max=None, step=5),
         make_step(rng, rows, mode="flags_only", k_max=k, step=6),
         make_step(rng, rows, mode="idle", k_max=None, step=7),
+        make_step(rng, rows, mode="prompt", k_max=k, step=8),
+        make_step(rng, rows, mode="prompt", k_max=20, k=k, i64=False, step=9),
     ]
     with shm.Ring.create(capacity=32 << 20, max_record=8 << 20) as ring, ring.reader() as reader:
         prod = Producer(ring, device="cuda", producer=3)
@@ -193,6 +195,32 @@ def test_frames_byte_identical_to_reference(torch: Any, rows: int, k: int) -> No
             want = build_frame(**{**inp, "producer": 3})
             assert frame == want, f"step {inp['step']}: {len(frame)} bytes vs {len(want)} expected"
         assert ring.stats().frames_lost == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k", [1, 255, 256])
+def test_sampled_pos_frames_at_the_limits_byte_identical(torch: Any, k: int) -> None:
+    # payload version 2: k = 1 and 255 carry the sampled tokens as positions in the top-k (with
+    # exceptions, found by every block for the whole step), k = 256 as token ids; long prompt
+    # rows (up to 3000 positions in one row) spread the exception count over the block
+    rng = np.random.default_rng(k)
+    cases = [make_step(rng, rows, mode=m, k_max=k + 1, k=k, i64=bool(i % 2), step=i) for i, (rows, m) in enumerate(
+        [(19, "normal"), (989, "normal"), (257, "speculative"), (300, "pd_first_token"), (5, "draft"),
+         (77, "prompt")])]  # fmt: skip
+    cases.append(make_step(rng, 2, mode="prompt", k_max=k, width=750, step=len(cases)))
+    with shm.Ring.create(capacity=64 << 20, max_record=32 << 20) as ring, ring.reader() as reader:
+        prod = Producer(ring, device="cuda", producer=3)
+        try:
+            for inp in cases:
+                prod.emit(**_cuda_inputs(torch, inp))
+            got = _frames(reader, len(cases), timeout=60.0)
+            prod.check()
+        finally:
+            prod.close()
+    for inp, frame in zip(cases, got, strict=True):
+        want = build_frame(**inp, producer=3)
+        assert frame == want, f"step {inp['step']}: {len(frame)} bytes vs {len(want)} expected"
+        assert decode_frame(frame).num_tokens == int(inp["num_tokens"].sum())
 
 
 @pytest.mark.gpu
@@ -345,7 +373,7 @@ def _bad(kind: str, rng: np.random.Generator) -> dict[str, Any]:
     if kind == "num_tokens":
         inp["num_tokens"][3] = 7
     elif kind == "flags":
-        inp["flags"][5] = 64
+        inp["flags"][5] = 128
     elif kind == "handle":
         inp["handles"][2] = -4
     elif kind == "lp_offsets":
@@ -358,10 +386,14 @@ def _bad(kind: str, rng: np.random.Generator) -> dict[str, Any]:
         inp["lp_ids"][int(span[6]), 5] = -(1 << 33)
     elif kind == "rank":
         inp["lp_ranks"][int(span[8])] = 1 << 31
+    elif kind == "position":
+        inp["kind"] = Kind.PROMPT
+        inp["positions"] = np.arange(12, dtype=np.int64) * 100
+        inp["positions"][7] = -1
     return inp
 
 
-_BAD_KINDS = ("num_tokens", "flags", "handle", "lp_offsets", "span", "token_id", "topk_id", "rank")
+_BAD_KINDS = ("num_tokens", "flags", "handle", "lp_offsets", "span", "token_id", "topk_id", "rank", "position")
 
 
 @pytest.mark.gpu
@@ -488,6 +520,6 @@ def test_prepared_emits_follow_the_buffers_eagerly_and_in_a_graph(torch: Any, ro
             want.append(build_frame(**{**inp, "step": i + 1}))
         got = _frames(reader, len(want))
         prod.check()
-        with pytest.raises(EmitError, match=r"^kind = 3: expected 0 \(target\) or 1 \(draft\)$"):
+        with pytest.raises(EmitError, match=r"^kind = 3: expected 0 \(target\), 1 \(draft\) or 2 \(prompt\)$"):
             prepared.emit(1, kind=3)
     assert got == want

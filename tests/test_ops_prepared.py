@@ -117,13 +117,15 @@ def test_prepared_scalars_are_checked(ring: shm.Ring, device: str) -> None:
             prepared.emit(-1)
         with pytest.raises(EmitError, match=r"^step = 1\.5: expected an integer in 0\.\.18446744073709551615$"):
             prepared.emit(1.5)  # type: ignore[arg-type]
-        with pytest.raises(EmitError, match=r"^kind = 2: expected 0 \(target\) or 1 \(draft\)$"):
-            prepared.emit(1, kind=2)
-        with pytest.raises(EmitError, match=r"^kind = 'x': expected 0 \(target\) or 1 \(draft\)$"):
+        with pytest.raises(EmitError, match=r"^kind = 3: expected 0 \(target\), 1 \(draft\) or 2 \(prompt\)$"):
+            prepared.emit(1, kind=3)
+        with pytest.raises(EmitError, match=r"^kind = 'x': expected 0 \(target\), 1 \(draft\) or 2 \(prompt\)$"):
             prepared.emit(1, kind="x")  # type: ignore[arg-type]
         no_tensor = rf"^step_tensor: only the CUDA backend reads the step from a tensor, not {device}$"
         with pytest.raises(ValueError, match=no_tensor):
             prepared.emit(1, step_tensor=object())
+        with pytest.raises(EmitError, match=r"^positions: required when kind = 2 \(prompt\)$"):
+            prepared.emit(1, kind=2)  # prepared without positions: no prompt frame of it
         assert ring.stats().frames_written == 0
         prepared.emit(7, kind=1)
     assert ring.stats().frames_written == 1

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from _opshelpers import F32, I32, I64, INVALID, MODES, arr, base, frame_records, make_step, naive_records, with_
+from _opshelpers import F32, I32, I64, INVALID, NATIVE_MODES, arr, base, frame_records, make_step, naive_records, with_
 
 from aiospec._codec import Flag, Kind, decode_frame
 from aiospec.ops import Drafts, EmitError, EmitStep, Logprobs, build_frame, build_step
@@ -157,10 +157,10 @@ def test_int32_and_int64_inputs_give_identical_frames() -> None:
 
 
 @pytest.mark.parametrize("rows", [1, 19, 99, 989])
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", NATIVE_MODES)
 @pytest.mark.parametrize("k_max,k", [(None, None), (0, None), (5, None), (20, None), (20, 5), (20, 0)])
 def test_random_steps_match_the_semantics(rows: int, mode: str, k_max: int | None, k: int | None) -> None:
-    rng = np.random.default_rng([rows, MODES.index(mode), k_max or 0, 99 if k is None else k])
+    rng = np.random.default_rng([rows, NATIVE_MODES.index(mode), k_max or 0, 99 if k is None else k])
     inp = make_step(rng, rows, mode=mode, k_max=k_max, k=k, extra_lp_rows=int(rng.integers(0, 2)), step=rows)
     payload = build_frame(**inp)
     assert frame_records(payload) == naive_records(inp)
@@ -251,3 +251,28 @@ def test_emit_step_and_the_keyword_form_build_the_same_frame() -> None:
     assert again.to_kwargs() == step.to_kwargs() and again != step  # the same tensors; identity equality
     with pytest.raises(TypeError, match=r"^build_frame: an EmitStep carries the whole step; got flags, step as well$"):
         build_frame(step, flags=kw["flags"], step=3)
+
+
+def test_prompt_rows_carry_their_positions_and_the_kind_owns_the_flags() -> None:
+    payload = build_frame(
+        arr([7, -1, 9], I64),
+        arr([[11, 12, 13], [-1, -1, -1], [21, -1, -1]], I64),
+        arr([3, 0, 1], I32),
+        flags=arr([Flag.DRAFT, 0, Flag.FINISHED], I32),  # DRAFT is not the flags input's to set
+        lp_ids=arr([[11, 11], [12, 5], [13, 13], [21, 21]], I64),
+        lp_values=arr([[-0.5, -0.5], [-2.0, -1.0], [-0.25, -0.25], [-3.0, -3.0]], F32),
+        lp_ranks=arr([1, 7, 1, 2], I64),
+        lp_offsets=arr([0, 3, 3, 4], I32),
+        kind=Kind.PROMPT,
+        positions=arr([0, -1, 40], I64),  # -1 on the row without a record is never read
+        logprobs_processed=True,
+    )
+    f = decode_frame(payload)
+    assert f.kind is Kind.PROMPT and f.logprobs_processed
+    assert f.positions is not None and f.positions.tolist() == [0, 40]
+    assert f.flags.tolist() == [Flag.PROMPT, Flag.PROMPT | Flag.FINISHED]
+    assert f.token_ids.tolist() == [11, 12, 13, 21]
+    # token 21: rank 2 disagrees with its top-1 (one logprob >= it): carried as an exception
+    assert f.ranks is not None and f.ranks.tolist() == [1, 7, 1, 2]
+    with pytest.raises(EmitError, match=r"^positions: required when kind = 2 \(prompt\)$"):
+        EmitStep.from_kwargs(arr([7], I64), arr([[1]], I64), arr([1], I32), kind=Kind.PROMPT)

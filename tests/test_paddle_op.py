@@ -68,6 +68,11 @@ _NOT_EXPRESSIBLE = {
     "token_ids_broadcast",
     "lp_values_transposed",
     "num_tokens_strided",
+    # prompt frames go through the C ABI only
+    "positions_dtype",
+    "positions_len",
+    "position_negative",
+    "position_wide",
 }
 
 

@@ -17,7 +17,7 @@ import msgspec
 import numpy as np
 
 import shm
-from aiospec._codec import encode_frame
+from aiospec._codec import Flag, encode_frame
 from aiospec.engine._core import EngineConfig, StepOutput
 from aiospec.ops._step import Drafts, Logprobs
 
@@ -47,7 +47,13 @@ def reference_payload(out: StepOutput, producer: int = 0) -> bytes:
     tmask = np.arange(width)[None, :] < nt[rows][:, None]
     offs = np.zeros(rows.size + 1, dtype=np.int32)
     np.cumsum(nt[rows], out=offs[1:])
-    kw: dict[str, Any] = {"flags": st.flags[rows], "step": st.step, "producer": producer}
+    # the kind owns the DRAFT and PROMPT flags, as in the emit op
+    kind_bits = np.int32(Flag.DRAFT | Flag.PROMPT)
+    kw: dict[str, Any] = {"flags": st.flags[rows] & ~kind_bits, "step": st.step, "producer": producer, "kind": st.kind}
+    if st.positions is not None:
+        kw["positions"] = np.asarray(st.positions)[rows]
+    if lp is not None and st.logprobs_processed:
+        kw["logprobs_processed"] = True
     if dr is not None and int(nd.sum()):
         dmask = np.arange(dr.ids.shape[1])[None, :] < nd[rows][:, None]
         doffs = np.zeros(rows.size + 1, dtype=np.int32)

@@ -11,7 +11,7 @@ import ctypes
 
 __all__ = ("EMIT_ABI_VERSION", "EmitArgs", "ErrorWord", "FrameLayout", "Status")
 
-EMIT_ABI_VERSION = 2  # AIOSPEC_EMIT_ABI_VERSION
+EMIT_ABI_VERSION = 3  # AIOSPEC_EMIT_ABI_VERSION
 
 
 class EmitArgs(ctypes.Structure):
@@ -45,6 +45,9 @@ class EmitArgs(ctypes.Structure):
         ("draft_ids_stride", ctypes.c_int64),
         ("lp_ids_stride", ctypes.c_int64),
         ("lp_values_stride", ctypes.c_int64),
+        ("positions", ctypes.c_void_p),
+        ("positions_i64", ctypes.c_int32),
+        ("logprobs_processed", ctypes.c_int32),
     )
 
 
@@ -71,9 +74,12 @@ class FrameLayout(ctypes.Structure):
         ("r", ctypes.c_uint64),
         ("t", ctypes.c_uint64),
         ("d", ctypes.c_uint64),
+        ("e", ctypes.c_uint64),
         ("k", ctypes.c_uint32),
         ("fflags", ctypes.c_uint32),
-        ("off", ctypes.c_uint64 * 10),
+        ("nt", ctypes.c_uint32),
+        ("nd", ctypes.c_uint32),
+        ("off", ctypes.c_uint64 * 15),
         ("payload_len", ctypes.c_uint64),
         ("frame_size", ctypes.c_uint64),
     )

@@ -39,13 +39,13 @@ __all__ = (
     "resolve_stream",
 )
 
-CUDA_ABI_VERSION = 3  # AIOSPEC_CUDA_ABI_VERSION
+CUDA_ABI_VERSION = 4  # AIOSPEC_CUDA_ABI_VERSION (3: emit ABI 3's aiospec_emit_args; 4: aiospec_cuda_error_seq)
 E_RING_FULL = 64  # AIOSPEC_E_RING_FULL
 E_MAX_ROWS = 65  # AIOSPEC_E_MAX_ROWS
 _CUDA_ERROR_INVALID_VALUE = 1
 _POINTER_FIELDS = (
     "handles", "token_ids", "num_tokens", "flags", "draft_ids", "num_draft",
-    "lp_ids", "lp_values", "lp_ranks", "lp_offsets",
+    "lp_ids", "lp_values", "lp_ranks", "lp_offsets", "positions",
 )  # fmt: skip
 
 

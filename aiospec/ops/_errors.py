@@ -82,6 +82,8 @@ class ErrorCode(enum.IntEnum):
     SPAN = 9
     ID = 10
     FRAME_SIZE = 11
+    POSITIONS = 12
+    POSITION = 13
 
 
 class Arg(enum.IntEnum):
@@ -106,6 +108,7 @@ class Arg(enum.IntEnum):
     K = 16
     KIND = 17
     FRAME = 18
+    POSITIONS = 19
 
     @property
     def arg_name(self) -> str:
@@ -137,7 +140,7 @@ def format_error(code: int, arg: int, row: int = -1, col: int = -1, value: int =
     if code == ErrorCode.DIM:
         return f"{where} = {value}: expected {lo}..{hi}"
     if code == ErrorCode.KIND:
-        return f"kind = {value}: expected 0 (target) or 1 (draft)"
+        return f"kind = {value}: expected 0 (target), 1 (draft) or 2 (prompt)"
     if code == ErrorCode.K:
         return f"k = {value}: expected 0..{hi} ({'MAX_TOPK' if hi == L.MAX_TOPK else 'lp_ids width - 1'})"
     if code == ErrorCode.COUNT:
@@ -154,6 +157,12 @@ def format_error(code: int, arg: int, row: int = -1, col: int = -1, value: int =
         return f"{where} = {value}: expected {lo}..{hi} (int32)"
     if code == ErrorCode.FRAME_SIZE:
         return f"frame = {value} bytes: expected at most {hi} (the ring's max_record)"
+    if code == ErrorCode.POSITIONS:
+        if value == L.KIND_PROMPT:
+            return "positions: required when kind = 2 (prompt)"
+        return f"positions: given with kind = {value}, expected none (only prompt frames, kind = 2, carry positions)"
+    if code == ErrorCode.POSITION:
+        return f"{where} = {value}: expected {lo}..{hi} (a prompt position)"
     return f"unknown error code {code} (arg {arg})"
 
 

@@ -25,7 +25,7 @@ import numpy as np
 from aiospec import _payload_layout as L
 from aiospec.ops._abi import EmitArgs
 from aiospec.ops._errors import Arg, EmitError, ErrorCode, emit_error
-from aiospec.ops._step import EmitStep
+from aiospec.ops._step import EmitStep, check_positions
 
 __all__ = ("TensorRef", "Inputs", "as_tensor", "check_scalars", "collect")
 
@@ -202,6 +202,8 @@ class Inputs:
     step: int
     kind: int
     producer: int
+    positions: TensorRef | None = None  # prompt frames only
+    logprobs_processed: bool = False
 
     @property
     def has_logprobs(self) -> bool:
@@ -253,6 +255,10 @@ class Inputs:
         a.kind = self.kind
         a.producer = self.producer
         a.step = self.step
+        if self.positions is not None:
+            a.positions = _ptr(self.positions)
+            a.positions_i64 = int(self.positions.dtype.itemsize == 8)
+        a.logprobs_processed = int(self.logprobs_processed)
         return a
 
 
@@ -313,12 +319,12 @@ def _is_int(v: Any) -> bool:
 
 
 def check_scalars(step: Any, kind: Any) -> None:
-    """The step number (u64) and the kind (target or draft) of one frame."""
+    """The step number (u64) and the kind (target, draft or prompt) of one frame."""
     if not _is_int(step) or not 0 <= int(step) <= _U64_MAX:
         raise EmitError(f"step = {step!r}: expected an integer in 0..{_U64_MAX}")
     if not _is_int(kind):
-        raise EmitError(f"kind = {kind!r}: expected 0 (target) or 1 (draft)")
-    if int(kind) not in (L.KIND_TARGET, L.KIND_DRAFT):
+        raise EmitError(f"kind = {kind!r}: expected 0 (target), 1 (draft) or 2 (prompt)")
+    if int(kind) not in (L.KIND_TARGET, L.KIND_DRAFT, L.KIND_PROMPT):
         raise emit_error(ErrorCode.KIND, Arg.KIND, value=int(kind))
 
 
@@ -379,6 +385,15 @@ def collect(
             raise EmitError(f"{ref.name}: on {ref.where}, expected {h.where} like handles")
     step_no, kind = step.step, step.kind
     check_scalars(step_no, kind)
+    check_positions(int(kind), step.positions is not None)
+    pos = None
+    if step.positions is not None:
+        pos = view(step.positions, "positions")
+        _check(pos, 1, _INT, rows)
+        if (pos.device, pos.device_id) != (h.device, h.device_id):
+            raise EmitError(f"positions: on {pos.where}, expected {h.where} like handles")
+    if not isinstance(step.logprobs_processed, (bool, np.bool_)):
+        raise EmitError(f"logprobs_processed = {step.logprobs_processed!r}: expected a bool")
     if not _is_int(producer) or not 0 <= int(producer) <= _U32_MAX:
         raise EmitError(f"producer = {producer!r}: expected an integer in 0..{_U32_MAX}")
     k_res = 0
@@ -405,5 +420,7 @@ def collect(
         step=int(step_no),
         kind=int(kind),
         producer=int(producer),
+        positions=pos,
+        logprobs_processed=bool(step.logprobs_processed) and lp is not None,
         **refs,
     )

@@ -138,7 +138,12 @@ def emit_step(ring: str, step: EmitStep, *, producer: int = 0, timeout: float | 
     if isinstance(producer, bool) or not isinstance(producer, int) or not 0 <= producer <= 0xFFFFFFFF:
         raise EmitError(f"producer = {producer!r}: expected an integer in 0..4294967295")
     if isinstance(kind, bool) or not isinstance(kind, int):
-        raise EmitError(f"kind = {kind!r}: expected 0 (target) or 1 (draft)")
+        raise EmitError(f"kind = {kind!r}: expected 0 (target), 1 (draft) or 2 (prompt)")
+    # prompt frames and the processed-logprobs bit go through the C ABI (aiospec.ops.Producer)
+    if step.positions is not None:
+        raise EmitError("positions: the Paddle op does not write prompt frames; use aiospec.ops.Producer")
+    if step.logprobs_processed:
+        raise EmitError("logprobs_processed: the Paddle op writes raw logprobs only; use aiospec.ops.Producer")
     lp, dr = step.logprobs, step.drafts
     k = lp.k if lp is not None else None
     if k is not None and (isinstance(k, bool) or not isinstance(k, int)):

@@ -13,7 +13,7 @@ from aiospec.ops._backend import EmitBackend
 from aiospec.ops._build import BuildError, find_nvcc, force_cpu
 from aiospec.ops._errors import EmitError
 from aiospec.ops._inputs import Inputs, check_scalars, collect
-from aiospec.ops._step import EmitStep, as_step
+from aiospec.ops._step import EmitStep, as_step, check_positions
 from shm import Ring, RingError
 
 __all__ = ("PreparedEmit", "Producer", "emit", "available_backends")
@@ -319,6 +319,8 @@ class PreparedEmit:
         x = self._inputs
         if kind is not None or (step is not None and not (type(step) is int and 0 <= step <= _U64_MAX)):
             check_scalars(x.step if step is None else step, x.kind if kind is None else kind)
+            if kind is not None:  # positions were prepared for a prompt frame, or not
+                check_positions(int(kind), x.positions is not None)
         p = self._producer
         with p._lock:
             if p._closed or p._backend is not self._backend:

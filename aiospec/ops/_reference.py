@@ -8,7 +8,9 @@ without a C++ compiler.
 Semantics (docs/emit-op.md): a row makes a record when it has tokens, flags or draft ids;
 records keep the row order; a record's logprob rows are the first ``num_tokens[i]`` rows of
 ``lp_offsets[i] .. lp_offsets[i+1]``; the frame's ``logprobs`` are column 0 of ``lp_values``,
-``topk_ids`` / ``topk_logprobs`` columns ``1..k``; a draft-kind frame flags every record DRAFT.
+``topk_ids`` / ``topk_logprobs`` columns ``1..k``; the kind owns the DRAFT and PROMPT flags (a
+draft-kind frame flags every record DRAFT, a prompt-kind frame PROMPT, whatever the ``flags``
+input says of those two bits); a prompt frame's records carry their rows' ``positions``.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from aiospec import _payload_layout as L
-from aiospec._codec import encode_frame, frame_layout
+from aiospec._codec import prepare_frame
 from aiospec.ops._errors import Arg, ErrorCode, emit_error
 from aiospec.ops._inputs import Inputs, collect
 from aiospec.ops._step import EmitStep, as_step
@@ -67,6 +69,7 @@ def check_rows(x: Inputs) -> None:
     ranks = _arr(x.lp_ranks) if lp else None
     ids = _arr(x.lp_ids) if lp else None
     n_lp, k = x.lp_rows, x.k
+    pos = _arr(x.positions) if x.positions is not None else None
     # whole-array pre-scans: the element loops below run only where one can fail
     tok_wide = _any_out_of_i32(tok)
     draft_wide = dids is not None and _any_out_of_i32(dids)
@@ -97,6 +100,8 @@ def check_rows(x: Inputs) -> None:
                 raise emit_error(ErrorCode.OFFSET, Arg.LP_OFFSETS, i + 1, -1, lp1, lp0, n_lp)
             if lp1 - lp0 < n:
                 raise emit_error(ErrorCode.SPAN, Arg.LP_OFFSETS, i, -1, lp1 - lp0, n, _I64_MAX)
+        if pos is not None and (n > 0 or f != 0 or d > 0) and not 0 <= int(pos[i]) <= _I32_MAX:
+            raise emit_error(ErrorCode.POSITION, Arg.POSITIONS, i, -1, int(pos[i]), 0, _I32_MAX)
         if tok_wide and (j := _first_out_of_i32(tok[i, :n])) >= 0:
             raise emit_error(ErrorCode.ID, Arg.TOKEN_IDS, i, j, int(tok[i, j]), _I32_MIN, _I32_MAX)
         if draft_wide and d > 0 and dids is not None and (j := _first_out_of_i32(dids[i, :d])) >= 0:
@@ -137,14 +142,9 @@ def build_from_inputs(x: Inputs, max_record: int | None = None) -> bytes:
     np.cumsum(counts, out=token_offsets[1:])
     t = int(token_offsets[-1])
     d = int(nd[rec].sum()) if nd is not None else 0
-    _, payload_len = frame_layout(rec.size, t, d, x.k, x.has_logprobs)
-    frame_size = L.align(L.FRAME_HEADER + payload_len, L.FRAME_ALIGN)
-    limit = max_record if max_record is not None else _NO_RING_LIMIT
-    if frame_size > limit:
-        raise emit_error(ErrorCode.FRAME_SIZE, Arg.FRAME, value=frame_size, hi=limit)
     kw: dict[str, Any] = {}
     if flags is not None:
-        kw["flags"] = flags[rec]
+        kw["flags"] = flags[rec] & ~np.int32(L.FLAG_DRAFT | L.FLAG_PROMPT)
     if d > 0 and nd is not None:
         dcounts = nd[rec]
         draft_offsets = np.zeros(rec.size + 1, dtype=np.int64)
@@ -161,15 +161,22 @@ def build_from_inputs(x: Inputs, max_record: int | None = None) -> bytes:
         if x.k > 0:
             kw["topk_ids"] = _arr(x.lp_ids)[idx, 1 : x.k + 1]
             kw["topk_logprobs"] = values[idx, 1 : x.k + 1]
-    return encode_frame(
+    if x.positions is not None:
+        kw["positions"] = _arr(x.positions)[rec]
+    frame = prepare_frame(
         _arr(x.handles)[rec],
         token_offsets,
         _gather(_arr(x.token_ids), rec, counts),
         step=x.step,
         kind=x.kind,
         producer=x.producer,
+        logprobs_processed=x.logprobs_processed,
         **kw,
     )
+    limit = max_record if max_record is not None else _NO_RING_LIMIT
+    if frame.frame_size > limit:
+        raise emit_error(ErrorCode.FRAME_SIZE, Arg.FRAME, value=frame.frame_size, hi=limit)
+    return frame.tobytes()
 
 
 def build_step(step: EmitStep, *, producer: int = 0, max_record: int | None = None) -> bytes:

@@ -21,7 +21,13 @@ import msgspec
 from aiospec._codec import Kind
 from aiospec.ops._errors import Arg, ErrorCode, emit_error
 
-__all__ = ("Drafts", "EmitStep", "Logprobs")
+__all__ = ("Drafts", "EmitStep", "Logprobs", "check_positions")
+
+
+def check_positions(kind: int, given: bool) -> None:
+    """``positions`` go with, and only with, ``Kind.PROMPT`` (emit.h's presence check)."""
+    if given != (kind == Kind.PROMPT):
+        raise emit_error(ErrorCode.POSITIONS, Arg.POSITIONS, value=kind)
 
 
 def _missing(given: tuple[tuple[Arg, Any], ...]) -> None:
@@ -78,7 +84,13 @@ class EmitStep(msgspec.Struct, frozen=True, eq=False):
     make no record), ``token_ids`` int32/int64 ``[rows, max_tokens]`` and ``num_tokens`` int32
     ``[rows]`` (row ``i`` emits ``token_ids[i, :num_tokens[i]]``), ``flags`` int32 ``[rows]``
     (``aiospec.Flag`` bits) or None, ``logprobs`` / ``drafts`` the optional parts, ``step`` the
-    engine's step number (u64), ``kind`` ``Kind.TARGET`` or ``Kind.DRAFT``.
+    engine's step number (u64), ``kind`` ``Kind.TARGET``, ``Kind.DRAFT`` or ``Kind.PROMPT``;
+    ``positions`` int32/int64 ``[rows]``, required for and only for ``Kind.PROMPT`` (row ``i``'s
+    tokens are the prompt tokens from position ``positions[i]`` on; >= 0 on rows that make a
+    record); ``logprobs_processed``: the logprobs are of the distribution actually sampled from
+    (after temperature, biases, penalties) rather than of the raw logits (the frame's
+    ``LOGPROBS_PROCESSED`` bit, set only with logprobs). Raises ``EmitError`` naming
+    ``positions`` when they are missing from a prompt step or given to another kind.
     docs/emit-op.md has the semantics; ``EmitStep.from_kwargs`` takes the op's flat keywords.
     """
 
@@ -90,6 +102,13 @@ class EmitStep(msgspec.Struct, frozen=True, eq=False):
     drafts: Drafts | None = None
     step: int = 0
     kind: int = Kind.TARGET
+    positions: Any = None
+    logprobs_processed: bool = False
+
+    def __post_init__(self) -> None:
+        kind = self.kind
+        if isinstance(kind, int) and not isinstance(kind, bool):
+            check_positions(int(kind), self.positions is not None)
 
     @classmethod
     def from_kwargs(
@@ -108,6 +127,8 @@ class EmitStep(msgspec.Struct, frozen=True, eq=False):
         num_draft: Any = None,
         step: int = 0,
         kind: int = Kind.TARGET,
+        positions: Any = None,
+        logprobs_processed: bool = False,
     ) -> EmitStep:
         """The step of the op's keyword form (``lp_*`` and ``k`` make ``logprobs``,
         ``draft_ids`` / ``num_draft`` make ``drafts``; either part given halfway raises
@@ -118,7 +139,7 @@ class EmitStep(msgspec.Struct, frozen=True, eq=False):
         dr = None
         if draft_ids is not None or num_draft is not None:
             dr = Drafts(draft_ids, num_draft)
-        return cls(handles, token_ids, num_tokens, flags, lp, dr, step, kind)
+        return cls(handles, token_ids, num_tokens, flags, lp, dr, step, kind, positions, logprobs_processed)
 
     def to_kwargs(self) -> dict[str, Any]:
         """The op's keyword form of this step (the inverse of ``from_kwargs``; absent parts
@@ -132,6 +153,10 @@ class EmitStep(msgspec.Struct, frozen=True, eq=False):
             kw.update(lp_ids=lp.ids, lp_values=lp.values, lp_ranks=lp.ranks, lp_offsets=lp.offsets, k=lp.k)
         if self.drafts is not None:
             kw.update(draft_ids=self.drafts.ids, num_draft=self.drafts.counts)
+        if self.positions is not None:
+            kw["positions"] = self.positions
+        if self.logprobs_processed:
+            kw["logprobs_processed"] = True
         return kw
 
 

@@ -20,21 +20,34 @@ EmitError::EmitError(const aiospec_error& e) : std::invalid_argument(format_erro
 
 int emit_validate(const aiospec_emit_args& a, uint64_t max_record, aiospec_frame_layout* lay, aiospec_error* err) {
   if (aiospec_check_args(&a, err) != AIOSPEC_E_OK) return err->code;
-  uint64_t r = 0, t = 0, d = 0;
+  const uint32_t k = aiospec_frame_k(&a);
+  const bool sp = aiospec_uses_sampled_pos(k, aiospec_has_logprobs(&a));
+  uint64_t r = 0, t = 0, d = 0, e = 0;
+  int64_t nt_min = INT64_MAX, nt_max = -1, nd_min = INT64_MAX, nd_max = -1;
   for (int64_t i = 0; i < a.rows; ++i) {
     if (aiospec_check_row(&a, i, err) != AIOSPEC_E_OK) return err->code;
     if (!aiospec_row_has_record(&a, i)) continue;
     ++r;
-    t += uint64_t(a.num_tokens[i]);
-    if (a.num_draft != nullptr) d += uint64_t(a.num_draft[i]);
+    const int64_t nt = a.num_tokens[i];
+    const int64_t nd = a.num_draft != nullptr ? a.num_draft[i] : 0;
+    t += uint64_t(nt);
+    d += uint64_t(nd);
+    nt_min = nt < nt_min ? nt : nt_min;
+    nt_max = nt > nt_max ? nt : nt_max;
+    nd_min = nd < nd_min ? nd : nd_min;
+    nd_max = nd > nd_max ? nd : nd_max;
+    // the sampled_pos rule decides the exception columns' size, so it runs here, before the
+    // frame is reserved, and again where the tokens are written
+    if (sp) e += uint64_t(aiospec_row_exceptions(&a, i, 0, nt, k));
   }
   // the largest frame a u32 length field can describe; a ring's max_record is below it
   const uint64_t limit = max_record != 0 ? max_record : 0xFFFFFFC0ull;
-  const uint32_t k = aiospec_frame_k(&a);
   if (r > 0xFFFFFFFFull || t > 0xFFFFFFFFull || d > 0xFFFFFFFFull) {
     return aiospec_set_error(err, AIOSPEC_E_FRAME_SIZE, AIOSPEC_ARG_FRAME, -1, -1, INT64_MAX, 0, int64_t(limit), -1);
   }
-  aiospec_compute_layout(r, t, d, k, aiospec_has_logprobs(&a), lay);
+  const uint32_t fflags = aiospec_frame_flags(&a, r, d, nt_min, nt_max, nd_min, nd_max);
+  aiospec_compute_layout(r, t, d, e, k, fflags, r > 0 ? uint32_t(nt_max) : 0u, r > 0 ? uint32_t(nd_max) : 0u,
+                         a.kind == AIOSPEC_KIND_PROMPT, lay);
   if (lay->frame_size > limit) {
     return aiospec_set_error(err, AIOSPEC_E_FRAME_SIZE, AIOSPEC_ARG_FRAME, -1, -1, int64_t(lay->frame_size), 0,
                              int64_t(limit), -1);
@@ -66,24 +79,42 @@ void emit_write_payload(const aiospec_emit_args& a, const aiospec_frame_layout& 
   uint8_t* col[AIOSPEC_NUM_COLUMNS];
   for (int c = 0; c < AIOSPEC_NUM_COLUMNS; ++c) col[c] = lay.off[c] != 0 ? dst + lay.off[c] : nullptr;
   const bool has_lp = lay.fflags & AIOSPEC_FRAME_HAS_LOGPROBS;
-  const bool has_draft = lay.d > 0;
+  const bool sp = aiospec_uses_sampled_pos(lay.k, has_lp);
+  const bool tok_offsets = col[AIOSPEC_COL_TOKEN_OFFSETS] != nullptr;
+  const bool draft_offsets = col[AIOSPEC_COL_DRAFT_OFFSETS] != nullptr;
   const uint64_t k = lay.k;
-  uint64_t rec = 0, tok = 0, dr = 0;
-  put<int32_t>(col[AIOSPEC_COL_TOKEN_OFFSETS], 0, 0);
-  if (has_draft) put<int32_t>(col[AIOSPEC_COL_DRAFT_OFFSETS], 0, 0);
+  uint64_t rec = 0, tok = 0, dr = 0, exc = 0;
+  if (tok_offsets) put<int32_t>(col[AIOSPEC_COL_TOKEN_OFFSETS], 0, 0);
+  if (draft_offsets) put<int32_t>(col[AIOSPEC_COL_DRAFT_OFFSETS], 0, 0);
   for (int64_t i = 0; i < a.rows; ++i) {
     if (!aiospec_row_has_record(&a, i)) continue;
     put<uint64_t>(col[AIOSPEC_COL_HANDLES], rec, uint64_t(a.handles[i]));
-    put<uint32_t>(col[AIOSPEC_COL_FLAGS], rec, aiospec_row_flags(&a, i));
+    put<uint8_t>(col[AIOSPEC_COL_FLAGS], rec, uint8_t(aiospec_row_flags(&a, i)));
+    if (a.positions != nullptr) {
+      put<int32_t>(col[AIOSPEC_COL_POSITIONS], rec, int32_t(aiospec_load_int(a.positions, a.positions_i64, i)));
+    }
     const int64_t nt = a.num_tokens[i];
-    copy_ids(col[AIOSPEC_COL_TOKEN_IDS], tok, a.token_ids, a.token_ids_i64, aiospec_token_row(&a, i), nt);
+    if (!sp) copy_ids(col[AIOSPEC_COL_TOKEN_IDS], tok, a.token_ids, a.token_ids_i64, aiospec_token_row(&a, i), nt);
     if (has_lp) {
       const int64_t lp0 = a.lp_offsets[i];
       for (int64_t j = 0; j < nt; ++j) {
         const int64_t r = lp0 + j;
         const float* vals = a.lp_values + aiospec_lp_values_row(&a, r);
-        put<float>(col[AIOSPEC_COL_LOGPROBS], tok + uint64_t(j), vals[0]);
-        put<int32_t>(col[AIOSPEC_COL_RANKS], tok + uint64_t(j), int32_t(aiospec_load_int(a.lp_ranks, a.lp_ranks_i64, r)));
+        const int64_t rank = aiospec_load_int(a.lp_ranks, a.lp_ranks_i64, r);
+        if (sp) {
+          const int64_t id = aiospec_token(&a, i, j);
+          const uint32_t p = aiospec_sampled_pos(&a, r, id, rank, lay.k);
+          put<uint8_t>(col[AIOSPEC_COL_SAMPLED_POS], tok + uint64_t(j), uint8_t(p));
+          if (p == AIOSPEC_SAMPLED_EXCEPTION) {
+            put<int32_t>(col[AIOSPEC_COL_EXCEPTION_IDS], exc, int32_t(id));
+            put<float>(col[AIOSPEC_COL_EXCEPTION_LOGPROBS], exc, vals[0]);
+            put<int32_t>(col[AIOSPEC_COL_EXCEPTION_RANKS], exc, int32_t(rank));
+            ++exc;
+          }
+        } else {
+          put<float>(col[AIOSPEC_COL_LOGPROBS], tok + uint64_t(j), vals[0]);
+          put<int32_t>(col[AIOSPEC_COL_RANKS], tok + uint64_t(j), int32_t(rank));
+        }
         if (k > 0) {
           const uint64_t at = (tok + uint64_t(j)) * k;
           copy_ids(col[AIOSPEC_COL_TOPK_IDS], at, a.lp_ids, a.lp_ids_i64, aiospec_lp_ids_row(&a, r) + 1, int64_t(k));
@@ -92,29 +123,20 @@ void emit_write_payload(const aiospec_emit_args& a, const aiospec_frame_layout& 
       }
     }
     tok += uint64_t(nt);
-    put<int32_t>(col[AIOSPEC_COL_TOKEN_OFFSETS], rec + 1, int32_t(tok));
-    if (has_draft) {
+    if (tok_offsets) put<int32_t>(col[AIOSPEC_COL_TOKEN_OFFSETS], rec + 1, int32_t(tok));
+    if (lay.d > 0) {
       const int64_t nd = a.num_draft[i];
       copy_ids(col[AIOSPEC_COL_DRAFT_IDS], dr, a.draft_ids, a.draft_ids_i64, aiospec_draft_row(&a, i), nd);
       dr += uint64_t(nd);
-      put<int32_t>(col[AIOSPEC_COL_DRAFT_OFFSETS], rec + 1, int32_t(dr));
+      if (draft_offsets) put<int32_t>(col[AIOSPEC_COL_DRAFT_OFFSETS], rec + 1, int32_t(dr));
     }
     ++rec;
   }
   // zero the alignment padding after each column (the ring's bytes are from earlier laps)
-  const uint64_t counts[AIOSPEC_NUM_COLUMNS] = {lay.r, lay.r, lay.r + 1, lay.t, lay.r + 1,
-                                                lay.d, lay.t, lay.t, lay.t * k, lay.t * k};
   for (int c = 0; c < AIOSPEC_NUM_COLUMNS; ++c) {
     if (lay.off[c] == 0) continue;
-    const uint64_t end = lay.off[c] + counts[c] * (c == AIOSPEC_COL_HANDLES ? 8 : 4);
-    uint64_t next = lay.payload_len;
-    for (int n = c + 1; n < AIOSPEC_NUM_COLUMNS; ++n) {
-      if (lay.off[n] != 0) {
-        next = lay.off[n];
-        break;
-      }
-    }
-    std::memset(dst + end, 0, next - end);
+    const uint64_t end = lay.off[c] + aiospec_column_count(&lay, c) * aiospec_column_size(c);
+    std::memset(dst + end, 0, aiospec_align(end, AIOSPEC_COLUMN_ALIGN) - end);
   }
 }
 

@@ -5,11 +5,19 @@
 // One launch per frame, a block per `rows_per_block` rows. Nothing passes between blocks
 // before the end, so no block ever waits for another:
 //   * every block runs emit.h's structural row checks (counts, flags, handles, logprob
-//     offsets: aiospec_check_row with the id checks switched off) and sums the records,
-//     tokens and draft ids over all rows, which gives every block the same layout and the
-//     same frame position (from the head in device memory); it then prefix-sums its own
-//     rows, so each block's slice of every column is contiguous and a warp's stores to host
-//     memory coalesce;
+//     offsets, positions: aiospec_check_row with the id checks switched off) and sums the
+//     records, tokens and draft ids over all rows, with the smallest and largest count of
+//     the records (payload version 2 omits the offset columns when the counts are uniform),
+//     which gives every block the same layout and the same frame position (from the head in
+//     device memory); it then prefix-sums its own rows, so each block's slice of every column
+//     is contiguous and a warp's stores to host memory coalesce;
+//   * with the sampled_pos encoding (logprobs, 1 <= k <= 255) the layout also needs the
+//     number of exceptions (tokens not found in their top-k), and each block the number
+//     before its rows: every block evaluates emit.h's aiospec_sampled_pos for every token of
+//     the step (one pass, token-parallel over chunks of kThreads rows: `count_exceptions`),
+//     i.e. O(T * k) loads per block, the price of never waiting for another block; the
+//     block's own tokens are evaluated again where they are written, with a block scan that
+//     gives each exception its index;
 //   * every block checks for space against the slowest reader on its own (the tails are
 //     read from the mapped control page only when the cached lower bound says the ring may
 //     be full; a bounded wait on %globaltimer); a block that runs out of time writes nothing
@@ -125,6 +133,7 @@ struct alignas(128) Mapped {
 
 __device__ __forceinline__ void st_u64(uint8_t* p, uint64_t v) { *reinterpret_cast<volatile uint64_t*>(p) = v; }
 __device__ __forceinline__ void st_u32(uint8_t* p, uint32_t v) { *reinterpret_cast<volatile uint32_t*>(p) = v; }
+__device__ __forceinline__ void st_u8(uint8_t* p, uint8_t v) { *reinterpret_cast<volatile uint8_t*>(p) = v; }
 
 __device__ __forceinline__ void st_release_sys_u64(uint8_t* p, uint64_t v) {
   asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
@@ -198,13 +207,15 @@ __device__ uint64_t scan_min_tail(const RingRef& ring, uint64_t head) {
   return warp_min_u64(t);
 }
 
-// Records / tokens / draft ids of one row (zero for rows past the first failing one).
+// Records / tokens / draft ids / exceptions of one row (zero for rows past the first failing
+// one). row_counts leaves e at 0: count_exceptions adds the exceptions.
 struct Triple {
-  long long r, t, d;
+  long long r, t, d, e;
 };
 
 __device__ __forceinline__ Triple row_counts(const aiospec_emit_args& a, int64_t i) {
-  return Triple{aiospec_row_has_record(&a, i) ? 1 : 0, a.num_tokens[i], a.num_draft != nullptr ? a.num_draft[i] : 0};
+  return Triple{aiospec_row_has_record(&a, i) ? 1 : 0, a.num_tokens[i], a.num_draft != nullptr ? a.num_draft[i] : 0,
+                0};
 }
 
 __device__ __forceinline__ Triple warp_sum(Triple v) {
@@ -212,6 +223,7 @@ __device__ __forceinline__ Triple warp_sum(Triple v) {
     v.r += __shfl_xor_sync(0xffffffffu, v.r, s);
     v.t += __shfl_xor_sync(0xffffffffu, v.t, s);
     v.d += __shfl_xor_sync(0xffffffffu, v.d, s);
+    v.e += __shfl_xor_sync(0xffffffffu, v.e, s);
   }
   return v;
 }
@@ -227,19 +239,21 @@ __device__ __forceinline__ void block_sum2(Triple& x, Triple& y) {
     part[1][warp] = y;
   }
   __syncthreads();
-  x = y = Triple{0, 0, 0};
+  x = y = Triple{0, 0, 0, 0};
   for (int w = 0; w < kThreads / 32; ++w) {
     x.r += part[0][w].r;
     x.t += part[0][w].t;
     x.d += part[0][w].d;
+    x.e += part[0][w].e;
     y.r += part[1][w].r;
     y.t += part[1][w].t;
     y.d += part[1][w].d;
+    y.e += part[1][w].e;
   }
   __syncthreads();  // part is reused by the next call
 }
 
-// Exclusive block-wide prefix sums of one triple per thread.
+// Exclusive block-wide prefix sums of one triple per thread (r, t, d; e is not scanned).
 __device__ __forceinline__ Triple block_exclusive_scan(Triple v) {
   __shared__ Triple warp_incl[kThreads / 32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -256,14 +270,35 @@ __device__ __forceinline__ Triple block_exclusive_scan(Triple v) {
   }
   if (lane == 31) warp_incl[warp] = inc;
   __syncthreads();
-  Triple before{0, 0, 0};
+  Triple before{0, 0, 0, 0};
   for (int w = 0; w < warp; ++w) {
     before.r += warp_incl[w].r;
     before.t += warp_incl[w].t;
     before.d += warp_incl[w].d;
   }
   __syncthreads();
-  return Triple{before.r + inc.r - v.r, before.t + inc.t - v.t, before.d + inc.d - v.d};
+  return Triple{before.r + inc.r - v.r, before.t + inc.t - v.t, before.d + inc.d - v.d, 0};
+}
+
+// Exclusive block-wide prefix sum of one int per thread; *total gets the block's sum.
+__device__ __forceinline__ int block_exclusive_scan_int(int v, int* total) {
+  __shared__ int warp_incl[kThreads / 32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int inc = v;
+  for (int s = 1; s < 32; s <<= 1) {
+    const int o = __shfl_up_sync(0xffffffffu, inc, s);
+    if (lane >= s) inc += o;
+  }
+  if (lane == 31) warp_incl[warp] = inc;
+  __syncthreads();
+  int before = 0, sum = 0;
+  for (int w = 0; w < kThreads / 32; ++w) {
+    if (w < warp) before += warp_incl[w];
+    sum += warp_incl[w];
+  }
+  __syncthreads();
+  *total = sum;
+  return before + inc - v;
 }
 
 // Largest li in [0, n) with off[li] <= e (off non-decreasing, off[0] <= e < off[n]).
@@ -278,6 +313,39 @@ __device__ __forceinline__ int find_row(const long long* off, int n, long long e
     }
   }
   return lo;
+}
+
+// The exceptions of the sampled_pos encoding over every row (all passed their checks): the
+// step's total into total->e and those of rows before row0 into before->e, per thread (the
+// caller sums the block). Token-parallel: rows go kThreads at a time, a block scan of their
+// token counts into s_off (kThreads + 1 entries) maps each token to its row, so a long
+// prompt row is spread over the block like many short rows. Whole block.
+__device__ void count_exceptions(const aiospec_emit_args& a, uint32_t k, int64_t row0, long long* s_off,
+                                 Triple* before, Triple* total) {
+  const int tid = threadIdx.x;
+  for (int64_t c0 = 0; c0 < a.rows; c0 += kThreads) {
+    const int64_t i = c0 + tid;
+    const int n = a.rows - c0 < kThreads ? int(a.rows - c0) : kThreads;
+    Triple v{0, i < a.rows ? (long long)a.num_tokens[i] : 0, 0, 0};
+    const Triple ex = block_exclusive_scan(v);
+    s_off[tid] = ex.t;
+    if (tid == kThreads - 1) s_off[kThreads] = ex.t + v.t;
+    __syncthreads();
+    const long long end = s_off[n < kThreads ? n : kThreads];
+    for (long long e = tid; e < end; e += kThreads) {
+      const int li = find_row(s_off, n, e);
+      const int64_t row = c0 + li;
+      const int64_t j = e - s_off[li];
+      const int64_t lr = int64_t(a.lp_offsets[row]) + j;
+      const uint32_t pos = aiospec_sampled_pos(&a, lr, aiospec_token(&a, row, j),
+                                               aiospec_load_int(a.lp_ranks, a.lp_ranks_i64, lr), k);
+      if (pos == AIOSPEC_SAMPLED_EXCEPTION) {
+        total->e += 1;
+        if (row < row0) before->e += 1;
+      }
+    }
+    __syncthreads();  // s_off is rewritten by the next chunk
+  }
 }
 
 // One thread: count the failure, publish it to the host if the host took the last one.
@@ -329,19 +397,25 @@ __device__ __forceinline__ void write_frame_words(int tid, const aiospec_frame_l
                                                   uint64_t pos) {
   uint8_t* pay = frame + AIOSPEC_FRAME_HEADER;
   if (tid == kPositionWord) st_u64(frame, pos);
-  if (tid == kTokenOffsetsEnd) st_u32(pay + lay.off[AIOSPEC_COL_TOKEN_OFFSETS] + 4 * lay.r, uint32_t(lay.t));
-  if (tid == kDraftOffsetsEnd && lay.d > 0) {
+  if (tid == kTokenOffsetsEnd && lay.off[AIOSPEC_COL_TOKEN_OFFSETS] != 0) {
+    st_u32(pay + lay.off[AIOSPEC_COL_TOKEN_OFFSETS] + 4 * lay.r, uint32_t(lay.t));
+  }
+  if (tid == kDraftOffsetsEnd && lay.off[AIOSPEC_COL_DRAFT_OFFSETS] != 0) {
     st_u32(pay + lay.off[AIOSPEC_COL_DRAFT_OFFSETS] + 4 * lay.r, uint32_t(lay.d));
   }
   if (tid >= kColumnPads && tid < kColumnPads + AIOSPEC_NUM_COLUMNS) {
-    // a column of 4-byte elements with an odd count ends 4 bytes before the next boundary
+    // a column of 4-byte elements with an odd count ends 4 bytes before the next boundary; a
+    // column of bytes (flags, sampled_pos) up to 7 bytes before it, in a word whose other
+    // bytes its rows' threads store: byte stores, so no word is read back
     const int c = tid - kColumnPads;
-    const uint64_t tk = lay.t * lay.k;
-    const uint64_t counts[AIOSPEC_NUM_COLUMNS] = {lay.r, lay.r, lay.r + 1, lay.t, lay.r + 1,
-                                                  lay.d, lay.t, lay.t, tk, tk};
     if (lay.off[c] != 0) {
-      const uint64_t end = lay.off[c] + counts[c] * (c == AIOSPEC_COL_HANDLES ? 8u : 4u);
-      if (end & 7) st_u32(pay + end, 0);
+      const uint64_t size = aiospec_column_size(c);
+      const uint64_t end = lay.off[c] + aiospec_column_count(&lay, c) * size;
+      if (size == 1) {
+        for (uint64_t b = end; b & 7; ++b) st_u8(pay + b, 0);
+      } else if (end & 7) {
+        st_u32(pay + end, 0);
+      }
     }
   }
   if (tid >= kAlignTail && tid < kAlignTail + kAlignTailWords) {
@@ -360,6 +434,8 @@ __global__ void __launch_bounds__(kThreads)
   extern __shared__ long long sh[];
   __shared__ unsigned long long s_key, s_idkey, s_needed;
   __shared__ int s_write, s_last, s_full, s_pad;
+  __shared__ int s_nt_min, s_nt_max, s_nd_min, s_nd_max;  // counts of the records (uniform?)
+  __shared__ long long s_chunk[kThreads + 1];  // count_exceptions' token offsets
   __shared__ alignas(8) uint8_t s_header[AIOSPEC_HEADER_SPACE];
   AIOSPEC_PHASE(9);
   const int tid = threadIdx.x;
@@ -388,6 +464,8 @@ __global__ void __launch_bounds__(kThreads)
     s_idkey = kNoError;
     s_full = 0;
     s_pad = 0;
+    s_nt_min = s_nd_min = INT32_MAX;
+    s_nt_max = s_nd_max = -1;
   }
   __syncthreads();
   AIOSPEC_PHASE(0);
@@ -400,7 +478,8 @@ __global__ void __launch_bounds__(kThreads)
   sa.draft_ids_i64 = 0;
   sa.lp_ids_i64 = 0;
   sa.lp_ranks_i64 = 0;
-  Triple before{0, 0, 0}, total{0, 0, 0};
+  Triple before{0, 0, 0, 0}, total{0, 0, 0, 0};
+  int nt_min = INT32_MAX, nt_max = -1, nd_min = INT32_MAX, nd_max = -1;
   for (int64_t i = tid; i < rows; i += kThreads) {
     aiospec_error e;
     if (aiospec_check_row(&sa, i, &e) != AIOSPEC_E_OK) {
@@ -410,28 +489,45 @@ __global__ void __launch_bounds__(kThreads)
     const Triple v = row_counts(a, i);
     total.r += v.r, total.t += v.t, total.d += v.d;
     if (i < row0) before.r += v.r, before.t += v.t, before.d += v.d;
+    if (v.r) {
+      nt_min = min(nt_min, int(v.t)), nt_max = max(nt_max, int(v.t));
+      nd_min = min(nd_min, int(v.d)), nd_max = max(nd_max, int(v.d));
+    }
+  }
+  if (nt_max >= 0) {
+    atomicMin(&s_nt_min, nt_min);
+    atomicMax(&s_nt_max, nt_max);
+    atomicMin(&s_nd_min, nd_min);
+    atomicMax(&s_nd_max, nd_max);
   }
   __syncthreads();
   AIOSPEC_PHASE(1);
   const uint64_t skey = s_key;
   const int64_t live = skey == kNoError ? rows : key_row(skey);  // rows [0, live) passed
+  const uint32_t k = aiospec_frame_k(&a);
+  const int sampled = aiospec_uses_sampled_pos(k, aiospec_has_logprobs(&a));
   if (skey != kNoError) {
     // an invalid row: count only the rows before it (their ids are still checked, since an
-    // id error in an earlier row comes first in emit.h's order); nothing is written
-    before = total = Triple{0, 0, 0};
+    // id error in an earlier row comes first in emit.h's order); nothing is written, so the
+    // uniform counts and the exceptions, which only shape the frame, are not needed
+    before = total = Triple{0, 0, 0, 0};
     for (int64_t i = tid; i < live; i += kThreads) {
       const Triple v = row_counts(a, i);
       total.r += v.r, total.t += v.t, total.d += v.d;
       if (i < row0) before.r += v.r, before.t += v.t, before.d += v.d;
     }
+  } else if (sampled) {
+    count_exceptions(a, k, row0, s_chunk, &before, &total);
   }
-  // one block holds every row: its scan below gives the totals, no block-wide sums needed
-  if (!solo) block_sum2(before, total);
+  // one block holds every row: its scan below gives the totals, so the block-wide sums are
+  // needed only for the exceptions, which every thread counted on its own
+  const bool sums = !solo || (skey == kNoError && sampled);
+  if (sums) block_sum2(before, total);
   AIOSPEC_PHASE(2);
 
   // 2. This block's rows: exclusive prefix sums (rows past `live` are empty).
   {
-    Triple v{0, 0, 0};
+    Triple v{0, 0, 0, 0};
     if (tid < n && row0 + tid < live) v = row_counts(a, row0 + tid);
     const Triple ex = block_exclusive_scan(v);
     if (tid <= n) {
@@ -440,17 +536,20 @@ __global__ void __launch_bounds__(kThreads)
       s_dr[tid] = before.d + ex.d;
     }
     if (tid < n && aiospec_has_logprobs(&a)) s_lp[tid] = a.lp_offsets[row0 + tid];
-    if (solo) {
+    if (!sums) {
       __syncthreads();
-      total = Triple{s_rec[n], s_tok[n], s_dr[n]};
+      total = Triple{s_rec[n], s_tok[n], s_dr[n], 0};
     }
   }
 
   AIOSPEC_PHASE(3);
   // 3. Layout, frame position and space (every block reaches the same layout and position).
   aiospec_frame_layout lay;
-  aiospec_compute_layout(uint64_t(total.r), uint64_t(total.t), uint64_t(total.d), aiospec_frame_k(&a),
-                         aiospec_has_logprobs(&a), &lay);
+  const uint32_t fflags = aiospec_frame_flags(&a, uint64_t(total.r), uint64_t(total.d), s_nt_min, s_nt_max,
+                                              s_nd_min, s_nd_max);
+  aiospec_compute_layout(uint64_t(total.r), uint64_t(total.t), uint64_t(total.d), uint64_t(total.e), k, fflags,
+                         total.r > 0 ? uint32_t(s_nt_max) : 0u, total.r > 0 ? uint32_t(s_nd_max) : 0u,
+                         a.kind == AIOSPEC_KIND_PROMPT, &lay);
   const uint64_t size = lay.frame_size;
   const bool valid = skey == kNoError && size <= ring.max_record;
   const uint64_t off = head & ring.mask;
@@ -522,24 +621,65 @@ __global__ void __launch_bounds__(kThreads)
   // 5. This block's rows: records, then token ids with their logprobs and ranks, draft ids,
   //    top-k ids and logprobs. Int64 ids are checked even when nothing is written.
   const int has_lp = aiospec_has_logprobs(&a);
-  const uint32_t k = lay.k;
   unsigned long long key = kNoError;
   if (write) {
     uint64_t* handles = reinterpret_cast<uint64_t*>(pay + lay.off[AIOSPEC_COL_HANDLES]);
-    uint32_t* flags = reinterpret_cast<uint32_t*>(pay + lay.off[AIOSPEC_COL_FLAGS]);
+    uint8_t* flags = pay + lay.off[AIOSPEC_COL_FLAGS];
+    int32_t* positions = reinterpret_cast<int32_t*>(pay + lay.off[AIOSPEC_COL_POSITIONS]);
     int32_t* toff = reinterpret_cast<int32_t*>(pay + lay.off[AIOSPEC_COL_TOKEN_OFFSETS]);
     int32_t* doff = reinterpret_cast<int32_t*>(pay + lay.off[AIOSPEC_COL_DRAFT_OFFSETS]);
+    const bool has_toff = lay.off[AIOSPEC_COL_TOKEN_OFFSETS] != 0;
+    const bool has_doff = lay.off[AIOSPEC_COL_DRAFT_OFFSETS] != 0;
     for (int li = tid; li < n; li += kThreads) {
       if (s_rec[li + 1] == s_rec[li]) continue;
       const long long r = s_rec[li];
       const int64_t i = row0 + li;
       handles[r] = uint64_t(a.handles[i]);
-      flags[r] = aiospec_row_flags(&a, i);
-      toff[r] = int32_t(s_tok[li]);
-      if (lay.d > 0) doff[r] = int32_t(s_dr[li]);
+      flags[r] = uint8_t(aiospec_row_flags(&a, i));
+      if (a.positions != nullptr) positions[r] = int32_t(aiospec_load_int(a.positions, a.positions_i64, i));
+      if (has_toff) toff[r] = int32_t(s_tok[li]);
+      if (has_doff) doff[r] = int32_t(s_dr[li]);
     }
   }
-  {
+  if (sampled) {
+    // sampled_pos: each token's column in its top-k, or an exception whose index (its rank
+    // among the step's exceptions) is the exceptions before this block (count_exceptions)
+    // plus a block scan over this block's tokens, kThreads at a time
+    uint8_t* spos = pay + lay.off[AIOSPEC_COL_SAMPLED_POS];
+    int32_t* x_ids = reinterpret_cast<int32_t*>(pay + lay.off[AIOSPEC_COL_EXCEPTION_IDS]);
+    float* x_lps = reinterpret_cast<float*>(pay + lay.off[AIOSPEC_COL_EXCEPTION_LOGPROBS]);
+    int32_t* x_ranks = reinterpret_cast<int32_t*>(pay + lay.off[AIOSPEC_COL_EXCEPTION_RANKS]);
+    const long long t0 = s_tok[0], t1 = s_tok[n];
+    long long xbase = before.e;
+    for (long long c0 = t0; c0 < t1; c0 += kThreads) {
+      const long long e = c0 + tid;
+      uint32_t p = 0;
+      int64_t v = 0, rank = 0, lr = 0;
+      if (e < t1) {
+        const int li = find_row(s_tok, n, e);
+        const int64_t i = row0 + li;
+        const int64_t j = e - s_tok[li];
+        lr = s_lp[li] + j;
+        v = aiospec_token(&a, i, j);
+        rank = aiospec_load_int(a.lp_ranks, a.lp_ranks_i64, lr);
+        if (!aiospec_fits_i32(v)) key = min_key(key, id_error_key(i, AIOSPEC_CHECK_TOKEN_IDS, j));
+        if (!aiospec_fits_i32(rank)) key = min_key(key, id_error_key(i, AIOSPEC_CHECK_LP, lr));
+        p = aiospec_sampled_pos(&a, lr, v, rank, k);
+      }
+      int chunk = 0;
+      const int x = block_exclusive_scan_int(e < t1 && p == AIOSPEC_SAMPLED_EXCEPTION, &chunk);
+      if (write && e < t1) {
+        spos[e] = uint8_t(p);
+        if (p == AIOSPEC_SAMPLED_EXCEPTION) {
+          const long long xi = xbase + x;
+          x_ids[xi] = int32_t(v);
+          x_lps[xi] = a.lp_values[aiospec_lp_values_row(&a, lr)];
+          x_ranks[xi] = int32_t(rank);
+        }
+      }
+      xbase += chunk;
+    }
+  } else {
     int32_t* ids = reinterpret_cast<int32_t*>(pay + lay.off[AIOSPEC_COL_TOKEN_IDS]);
     float* lps = reinterpret_cast<float*>(pay + lay.off[AIOSPEC_COL_LOGPROBS]);
     int32_t* ranks = reinterpret_cast<int32_t*>(pay + lay.off[AIOSPEC_COL_RANKS]);

@@ -4,8 +4,9 @@
 // reader in slot 0, and checks against the CPU writer (csrc/cpu/emit_cpu.cc, itself tested
 // byte for byte against the Python reference encoder):
 //   frames   random batches (0..989 rows, 1..6 tokens, k 0/5/20, int32/int64, drafts,
-//            flags, draft kind) across many wrap-arounds: payload bytes identical, padding
-//            zero, next header zeroed, counters right;
+//            flags, draft and prompt kinds, tokens sampled from their top-k or not: the
+//            sampled_pos encoding with its exceptions) across many wrap-arounds: payload
+//            bytes identical, padding zero, next header zeroed, counters right;
 //   errors   random corruptions of valid inputs: the device reports exactly the error the
 //            CPU writer reports first (code, argument, row, column, value, bounds), commits
 //            nothing, counts a lost frame;
@@ -135,11 +136,11 @@ struct Segment {
 struct Inputs {
   int64_t rows = 0, W = 1, Wd = 0, N = 0, width = 1;
   int k = -1;
-  bool i64 = true, lp = true, drafts = false, flags = true;
+  bool i64 = true, lp = true, drafts = false, flags = true, processed = false;
   uint32_t kind = 0;
   std::vector<int64_t> handles;
-  std::vector<int64_t> tok64, dr64, lpid64, rank64;
-  std::vector<int32_t> tok32, dr32, lpid32, rank32;
+  std::vector<int64_t> tok64, dr64, lpid64, rank64, pos64;
+  std::vector<int32_t> tok32, dr32, lpid32, rank32, pos32;
   std::vector<int32_t> nt, nd, fl, lpo;
   std::vector<float> lpv;
   std::vector<void*> dev;
@@ -197,6 +198,11 @@ struct Inputs {
       a.k = k;
     }
     a.kind = kind;
+    if (kind == AIOSPEC_KIND_PROMPT) {
+      a.positions = i64 ? pick(pos64) : pick(pos32);
+      a.positions_i64 = i64;
+    }
+    a.logprobs_processed = processed;
     a.producer = 7;
     a.step = step;
     return a;
@@ -217,15 +223,19 @@ Inputs random_inputs(std::mt19937_64& rng, int64_t rows, int64_t W, int k_max, b
   if (in.lp && coin(rng)) in.k = -1;  // default: width - 1
   in.drafts = coin(rng);
   in.flags = coin(rng);
-  in.kind = coin(rng) && coin(rng) ? 1 : 0;
+  const int kind_draw = std::uniform_int_distribution<int>(0, 7)(rng);
+  in.kind = kind_draw == 0 ? AIOSPEC_KIND_DRAFT : kind_draw == 1 ? AIOSPEC_KIND_PROMPT : AIOSPEC_KIND_TARGET;
+  in.processed = coin(rng);
   in.Wd = in.drafts ? 2 : 0;
   std::uniform_int_distribution<int32_t> tok(0, 150000);
   in.handles.resize(size_t(std::max<int64_t>(rows, 1)));
   in.nt.resize(in.handles.size());
   in.nd.resize(in.handles.size());
   in.fl.resize(in.handles.size());
+  in.pos64.resize(in.handles.size());
   for (int64_t i = 0; i < rows; ++i) {
     in.handles[i] = int64_t(rng() >> 2);
+    in.pos64[i] = int64_t(rng() >> 44);
     in.nt[i] = int32_t(std::uniform_int_distribution<int64_t>(0, W)(rng));
     in.nd[i] = in.drafts ? int32_t(std::uniform_int_distribution<int64_t>(0, in.Wd)(rng)) : 0;
     const int r = std::uniform_int_distribution<int>(0, 9)(rng);
@@ -249,12 +259,30 @@ Inputs random_inputs(std::mt19937_64& rng, int64_t rows, int64_t W, int k_max, b
   for (auto& v : in.lpid64) v = tok(rng);
   for (auto& v : in.lpv) v = val(rng);
   for (auto& v : in.rank64) v = int64_t(std::uniform_int_distribution<int>(1, 40)(rng));
+  // most tokens as a sampler gives them: in their top-k with the same logprob and the rank
+  // the top-k implies (sampled_pos); the others exceptions (absent, or a rank that disagrees)
+  const int k_eff = in.k < 0 ? int(in.width - 1) : in.k;
+  for (int64_t i = 0; in.lp && k_eff > 0 && i < rows; ++i) {
+    for (int64_t j = 0; j < in.nt[i]; ++j) {
+      const int r = std::uniform_int_distribution<int>(0, 9)(rng);
+      if (r == 9) continue;
+      const size_t lr = size_t(in.lpo[i] + j), w = size_t(in.width);
+      const size_t c = size_t(std::uniform_int_distribution<int>(1, k_eff)(rng));
+      const int64_t t = in.tok64[size_t(i * W + j)];
+      in.lpid64[lr * w] = in.lpid64[lr * w + c] = t;
+      in.lpv[lr * w] = in.lpv[lr * w + c];
+      int64_t count = 0;
+      for (int q = 1; q <= k_eff; ++q) count += in.lpv[lr * w + size_t(q)] >= in.lpv[lr * w];
+      in.rank64[lr] = count + (r == 8 ? 1 : 0);
+    }
+  }
   if (!in.lp) in.N = 0;
   if (!i64) {
     in.tok32.assign(in.tok64.begin(), in.tok64.end());
     in.dr32.assign(in.dr64.begin(), in.dr64.end());
     in.lpid32.assign(in.lpid64.begin(), in.lpid64.end());
     in.rank32.assign(in.rank64.begin(), in.rank64.end());
+    in.pos32.assign(in.pos64.begin(), in.pos64.end());
   }
   return in;
 }
@@ -262,11 +290,20 @@ Inputs random_inputs(std::mt19937_64& rng, int64_t rows, int64_t W, int k_max, b
 // Corrupts one thing of a valid batch (rows > 0) the op must reject.
 void corrupt(std::mt19937_64& rng, Inputs& in) {
   const int64_t i = std::uniform_int_distribution<int64_t>(0, in.rows - 1)(rng);
-  switch (std::uniform_int_distribution<int>(0, 9)(rng)) {
+  switch (std::uniform_int_distribution<int>(0, 10)(rng)) {
     case 0: in.nt[i] = int32_t(in.W + 1); break;
     case 1: in.nt[i] = -1; break;
     case 2: if (in.drafts) in.nd[i] = int32_t(in.Wd + 3); else in.nt[i] = int32_t(in.W + 7); break;
-    case 3: if (in.flags) in.fl[i] = 64 | AIOSPEC_FLAG_FINISHED; else in.nt[i] = -5; break;
+    case 3: if (in.flags) in.fl[i] = 128 | AIOSPEC_FLAG_FINISHED; else in.nt[i] = -5; break;
+    case 10:  // a negative or (int64) too large prompt position on a row with a record
+      if (in.kind == AIOSPEC_KIND_PROMPT && in.nt[i] > 0) {
+        const int64_t bad = in.i64 && (rng() & 1) ? int64_t(1) << 31 : -7;
+        in.pos64[size_t(i)] = bad;
+        if (!in.i64) in.pos32[size_t(i)] = int32_t(bad);
+      } else {
+        in.nt[i] = int32_t(in.W + 5);
+      }
+      break;
     case 4: in.handles[i] = -3; in.nt[i] = int32_t(in.W); break;
     case 5: if (in.lp) in.lpo[i + 1] = int32_t(in.N + 2); else in.nt[i] = -2; break;
     case 6: if (in.lp) { in.lpo[i] = in.lpo[i + 1] + 1; } else in.nt[i] = -2; break;
@@ -552,8 +589,22 @@ Inputs timing_inputs(std::mt19937_64& rng, int64_t rows, int64_t tokens, int64_t
     in.N = in.rows * tokens;
     in.lpid64.resize(size_t(in.N * in.width));
     in.lpv.resize(size_t(in.N * in.width));
-    in.rank64.resize(size_t(in.N), 3);
+    in.rank64.assign(size_t(in.N), 1);
+    // as a sampler hands them over: the sampled token is the top-1 alternative (rank 1), so
+    // a frame with a top-k carries its position, no exceptions
+    for (int64_t i = 0; i < in.rows; ++i) {
+      for (int64_t j = 0; j < tokens; ++j) {
+        const size_t r = size_t(i * tokens + j) * size_t(in.width);
+        const int64_t tok = in.tok64[size_t(i * in.W + j)];
+        for (int64_t c = 0; c < in.width; ++c) {
+          in.lpid64[r + size_t(c)] = c <= 1 ? tok : 1000 + c;
+          in.lpv[r + size_t(c)] = c <= 1 ? -0.1f : -0.1f - float(c);
+        }
+      }
+    }
   }
+  in.kind = AIOSPEC_KIND_TARGET;
+  in.processed = false;
   return in;
 }
 

@@ -14,6 +14,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "aiospec/layout.h"
 
@@ -28,7 +29,7 @@ extern "C" {
 #endif
 
 /* Bumped whenever aiospec_emit_args, aiospec_error or an exported C function changes. */
-#define AIOSPEC_EMIT_ABI_VERSION 2
+#define AIOSPEC_EMIT_ABI_VERSION 3
 
 /* ---- arguments ---------------------------------------------------------------------------
  * All pointers address the same memory space (host for the CPU writer, device for CUDA).
@@ -66,14 +67,22 @@ typedef struct aiospec_emit_args {
   int64_t lp_width;              /* columns of lp_ids / lp_values (k_max + 1), >= 1 */
   int32_t k;                     /* top-k columns to emit, 0..lp_width-1 (and <= MAX_TOPK);
                                     -1 = lp_width - 1. Ignored without logprobs. */
-  uint32_t kind;                 /* AIOSPEC_KIND_TARGET / AIOSPEC_KIND_DRAFT (DRAFT flag on
-                                    every record) */
+  uint32_t kind;                 /* AIOSPEC_KIND_TARGET / _DRAFT / _PROMPT; the kind sets the
+                                    DRAFT / PROMPT flag of every record (those two bits of
+                                    `flags` are ignored) */
   uint32_t producer;             /* producer id written to the frame header */
   uint64_t step;                 /* decoding step written to the frame header */
   int64_t token_ids_stride;      /* elements from one row of token_ids to the next; 0 = max_tokens */
   int64_t draft_ids_stride;      /* the same for draft_ids; 0 = max_draft */
   int64_t lp_ids_stride;         /* the same for lp_ids; 0 = lp_width */
   int64_t lp_values_stride;      /* the same for lp_values; 0 = lp_width */
+  const void* positions;         /* [B] prompt position of each row's first token, 0..INT32_MAX
+                                    on rows that make a record; required when kind is
+                                    AIOSPEC_KIND_PROMPT, NULL otherwise */
+  int32_t positions_i64;         /* positions element type */
+  int32_t logprobs_processed;    /* 1: the logprobs are of the distribution sampled from (after
+                                    temperature, biases, penalties), not of the raw logits;
+                                    sets AIOSPEC_FRAME_LOGPROBS_PROCESSED (with logprobs only) */
 } aiospec_emit_args;
 
 /* ---- errors ------------------------------------------------------------------------------
@@ -101,7 +110,9 @@ enum aiospec_error_code {
   AIOSPEC_E_OFFSET = 8,     /* lp_offsets[row] = value: expected lo..hi */
   AIOSPEC_E_SPAN = 9,       /* lp_offsets[row+1] - lp_offsets[row] = value < lo = num_tokens */
   AIOSPEC_E_ID = 10,        /* arg[row(, col)] = value does not fit int32 */
-  AIOSPEC_E_FRAME_SIZE = 11 /* the frame needs value bytes, the ring takes hi (max_record) */
+  AIOSPEC_E_FRAME_SIZE = 11, /* the frame needs value bytes, the ring takes hi (max_record) */
+  AIOSPEC_E_POSITIONS = 12,  /* positions given without kind = prompt, or missing with it (value = kind) */
+  AIOSPEC_E_POSITION = 13    /* positions[row] = value: expected lo..hi */
 };
 
 enum aiospec_arg {
@@ -123,7 +134,8 @@ enum aiospec_arg {
   AIOSPEC_ARG_LP_WIDTH = 15,
   AIOSPEC_ARG_K = 16,
   AIOSPEC_ARG_KIND = 17,
-  AIOSPEC_ARG_FRAME = 18
+  AIOSPEC_ARG_FRAME = 18,
+  AIOSPEC_ARG_POSITIONS = 19
 };
 
 /* Per-row check ordinals (the order aiospec_check_row runs them). */
@@ -134,9 +146,11 @@ enum aiospec_row_check {
   AIOSPEC_CHECK_HANDLE = 3,
   AIOSPEC_CHECK_LP_OFFSETS = 4,
   AIOSPEC_CHECK_LP_SPAN = 5,
-  AIOSPEC_CHECK_TOKEN_IDS = 6,
-  AIOSPEC_CHECK_DRAFT_IDS = 7,
-  AIOSPEC_CHECK_LP = 8 /* lp_ranks[r] then lp_ids[r, 1..k], r ascending */
+  AIOSPEC_CHECK_POSITIONS = 6,
+  /* the element checks come last: the CUDA kernel runs them where it copies the elements */
+  AIOSPEC_CHECK_TOKEN_IDS = 7,
+  AIOSPEC_CHECK_DRAFT_IDS = 8,
+  AIOSPEC_CHECK_LP = 9 /* lp_ranks[r] then lp_ids[r, 1..k], r ascending */
 };
 
 typedef struct aiospec_error {
@@ -171,6 +185,7 @@ AIOSPEC_HD const char* aiospec_arg_name(int32_t arg) {
     case AIOSPEC_ARG_K: return "k";
     case AIOSPEC_ARG_KIND: return "kind";
     case AIOSPEC_ARG_FRAME: return "frame";
+    case AIOSPEC_ARG_POSITIONS: return "positions";
     default: return "?";
   }
 }
@@ -242,9 +257,61 @@ AIOSPEC_HD int aiospec_row_has_record(const aiospec_emit_args* a, int64_t i) {
          (a->num_draft != NULL && a->num_draft[i] > 0);
 }
 
+/* A record's flags: the row's, with the DRAFT / PROMPT bits the frame's kind gives. */
 AIOSPEC_HD uint32_t aiospec_row_flags(const aiospec_emit_args* a, int64_t i) {
   uint32_t f = a->flags != NULL ? (uint32_t)a->flags[i] : 0u;
-  return a->kind == AIOSPEC_KIND_DRAFT ? (f | AIOSPEC_FLAG_DRAFT) : f;
+  f &= ~(uint32_t)(AIOSPEC_FLAG_DRAFT | AIOSPEC_FLAG_PROMPT);
+  if (a->kind == AIOSPEC_KIND_DRAFT) f |= AIOSPEC_FLAG_DRAFT;
+  if (a->kind == AIOSPEC_KIND_PROMPT) f |= AIOSPEC_FLAG_PROMPT;
+  return f;
+}
+
+/* ---- sampled_pos (payload version 2) ------------------------------------------------------
+ * With logprobs and 1 <= k <= 255 a frame stores each token as its column in the top-k: the
+ * first j < k with lp_ids[r, 1 + j] == token, lp_values[r, 1 + j] of the same bits as
+ * lp_values[r, 0], and rank == the number of j' < k with lp_values[r, 1 + j'] >= lp_values[r, 0];
+ * AIOSPEC_SAMPLED_EXCEPTION where there is none (the token goes to the exception columns).
+ * The same rule as aiospec._codec.sampled_positions. */
+AIOSPEC_HD int aiospec_uses_sampled_pos(uint32_t k, int has_logprobs) {
+  return has_logprobs && k >= 1 && k <= AIOSPEC_SAMPLED_POS_MAX_K;
+}
+
+AIOSPEC_HD uint32_t aiospec_float_bits(float v) {
+  uint32_t u;
+  memcpy(&u, &v, sizeof u);
+  return u;
+}
+
+/* sampled_pos of the token `tok` whose logprob row is `lr` and rank `rank` (k = frame k). */
+AIOSPEC_HD uint32_t aiospec_sampled_pos(const aiospec_emit_args* a, int64_t lr, int64_t tok, int64_t rank, uint32_t k) {
+  const float* vals = a->lp_values + aiospec_lp_values_row(a, lr);
+  const float lp = vals[0];
+  int64_t count = 0;
+  for (uint32_t j = 0; j < k; ++j) count += vals[1 + j] >= lp;
+  if (count != rank) return AIOSPEC_SAMPLED_EXCEPTION;
+  const uint32_t bits = aiospec_float_bits(lp);
+  const int64_t base = aiospec_lp_ids_row(a, lr) + 1;
+  for (uint32_t j = 0; j < k; ++j) {
+    if (aiospec_load_int(a->lp_ids, a->lp_ids_i64, base + j) == tok && aiospec_float_bits(vals[1 + j]) == bits) return j;
+  }
+  return AIOSPEC_SAMPLED_EXCEPTION;
+}
+
+/* The id of token j of row i. */
+AIOSPEC_HD int64_t aiospec_token(const aiospec_emit_args* a, int64_t i, int64_t j) {
+  return aiospec_load_int(a->token_ids, a->token_ids_i64, aiospec_token_row(a, i) + j);
+}
+
+/* Exceptions among tokens [j0, j1) of row i (a frame with sampled_pos; row i checked). */
+AIOSPEC_HD int64_t aiospec_row_exceptions(const aiospec_emit_args* a, int64_t i, int64_t j0, int64_t j1, uint32_t k) {
+  int64_t e = 0;
+  const int64_t lp0 = a->lp_offsets[i];
+  for (int64_t j = j0; j < j1; ++j) {
+    const int64_t lr = lp0 + j;
+    e += aiospec_sampled_pos(a, lr, aiospec_token(a, i, j), aiospec_load_int(a->lp_ranks, a->lp_ranks_i64, lr), k) ==
+         AIOSPEC_SAMPLED_EXCEPTION;
+  }
+  return e;
 }
 
 /* ---- validation ------------------------------------------------------------------------ */
@@ -291,8 +358,10 @@ AIOSPEC_HD int aiospec_check_args(const aiospec_emit_args* a, aiospec_error* e) 
     if (a->lp_width < 1 || a->lp_width > INT32_MAX)
       return aiospec_set_error(e, AIOSPEC_E_DIM, AIOSPEC_ARG_LP_WIDTH, -1, -1, a->lp_width, 1, INT32_MAX, -1);
   }
-  if (a->kind > AIOSPEC_KIND_DRAFT)
-    return aiospec_set_error(e, AIOSPEC_E_KIND, AIOSPEC_ARG_KIND, -1, -1, (int64_t)a->kind, 0, 1, -1);
+  if (a->kind > AIOSPEC_KIND_PROMPT)
+    return aiospec_set_error(e, AIOSPEC_E_KIND, AIOSPEC_ARG_KIND, -1, -1, (int64_t)a->kind, 0, 2, -1);
+  if ((a->positions != NULL) != (a->kind == AIOSPEC_KIND_PROMPT))
+    return aiospec_set_error(e, AIOSPEC_E_POSITIONS, AIOSPEC_ARG_POSITIONS, -1, -1, (int64_t)a->kind, 0, 0, -1);
   if (has_lp) {
     const int64_t kmax = a->lp_width - 1 < AIOSPEC_MAX_TOPK ? a->lp_width - 1 : AIOSPEC_MAX_TOPK;
     const int64_t k = a->k == -1 ? a->lp_width - 1 : a->k;
@@ -348,6 +417,12 @@ AIOSPEC_HD int aiospec_check_row(const aiospec_emit_args* a, int64_t i, aiospec_
       return aiospec_set_error(e, AIOSPEC_E_SPAN, AIOSPEC_ARG_LP_OFFSETS, i, -1, lp1 - lp0, nt, INT64_MAX,
                                AIOSPEC_CHECK_LP_SPAN);
   }
+  if (record && a->positions != NULL) {
+    const int64_t p = aiospec_load_int(a->positions, a->positions_i64, i);
+    if (p < 0 || p > INT32_MAX)
+      return aiospec_set_error(e, AIOSPEC_E_POSITION, AIOSPEC_ARG_POSITIONS, i, -1, p, 0, INT32_MAX,
+                               AIOSPEC_CHECK_POSITIONS);
+  }
   if (a->token_ids_i64) {
     const int64_t* t = (const int64_t*)a->token_ids + aiospec_token_row(a, i);
     for (int64_t j = 0; j < nt; ++j) {
@@ -394,24 +469,30 @@ AIOSPEC_HD int aiospec_check_row(const aiospec_emit_args* a, int64_t i, aiospec_
 
 /* ---- frame layout ------------------------------------------------------------------------ */
 
-#define AIOSPEC_NUM_COLUMNS 10
+/* AIOSPEC_NUM_COLUMNS (15) is payload.h's; the order is aiospec._payload_layout.COLUMNS */
 enum aiospec_column {
   AIOSPEC_COL_HANDLES = 0,
   AIOSPEC_COL_FLAGS = 1,
-  AIOSPEC_COL_TOKEN_OFFSETS = 2,
-  AIOSPEC_COL_TOKEN_IDS = 3,
-  AIOSPEC_COL_DRAFT_OFFSETS = 4,
-  AIOSPEC_COL_DRAFT_IDS = 5,
-  AIOSPEC_COL_LOGPROBS = 6,
-  AIOSPEC_COL_RANKS = 7,
-  AIOSPEC_COL_TOPK_IDS = 8,
-  AIOSPEC_COL_TOPK_LOGPROBS = 9
+  AIOSPEC_COL_POSITIONS = 2,
+  AIOSPEC_COL_TOKEN_OFFSETS = 3,
+  AIOSPEC_COL_TOKEN_IDS = 4,
+  AIOSPEC_COL_SAMPLED_POS = 5,
+  AIOSPEC_COL_DRAFT_OFFSETS = 6,
+  AIOSPEC_COL_DRAFT_IDS = 7,
+  AIOSPEC_COL_LOGPROBS = 8,
+  AIOSPEC_COL_RANKS = 9,
+  AIOSPEC_COL_TOPK_IDS = 10,
+  AIOSPEC_COL_TOPK_LOGPROBS = 11,
+  AIOSPEC_COL_EXCEPTION_IDS = 12,
+  AIOSPEC_COL_EXCEPTION_LOGPROBS = 13,
+  AIOSPEC_COL_EXCEPTION_RANKS = 14
 };
 
 typedef struct aiospec_frame_layout {
-  uint64_t r, t, d;                        /* records, tokens, draft ids */
+  uint64_t r, t, d, e;                     /* records, tokens, draft ids, exceptions */
   uint32_t k;                              /* top-k columns (0 without logprobs) */
-  uint32_t fflags;                         /* AIOSPEC_FRAME_HAS_LOGPROBS or 0 */
+  uint32_t fflags;                         /* AIOSPEC_FRAME_* bits */
+  uint32_t nt, nd;                         /* tokens / draft ids per record when uniform, else 0 */
   uint64_t off[AIOSPEC_NUM_COLUMNS];       /* byte offset of each column, 0 = absent */
   uint64_t payload_len;                    /* multiple of 8 */
   uint64_t frame_size;                     /* align(FRAME_HEADER + payload_len, FRAME_ALIGN) */
@@ -419,38 +500,82 @@ typedef struct aiospec_frame_layout {
 
 AIOSPEC_HD uint64_t aiospec_align(uint64_t n, uint64_t a) { return (n + a - 1) & ~(a - 1); }
 
-/* Canonical column offsets (docs/wire-format.md section 4), same as _codec.frame_layout. */
-AIOSPEC_HD void aiospec_compute_layout(uint64_t r, uint64_t t, uint64_t d, uint32_t k, int has_logprobs,
-                                       aiospec_frame_layout* out) {
+/* Bytes per element of column c (u64 handles, u8 flags and sampled_pos, 4 otherwise). */
+AIOSPEC_HD uint64_t aiospec_column_size(int c) {
+  return c == AIOSPEC_COL_HANDLES ? 8u : (c == AIOSPEC_COL_FLAGS || c == AIOSPEC_COL_SAMPLED_POS) ? 1u : 4u;
+}
+
+/* Elements of column c of a frame (0 when absent: check off[c]). */
+AIOSPEC_HD uint64_t aiospec_column_count(const aiospec_frame_layout* lay, int c) {
+  switch (c) {
+    case AIOSPEC_COL_HANDLES: case AIOSPEC_COL_FLAGS: case AIOSPEC_COL_POSITIONS: return lay->r;
+    case AIOSPEC_COL_TOKEN_OFFSETS: case AIOSPEC_COL_DRAFT_OFFSETS: return lay->r + 1;
+    case AIOSPEC_COL_TOKEN_IDS: case AIOSPEC_COL_SAMPLED_POS: case AIOSPEC_COL_LOGPROBS: case AIOSPEC_COL_RANKS:
+      return lay->t;
+    case AIOSPEC_COL_DRAFT_IDS: return lay->d;
+    case AIOSPEC_COL_TOPK_IDS: case AIOSPEC_COL_TOPK_LOGPROBS: return lay->t * lay->k;
+    default: return lay->e;
+  }
+}
+
+/* Canonical column offsets (docs/wire-format.md section 4), same as _codec.frame_layout.
+ * fflags: AIOSPEC_FRAME_HAS_LOGPROBS, _UNIFORM_TOKENS (nt tokens per record), _UNIFORM_DRAFTS
+ * (nd draft ids per record; only with d > 0) and _LOGPROBS_PROCESSED, as the writer chose them
+ * by the format's rule; e counts only with sampled_pos; prompt: the positions column. */
+AIOSPEC_HD void aiospec_compute_layout(uint64_t r, uint64_t t, uint64_t d, uint64_t e, uint32_t k, uint32_t fflags,
+                                       uint32_t nt, uint32_t nd, int prompt, aiospec_frame_layout* out) {
+  const int has_lp = (fflags & AIOSPEC_FRAME_HAS_LOGPROBS) != 0;
+  const int sp = aiospec_uses_sampled_pos(k, has_lp);
   out->r = r;
   out->t = t;
   out->d = d;
-  out->k = has_logprobs ? k : 0;
-  out->fflags = has_logprobs ? AIOSPEC_FRAME_HAS_LOGPROBS : 0;
-  /* element count and size per column; count < 0 = absent */
-  const int64_t counts[AIOSPEC_NUM_COLUMNS] = {
-      (int64_t)r,
-      (int64_t)r,
-      (int64_t)r + 1,
-      (int64_t)t,
-      d > 0 ? (int64_t)r + 1 : -1,
-      d > 0 ? (int64_t)d : -1,
-      has_logprobs ? (int64_t)t : -1,
-      has_logprobs ? (int64_t)t : -1,
-      has_logprobs && k > 0 ? (int64_t)(t * k) : -1,
-      has_logprobs && k > 0 ? (int64_t)(t * k) : -1,
+  out->k = has_lp ? k : 0;
+  out->e = sp ? e : 0;
+  out->fflags = fflags;
+  out->nt = (fflags & AIOSPEC_FRAME_UNIFORM_TOKENS) ? nt : 0;
+  out->nd = (fflags & AIOSPEC_FRAME_UNIFORM_DRAFTS) ? nd : 0;
+  const int present[AIOSPEC_NUM_COLUMNS] = {
+      1,
+      1,
+      prompt,
+      !(fflags & AIOSPEC_FRAME_UNIFORM_TOKENS),
+      !sp,
+      sp,
+      d > 0 && !(fflags & AIOSPEC_FRAME_UNIFORM_DRAFTS),
+      d > 0,
+      has_lp && !sp,
+      has_lp && !sp,
+      has_lp && k > 0,
+      has_lp && k > 0,
+      sp && e > 0,
+      sp && e > 0,
+      sp && e > 0,
   };
   uint64_t pos = AIOSPEC_HEADER_SPACE;
   for (int c = 0; c < AIOSPEC_NUM_COLUMNS; ++c) {
-    if (counts[c] < 0) {
+    if (!present[c]) {
       out->off[c] = 0;
       continue;
     }
     out->off[c] = pos;
-    pos = aiospec_align(pos + (uint64_t)counts[c] * (c == AIOSPEC_COL_HANDLES ? 8u : 4u), AIOSPEC_COLUMN_ALIGN);
+    pos = aiospec_align(pos + aiospec_column_count(out, c) * aiospec_column_size(c), AIOSPEC_COLUMN_ALIGN);
   }
   out->payload_len = pos;
   out->frame_size = aiospec_align(AIOSPEC_FRAME_HEADER + pos, AIOSPEC_FRAME_ALIGN);
+}
+
+/* The frame flags of a step whose records have counts in [nt_min, nt_max] (tokens) and
+ * [nd_min, nd_max] (draft ids), r records (r = 0: uniform), d draft ids in all. */
+AIOSPEC_HD uint32_t aiospec_frame_flags(const aiospec_emit_args* a, uint64_t r, uint64_t d, int64_t nt_min,
+                                        int64_t nt_max, int64_t nd_min, int64_t nd_max) {
+  uint32_t f = 0;
+  if (aiospec_has_logprobs(a)) {
+    f |= AIOSPEC_FRAME_HAS_LOGPROBS;
+    if (a->logprobs_processed) f |= AIOSPEC_FRAME_LOGPROBS_PROCESSED;
+  }
+  if (r == 0 || nt_min == nt_max) f |= AIOSPEC_FRAME_UNIFORM_TOKENS;
+  if (d > 0 && nd_min == nd_max) f |= AIOSPEC_FRAME_UNIFORM_DRAFTS;
+  return f;
 }
 
 /* ---- msgpack header ---------------------------------------------------------------------- */
@@ -462,8 +587,8 @@ AIOSPEC_HD void aiospec_put_be32(uint8_t* p, uint32_t v) {
   p[3] = (uint8_t)v;
 }
 
-/* Writes the HEADER_SPACE (112) bytes at the start of a payload: the 107-byte msgpack
- * array16 of 20 fixed-width integers (docs/wire-format.md section 4) and 5 zero bytes.
+/* Writes the HEADER_SPACE (152) bytes at the start of a payload: the 147-byte msgpack
+ * array16 of 28 fixed-width integers (docs/wire-format.md section 4) and 5 zero bytes.
  * The caller guarantees payload_len fits u32 (it is <= max_record). */
 AIOSPEC_HD void aiospec_write_header(uint8_t* dst, const aiospec_frame_layout* lay, uint32_t producer, uint64_t step,
                                      uint32_t kind) {
@@ -477,6 +602,9 @@ AIOSPEC_HD void aiospec_write_header(uint8_t* dst, const aiospec_frame_layout* l
   v[AIOSPEC_HF_R] = (uint32_t)lay->r;
   v[AIOSPEC_HF_T] = (uint32_t)lay->t;
   v[AIOSPEC_HF_D] = (uint32_t)lay->d;
+  v[AIOSPEC_HF_E] = (uint32_t)lay->e;
+  v[AIOSPEC_HF_NT] = lay->nt;
+  v[AIOSPEC_HF_ND] = lay->nd;
   for (int c = 0; c < AIOSPEC_NUM_COLUMNS; ++c) v[AIOSPEC_HF_COLUMNS + c] = (uint32_t)lay->off[c];
   v[AIOSPEC_HF_PAYLOAD_LEN] = (uint32_t)lay->payload_len;
   uint8_t* p = dst;
@@ -531,7 +659,7 @@ static inline int aiospec_format_error(const aiospec_error* e, char* buf, size_t
     case AIOSPEC_E_DIM:
       return snprintf(buf, size, "%s = %lld: expected %lld..%lld", where, v, lo, hi);
     case AIOSPEC_E_KIND:
-      return snprintf(buf, size, "kind = %lld: expected 0 (target) or 1 (draft)", v);
+      return snprintf(buf, size, "kind = %lld: expected 0 (target), 1 (draft) or 2 (prompt)", v);
     case AIOSPEC_E_K:
       return snprintf(buf, size, "k = %lld: expected 0..%lld (%s)", v, hi,
                       hi == AIOSPEC_MAX_TOPK ? "MAX_TOPK" : "lp_ids width - 1");
@@ -553,6 +681,12 @@ static inline int aiospec_format_error(const aiospec_error* e, char* buf, size_t
       return snprintf(buf, size, "%s = %lld: expected %lld..%lld (int32)", where, v, lo, hi);
     case AIOSPEC_E_FRAME_SIZE:
       return snprintf(buf, size, "frame = %lld bytes: expected at most %lld (the ring's max_record)", v, hi);
+    case AIOSPEC_E_POSITIONS:
+      if (e->value == AIOSPEC_KIND_PROMPT) return snprintf(buf, size, "positions: required when kind = 2 (prompt)");
+      return snprintf(buf, size,
+                      "positions: given with kind = %lld, expected none (only prompt frames, kind = 2, carry positions)", v);
+    case AIOSPEC_E_POSITION:
+      return snprintf(buf, size, "%s = %lld: expected %lld..%lld (a prompt position)", where, v, lo, hi);
     default:
       return snprintf(buf, size, "unknown error code %d (arg %d)", (int)e->code, (int)e->arg);
   }

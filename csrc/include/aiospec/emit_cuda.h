@@ -28,7 +28,7 @@ extern "C" {
 #endif
 
 /* Bumped whenever a struct or a function below changes. */
-#define AIOSPEC_CUDA_ABI_VERSION 3
+#define AIOSPEC_CUDA_ABI_VERSION 4
 
 /* Error codes of the CUDA path beyond emit.h's AIOSPEC_E_* (same aiospec_error struct). */
 enum aiospec_cuda_error_code {
