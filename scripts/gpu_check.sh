@@ -16,7 +16,8 @@
 #      adds arguments to it.
 #   7. "probe": csrc/cuda/tools/emit_probe.cu, the bare probe (an empty kernel; N bytes written
 #      into registered host memory with and without fences and a commit; cudaMemcpyAsync);
-#      "timing": the driver's GPU time per emit (events around each, back to back, graph);
+#      "timing": the driver's GPU time per emit (events around each, back to back, graph) and
+#      the kernel's phase clocks (an AIOSPEC_PHASES build);
 #      "ncu": Nsight Compute on the small and the 256 x 6 x 20 emit (the clocks left alone);
 #   8. "step": scripts/bench_step.py, a decoding loop with a transformers Llama (random
 #      weights) and four output paths, the JSON into $OUT/bench_step.json.
@@ -76,6 +77,9 @@ if has build; then
   lib_pid=$!
   nvcc -arch=sm_90 -O2 -std=c++17 csrc/cuda/tools/emit_probe.cu -o "$PROBE" > "$LOGS/build_probe.log" 2>&1 &
   probe_pid=$!
+  # the phase clocks of the kernel (AIOSPEC_PHASES), for the timing stage
+  nvcc -arch=sm_90 -O2 -std=c++17 -DAIOSPEC_PHASES -Icsrc/include -Ishm/include csrc/cuda/tools/emit_check.cu \
+    csrc/cuda/emit_cuda.cu csrc/cpu/emit_cpu.cc -o "$DRIVER.phases" > "$LOGS/build_phases.log" 2>&1 &
   stage build_driver 300 nvcc -arch=sm_90 -O2 -lineinfo -std=c++17 -Icsrc/include -Ishm/include csrc/cuda/tools/emit_check.cu \
     csrc/cuda/emit_cuda.cu csrc/cpu/emit_cpu.cc -o "$DRIVER"
   wait $lib_pid
@@ -100,8 +104,16 @@ if has tests; then
 fi
 
 if has timing; then
-  stage timing 120 "$DRIVER" time 8
-  grep '^time' "$LOGS/timing.log" > "$OUT/timing.txt"
+  wait  # the phases build
+  phases() {
+    for c in "64 1 -1" "64 6 0" "64 1 20" "256 1 0" "256 6 20" "1024 1 -1"; do
+      # shellcheck disable=SC2086
+      "$DRIVER.phases" one $c 41
+    done
+  }
+  export DRIVER
+  stage timing 120 bash -c "$(declare -f phases); \"$DRIVER\" time 8 && phases"
+  grep '^time\|^phases' "$LOGS/timing.log" > "$OUT/timing.txt"
 fi
 
 if has probe; then
