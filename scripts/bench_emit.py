@@ -774,33 +774,57 @@ FD_SIZES = {
 SIZE_ROWS = (1, 8, 32, 64, 97, 128, 256, 384, 468, 512)
 
 
+def _spec_counts(rows: int) -> list[int]:
+    """Accepted tokens per row of a typical speculative step: 1..6, varying (so the frame keeps
+    its token_offsets column)."""
+    return [1 + (5 * i + i // 6) % 6 for i in range(rows)]
+
+
 def byte_table(k_values: list[int]) -> list[dict[str, Any]]:
     """Bytes per step of aiospec's frame (its payload, and the ring space with the 16-byte
     header and 64-byte alignment) against the fixed message FastDeploy sends for the same
     step, at each live batch size (rows that emit; FastDeploy's message is the same size
-    whatever that count). Speculative steps count 6 tokens per row (the worst case for
-    aiospec; FastDeploy's message always has room for 6)."""
+    whatever that count). ``aiospec`` is a typical step: the sampled token in its top-k (no
+    exception), speculative rows accepting 1..6 tokens; ``aiospec_max`` the largest frame the
+    step's shape allows (every token an exception; speculative: 6 tokens a row and the offsets
+    column as if the counts varied). ``*_le_fastdeploy`` compare the ring bytes."""
     from aiospec import _payload_layout as P
     from aiospec._codec import frame_layout
 
+    def ring(payload: int) -> int:
+        return P.align(P.FRAME_HEADER + payload, P.FRAME_ALIGN)
+
     out = []
-    cases: list[tuple[str, int, int, int | None, int]] = [("save_output", 1, 0, None, 512)]
-    cases += [("save_output_topk", 1, 0, k, 512) for k in k_values]
-    cases += [("speculate_save_output", 6, 0, None, 256), ("mtp_save_first_token", 1, 1, None, 256)]
-    cases += [("speculate_save_output_topk", 6, 0, k, 512) for k in k_values]
-    cases += [("mtp_save_first_token_with_topk", 1, 1, k, 512) for k in k_values]
-    for op, tokens, drafts, k, max_rows in cases:
+    # (op, speculative, draft ids per row, k, FastDeploy's slots)
+    cases: list[tuple[str, bool, int, int | None, int]] = [("save_output", False, 0, None, 512)]
+    cases += [("save_output_topk", False, 0, k, 512) for k in k_values]
+    cases += [("speculate_save_output", True, 0, None, 256), ("mtp_save_first_token", False, 1, None, 256)]
+    cases += [("speculate_save_output_topk", True, 0, k, 512) for k in k_values]
+    cases += [("mtp_save_first_token_with_topk", False, 1, k, 512) for k in k_values]
+    for op, spec, drafts, k, max_rows in cases:
         fd_op = {"mtp_save_first_token": "speculate_save_output",
                  "mtp_save_first_token_with_topk": "speculate_save_output_topk"}.get(op, op)  # fmt: skip
         fd = FD_SIZES[fd_op]
+        lp, kk = k is not None, k or 0
         rows_out = []
         for rows in (r for r in SIZE_ROWS if r <= max_rows):
-            _, payload = frame_layout(rows, rows * tokens, rows * drafts, k or 0, k is not None)
-            ring = P.align(P.FRAME_HEADER + payload, P.FRAME_ALIGN)
-            rows_out.append({"rows": rows, "aiospec": payload, "aiospec_in_ring": ring, "fastdeploy": fd,
-                             "ratio": round(fd / payload, 3), "aiospec_larger": payload > fd})  # fmt: skip
-        fits = [r["rows"] for r in rows_out if not r["aiospec_larger"]]
-        out.append({"op": op, "tokens_per_row": tokens, "k": k, "by_rows": rows_out,
+            d = rows * drafts
+            if spec:
+                counts = _spec_counts(rows)
+                t, uniform = sum(counts), len(set(counts)) == 1
+                t_max, uniform_max = 6 * rows, False
+            else:
+                t, uniform, t_max, uniform_max = rows, True, rows, True
+            _, payload = frame_layout(rows, t, d, kk, lp, uniform_tokens=uniform, uniform_drafts=d > 0)
+            _, worst = frame_layout(rows, t_max, d, kk, lp, e=t_max, uniform_tokens=uniform_max, uniform_drafts=d > 0)
+            rows_out.append({
+                "rows": rows, "tokens": t, "aiospec": payload, "aiospec_in_ring": ring(payload),
+                "aiospec_max": worst, "aiospec_max_in_ring": ring(worst), "fastdeploy": fd,
+                "ratio": round(fd / payload, 3), "aiospec_larger": ring(payload) > fd,
+                "aiospec_le_fastdeploy": ring(payload) <= fd, "aiospec_max_le_fastdeploy": ring(worst) <= fd,
+            })  # fmt: skip
+        fits = [r["rows"] for r in rows_out if r["aiospec_le_fastdeploy"]]
+        out.append({"op": op, "tokens_per_row": "1..6" if spec else 1, "k": k, "by_rows": rows_out,
                     "no_larger_up_to_rows": max(fits) if fits else 0})  # fmt: skip
     return out
 

@@ -98,7 +98,7 @@ async def test_undecodable_frame_counts_as_lost(ring: shm.Ring) -> None:
         with pytest.raises(
             StreamFramesLost,
             match=rf"^request 0x1: a frame of ring {ring.name} could not be decoded \(header: expected a msgpack "
-            r"array16 of 20 \(dc 00 14\), got 00 00 00\); its records may be missing$",
+            r"array16 of 28 \(dc 00 1c\), got 00 00 00\); its records may be missing$",
         ) as info:
             await get(s)
         assert isinstance(info.value.__cause__, FrameError)

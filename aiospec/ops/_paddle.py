@@ -139,11 +139,9 @@ def emit_step(ring: str, step: EmitStep, *, producer: int = 0, timeout: float | 
         raise EmitError(f"producer = {producer!r}: expected an integer in 0..4294967295")
     if isinstance(kind, bool) or not isinstance(kind, int):
         raise EmitError(f"kind = {kind!r}: expected 0 (target), 1 (draft) or 2 (prompt)")
-    # prompt frames and the processed-logprobs bit go through the C ABI (aiospec.ops.Producer)
+    # prompt frames go through the C ABI (aiospec.ops.Producer)
     if step.positions is not None:
         raise EmitError("positions: the Paddle op does not write prompt frames; use aiospec.ops.Producer")
-    if step.logprobs_processed:
-        raise EmitError("logprobs_processed: the Paddle op writes raw logprobs only; use aiospec.ops.Producer")
     lp, dr = step.logprobs, step.drafts
     k = lp.k if lp is not None else None
     if k is not None and (isinstance(k, bool) or not isinstance(k, int)):
@@ -155,6 +153,7 @@ def emit_step(ring: str, step: EmitStep, *, producer: int = 0, timeout: float | 
     )
     optional = (step.flags, draft_ids, num_draft, lp_ids, lp_values, lp_ranks, lp_offsets)
     meta = [x for t in optional for x in _meta(t)]
+    meta.append(1 if step.logprobs_processed else 0)  # the op's frame options word
     signed_step = step_no - (1 << 64) if step_no >= 1 << 63 else step_no  # the attribute is int64
     t = 1e9 if timeout is None else float(timeout)
     try:

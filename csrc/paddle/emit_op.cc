@@ -236,6 +236,9 @@ aiospec_emit_args make_args(const paddle::Tensor& handles_t, const paddle::Tenso
   a.kind = kind < 0 || kind > 0xFFFFFFFFll ? 0xFFFFFFFFu : uint32_t(kind);
   a.producer = uint32_t(producer);
   a.step = uint64_t(step);  // the attribute is int64: it carries the u64 step's bit pattern
+  // one word after the optional inputs' descriptions: bit 0 = logprobs_processed
+  const size_t options = size_t(7 * kMetaFields);
+  a.logprobs_processed = meta.size() > options ? int32_t(meta[options] & 1) : 0;
   aiospec_error err;
   if (aiospec_check_args(&a, &err) != AIOSPEC_E_OK) fail("emit", aiospec::format_error(err));
   return a;

@@ -548,7 +548,7 @@ void scenario_graph(std::mt19937_64& rng) {
     std::vector<uint8_t> f = seg.read_frame();
     if (f.empty()) break;
     ++seen;
-    // element 2 of the msgpack array (after dc 00 14, ce+u32, ce+u32) is cf + be64 step
+    // element 2 of the msgpack array (after dc 00 1c, ce+u32, ce+u32) is cf + be64 step
     uint64_t st = 0;
     for (int b = 0; b < 8; ++b) st = st << 8 | f[14 + b];
     CHECK(f[13] == 0xcf && st == uint64_t(seen), "replay %d carries step %" PRIu64, seen, st);
