@@ -164,22 +164,6 @@ __device__ __forceinline__ void prefetch_row(const aiospec_emit_args& a, int64_t
   if (a.max_tokens > 0) prefetch_l1(tok);
 }
 
-// The lines aiospec_sampled_pos reads for logprob row lr (its k + 1 values, its top-k ids,
-// its rank): the function's loops then wait on L1 hits, not on one miss per iteration.
-__device__ __forceinline__ void prefetch_lines(const void* p, int64_t bytes) {
-  // only addresses inside [p, p + bytes): every line they touch, none outside the tensor
-  const uint8_t* b = static_cast<const uint8_t*>(p);
-  for (int64_t off = 0; off < bytes; off += 128) prefetch_l1(b + off);
-  if (bytes > 0) prefetch_l1(b + bytes - 1);
-}
-
-__device__ __forceinline__ void prefetch_lp_row(const aiospec_emit_args& a, int64_t lr, uint32_t k) {
-  prefetch_lines(a.lp_values + aiospec_lp_values_row(&a, lr), 4 * (int64_t(k) + 1));
-  const int64_t iw = a.lp_ids_i64 ? 8 : 4;
-  prefetch_lines(static_cast<const uint8_t*>(a.lp_ids) + aiospec_lp_ids_row(&a, lr) * iw, iw * (int64_t(k) + 1));
-  prefetch_l1(static_cast<const uint8_t*>(a.lp_ranks) + lr * (a.lp_ranks_i64 ? 8 : 4));
-}
-
 __device__ __forceinline__ uint64_t globaltimer_ns() {
   uint64_t t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -348,10 +332,6 @@ __device__ void count_exceptions(const aiospec_emit_args& a, uint32_t k, int64_t
     if (tid == kThreads - 1) s_off[kThreads] = ex.t + v.t;
     __syncthreads();
     const long long end = s_off[n < kThreads ? n : kThreads];
-    for (long long e = tid; e < end; e += kThreads) {  // every line first, then the loops below
-      const int li = find_row(s_off, n, e);
-      prefetch_lp_row(a, int64_t(a.lp_offsets[c0 + li]) + (e - s_off[li]), k);
-    }
     for (long long e = tid; e < end; e += kThreads) {
       const int li = find_row(s_off, n, e);
       const int64_t row = c0 + li;
@@ -671,10 +651,6 @@ __global__ void __launch_bounds__(kThreads)
     int32_t* x_ranks = reinterpret_cast<int32_t*>(pay + lay.off[AIOSPEC_COL_EXCEPTION_RANKS]);
     const long long t0 = s_tok[0], t1 = s_tok[n];
     long long xbase = before.e;
-    for (long long e = t0 + tid; e < t1; e += kThreads) {  // the lines of every token first
-      const int li = find_row(s_tok, n, e);
-      prefetch_lp_row(a, s_lp[li] + (e - s_tok[li]), k);
-    }
     for (long long c0 = t0; c0 < t1; c0 += kThreads) {
       const long long e = c0 + tid;
       uint32_t p = 0;
