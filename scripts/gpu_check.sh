@@ -224,7 +224,7 @@ rows = {}
 if t.exists():
     for ln in t.read_text().splitlines():
         kv = dict(re.findall(r"(\w+)=(\S+)", ln))
-        if "rows" in kv:
+        if ln.startswith("time ") and "rows" in kv:
             rows[(kv["rows"], kv["tokens"], kv["k"])] = kv
 small, big = rows.get(("64", "1", "-1")), rows.get(("256", "6", "20"))
 for name, r, goal in (("small emit 64x1 no logprobs", small, 4.0), ("emit 256x6x20", big, 8.0)):
