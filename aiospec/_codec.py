@@ -679,7 +679,7 @@ def decode_frame(buffer: Any, *, validate_offsets: bool = True) -> Frame:
     f.handles = raw["handles"]  # type: ignore[assignment]
     fl8 = raw["flags"]
     assert fl8 is not None
-    f.flags = fl8.astype(np.uint32)
+    f.flags = _frozen(fl8.astype(np.uint32))
     f.positions = raw["positions"]
     tk_ids = tk_lps = None
     if hd.k:
@@ -687,13 +687,13 @@ def decode_frame(buffer: Any, *, validate_offsets: bool = True) -> Frame:
         tk_lps = raw["topk_logprobs"].reshape(t, hd.k)  # type: ignore[union-attr]
     f.topk_ids, f.topk_logprobs = tk_ids, tk_lps
     if uni_t:
-        f.token_offsets = np.arange(r + 1, dtype=np.int32) * np.int32(hd.nt)
+        f.token_offsets = _frozen(np.arange(r + 1, dtype=np.int32) * np.int32(hd.nt))
     else:
         f.token_offsets = raw["token_offsets"]  # type: ignore[assignment]
         _check_decoded_offsets(f.token_offsets, "token_offsets", t, validate_offsets)
     f.draft_ids = raw["draft_ids"]
     if uni_d:
-        f.draft_offsets = np.arange(r + 1, dtype=np.int32) * np.int32(hd.nd)
+        f.draft_offsets = _frozen(np.arange(r + 1, dtype=np.int32) * np.int32(hd.nd))
     else:
         f.draft_offsets = raw["draft_offsets"]
         if f.draft_offsets is not None:
@@ -756,7 +756,13 @@ def _expand_sampled(
         ids[exc] = raw["exception_ids"]
         lps[exc] = raw["exception_logprobs"]
         ranks[exc] = raw["exception_ranks"]
-    return ids, lps, ranks
+    return _frozen(ids), _frozen(lps), _frozen(ranks)
+
+
+def _frozen(a: np.ndarray) -> np.ndarray:
+    """A column built by the decoder, read-only like the views of a frame copy."""
+    a.flags.writeable = False
+    return a
 
 
 def _check_padding(mv: memoryview, offsets: list[int], counts: tuple[int, ...]) -> None:
