@@ -7,8 +7,9 @@ aiospec (``--device cuda``: the CUDA kernels; ``--device cpu``: the C++ writer, 
   * emit time per step on the GPU, CUDA events around each emit, the stream kept busy so
     that host launch time does not count (median, p99); and per step of a CUDA graph that
     replays one captured emit 200 times;
-  * host time per emit call: the full ``Producer.emit`` (input checks included) and the
-    prepared path (``CudaProducer.emit`` of already collected inputs);
+  * host time per emit call: the full ``Producer.emit`` (input checks included), the
+    backend alone (``CudaProducer.emit`` of already collected inputs) and
+    ``Producer.prepare(step).emit(n)`` (the tensors checked once, a steady batch shape);
   * publish -> seen latency: from just before the emit call to the moment a reader in
     another process has the frame decoded (``decode_frame`` over a copy of the payload);
     one step in flight at a time;
@@ -555,6 +556,19 @@ def _cuda_emit_timing(torch: Any, shm: Any, Producer: Any, _cuda: Any, collect: 
             torch.cuda.synchronize()
             p.check()
             out["emit_host_us_producer"] = summary(host)
+            # Producer.prepare: the same tensors every step, checked once (what an engine with
+            # static output buffers calls); the step number changes per call
+            prepared = p.prepare(EmitStep.from_kwargs(**dev))
+            host = []
+            for i in range(args.iters):
+                t0 = time.perf_counter_ns()
+                prepared.emit(i)
+                host.append((time.perf_counter_ns() - t0) / 1000.0)
+                if i % 50 == 0:
+                    torch.cuda.synchronize()
+            torch.cuda.synchronize()
+            p.check()
+            out["emit_host_us_producer_prepared"] = summary(host)
     return out
 
 
@@ -638,7 +652,7 @@ def _brief(res: dict[str, Any]) -> dict[str, Any]:
     keys = ("rows", "tokens", "k", "frame_bytes", "graph_step_us", "ratio")
     out = {k: res[k] for k in keys if k in res}
     timed = ("emit_gpu_us", "latency_us", "latency_zero_copy_us", "fd_latency_us", "emit_cpu_us")
-    timed += ("emit_host_us_producer",)
+    timed += ("emit_host_us_producer", "emit_host_us_producer_prepared")
     for k in timed:
         if k in res:
             out[k] = res[k]["p50"]

@@ -14,6 +14,14 @@
 #      and two ranks of one engine, one producer process per GPU (both on GPU 0 when only one
 #      is visible; the JSON's layout says which ran), one Hub in a third process. MULTI_ARGS
 #      adds arguments to it.
+#   7. "probe": csrc/cuda/tools/emit_probe.cu, the bare probe (an empty kernel; N bytes written
+#      into registered host memory with and without fences and a commit; cudaMemcpyAsync);
+#      "timing": the driver's GPU time per emit (events around each, back to back, graph) and
+#      the kernel's phase clocks (an AIOSPEC_PHASES build);
+#      "ncu": Nsight Compute on the small and the 256 x 6 x 20 emit (the clocks left alone);
+#   8. "step": scripts/bench_step.py, a decoding loop with a transformers Llama (random
+#      weights) and four output paths, the JSON into $OUT/bench_step.json.
+# The summary ends with each target of the GPU path, met or not met with its number.
 # Optional stage "variants": rebuilds the driver with each measurement switch of
 # csrc/cuda/emit_kernel.cuh and times them (docs/benchmarks.md).
 # $OUT (default /tmp/aiospec-gpu-check) gets summary.log, bench_emit.json and logs.tgz (every
@@ -28,8 +36,9 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 export AIOSPEC_CACHE_DIR="${AIOSPEC_CACHE_DIR:-/tmp/aiospec-cache}"
 export AIOSPEC_CUDA_ARCH="${AIOSPEC_CUDA_ARCH:-90}"
-STAGES="${*:-build driver tests multi sanitize bench}"
+STAGES="${*:-build driver tests timing probe ncu sanitize bench step multi}"
 DRIVER=/tmp/aiospec_emit_check
+PROBE=/tmp/aiospec_emit_probe
 failed=0
 summary=()
 
@@ -66,12 +75,22 @@ build_library() {
 if has build; then
   build_library > "$LOGS/build_lib.log" 2>&1 &
   lib_pid=$!
+  nvcc -arch=sm_90 -O2 -std=c++17 csrc/cuda/tools/emit_probe.cu -o "$PROBE" > "$LOGS/build_probe.log" 2>&1 &
+  probe_pid=$!
+  # the phase clocks of the kernel (AIOSPEC_PHASES), for the timing stage
+  nvcc -arch=sm_90 -O2 -std=c++17 -DAIOSPEC_PHASES -Icsrc/include -Ishm/include csrc/cuda/tools/emit_check.cu \
+    csrc/cuda/emit_cuda.cu csrc/cpu/emit_cpu.cc -o "$DRIVER.phases" > "$LOGS/build_phases.log" 2>&1 &
   stage build_driver 300 nvcc -arch=sm_90 -O2 -lineinfo -std=c++17 -Icsrc/include -Ishm/include csrc/cuda/tools/emit_check.cu \
     csrc/cuda/emit_cuda.cu csrc/cpu/emit_cpu.cc -o "$DRIVER"
   wait $lib_pid
   rc=$?
   tail -n 20 "$LOGS/build_lib.log"
   summary+=("build_lib: rc=$rc")
+  if [[ $rc -ne 0 ]]; then failed=$((failed + 1)); fi
+  wait $probe_pid
+  rc=$?
+  tail -n 20 "$LOGS/build_probe.log"
+  summary+=("build_probe: rc=$rc")
   if [[ $rc -ne 0 ]]; then failed=$((failed + 1)); fi
 fi
 
@@ -82,6 +101,46 @@ fi
 if has tests; then
   stage tests 420 python3 -m pytest -p no:cacheprovider -v -rs -m gpu --junitxml="$LOGS/tests.xml" tests/test_ops_cuda.py \
     tests/test_integrations_fastdeploy.py
+fi
+
+if has timing; then
+  wait  # the phases build
+  phases() {
+    for c in "64 1 -1" "64 6 0" "64 1 20" "256 1 0" "256 6 20" "1024 1 -1"; do
+      # shellcheck disable=SC2086
+      "$DRIVER.phases" one $c 41
+    done
+  }
+  export DRIVER
+  stage timing 120 bash -c "$(declare -f phases); \"$DRIVER\" time 8 && phases"
+  grep '^time\|^phases' "$LOGS/timing.log" > "$OUT/timing.txt"
+fi
+
+if has probe; then
+  stage probe 180 "$PROBE"
+  grep '^probe' "$LOGS/probe.log" > "$OUT/probe.txt"
+fi
+
+if has ncu; then
+  if command -v ncu > /dev/null; then
+    ncu_one() {  # the 3rd of 4 emits of one batch: warm, the state in L2 as in a loop
+      ncu --clock-control none -k regex:emit_kernel --launch-skip 2 --launch-count 1 \
+        --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
+        --section MemoryWorkloadAnalysis --section SchedulerStats --section SourceCounters \
+        --metrics gpu__time_duration.sum,sm__cycles_elapsed.max,smsp__cycles_active.max --print-details all \
+        "$DRIVER" one "$@" 4
+    }
+    ncu_source() {  # where the small emit's warps stall, per source line
+      ncu --clock-control none -k regex:emit_kernel --launch-skip 2 --launch-count 1 --section SourceCounters \
+        --section WarpStateStats --page source --print-source cuda --csv "$DRIVER" one 64 1 -1 4
+    }
+    export DRIVER
+    stage ncu 240 bash -c "$(declare -f ncu_one ncu_source); ncu_one 64 1 -1 && ncu_one 256 6 20 && ncu_source"
+    cp "$LOGS/ncu.log" "$OUT/ncu.txt"
+  else
+    echo "ncu not found" | tee "$LOGS/ncu.log"
+    summary+=("ncu: not found")
+  fi
 fi
 
 if has multi; then
@@ -117,11 +176,13 @@ if has variants; then
   build_variant f3 -DAIOSPEC_FENCE_MODE=3 &
   build_variant t128 -DAIOSPEC_THREADS=128 &
   build_variant t512 -DAIOSPEC_THREADS=512 &
+  build_variant solo0 -DAIOSPEC_SOLO_BYTES=0 &
+  build_variant solo64k -DAIOSPEC_SOLO_BYTES=65536 &
   wait
   variants() {
     echo "## default build (fence mode 2, 256 threads), rows per block 4 8 16 32"
     "$DRIVER" time 4 8 16 32
-    for v in f0 f1 t128 t512; do
+    for v in f0 f1 t128 t512 solo0 solo64k; do
       echo "## $v"
       "$DRIVER.$v" time 8
       "$DRIVER.$v" 60 | tail -n 1
@@ -140,6 +201,55 @@ if has bench; then
   stage bench "${BENCH_TIMEOUT:-540}" python3 scripts/bench_emit.py --device cuda ${raise[@]+"${raise[@]}"} \
     --json "$OUT/bench_emit.json" ${BENCH_ARGS:-}
 fi
+
+if has step; then
+  raise=()
+  if [[ "${RAISE_MSGMAX:-1}" == 1 && $(id -u) == 0 ]]; then raise=(--raise-msgmax); fi
+  # shellcheck disable=SC2086
+  stage step "${STEP_TIMEOUT:-300}" python3 scripts/bench_step.py ${raise[@]+"${raise[@]}"} --json "$OUT/bench_step.json" \
+    ${STEP_ARGS:-}
+fi
+
+targets() {  # each target of the GPU path (issue: GPU time, host time, the decoding step)
+  python3 - "$OUT" << 'PY'
+import json, re, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+lines = []
+def say(name, value, goal, met, unit="us"):
+    state = "n/a (not measured)" if value is None else ("met" if met else "not met")
+    lines.append(f"target {name}: {state}" + ("" if value is None else f" ({value} {unit}, goal {goal})"))
+t = out / "timing.txt"
+rows = {}
+if t.exists():
+    for ln in t.read_text().splitlines():
+        kv = dict(re.findall(r"(\w+)=(\S+)", ln))
+        if ln.startswith("time ") and "rows" in kv:
+            rows[(kv["rows"], kv["tokens"], kv["k"])] = kv
+small, big = rows.get(("64", "1", "-1")), rows.get(("256", "6", "20"))
+for name, r, goal in (("small emit 64x1 no logprobs", small, 4.0), ("emit 256x6x20", big, 8.0)):
+    for key in ("b2b_us", "gpu_us", "graph_us"):
+        v = float(r[key]) if r else None
+        say(f"{name} [{key}]", v, f"<= {goal}", v is not None and v <= goal)
+b = out / "bench_emit.json"
+if b.exists():
+    res = json.loads(b.read_text())["results"]
+    hp = [r["emit_host_us_producer_prepared"]["p50"] for r in res if "emit_host_us_producer_prepared" in r]
+    v = max(hp) if hp else None
+    say("host time per prepared emit, p50 (worst batch)", v, "<= 10", v is not None and v <= 10.0)
+    sync = all(r["no_host_sync"]["stream_still_busy"] for r in res)
+    lines.append(f"target zero host syncs: {'met' if sync else 'not met'}")
+s = out / "bench_step.json"
+if s.exists():
+    for tg in json.loads(s.read_text())["targets"]:
+        say(f"step batch {tg['batch']}: aiospec adds", tg["aiospec_added_pct"], "<= 0.5", tg["added_pct_met"], "%")
+        x = min(tg["cheaper_than_fastdeploy_x"], tg["cheaper_than_vllm_x"])
+        say(f"step batch {tg['batch']}: cheaper than FD / vLLM (min)", x, ">= 10", tg["cheaper_met"], "x")
+print("\n".join(lines))
+PY
+}
+targets > "$LOGS/targets.log" 2>&1
+while IFS= read -r line; do summary+=("$line"); done < "$LOGS/targets.log"
 
 echo "=== summary"
 printf '%s\n' "${summary[@]}" | tee "$OUT/summary.log"

@@ -484,3 +484,42 @@ def test_host_notify_wakes_a_sleeping_reader(torch: Any) -> None:
             assert reader.read() == [build_frame(**inp)]
         finally:
             prod.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [64, 256])
+def test_prepared_emits_follow_the_buffers_eagerly_and_in_a_graph(torch: Any, rows: int) -> None:
+    from aiospec.ops import EmitStep
+
+    rng = np.random.default_rng(rows)
+    inp = _full_rows(rng, rows, 1 if rows == 64 else 6, 0 if rows == 64 else 20)
+    dev = _cuda_inputs(torch, inp)
+    step = EmitStep.from_kwargs(**{k: v for k, v in dev.items() if k != "step"})
+    counter = torch.zeros(1, dtype=torch.int64, device="cuda")
+    want = []
+    with (
+        shm.Ring.create(capacity=64 << 20, max_record=8 << 20) as ring,
+        ring.reader() as reader,
+        Producer(ring, device="cuda", max_rows=rows) as prod,
+    ):
+        prepared = prod.prepare(step)
+        for i in range(3):  # the engine overwrites its buffers in place, then emits
+            fresh = rng.integers(0, 1000, inp["token_ids"].shape).astype(np.int64)
+            dev["token_ids"].copy_(torch.from_numpy(fresh))
+            inp["token_ids"] = fresh
+            prepared.emit(10 + i)
+            want.append(build_frame(**{**inp, "step": 10 + i}))
+        prepared.emit(step_tensor=counter)  # warm-up outside the capture: step 0
+        want.append(build_frame(**{**inp, "step": 0}))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            counter.add_(1)
+            prepared.emit(step_tensor=counter)
+        for i in range(20):
+            graph.replay()
+            want.append(build_frame(**{**inp, "step": i + 1}))
+        got = _frames(reader, len(want))
+        prod.check()
+        with pytest.raises(EmitError, match=r"^kind = 3: expected 0 \(target\), 1 \(draft\) or 2 \(prompt\)$"):
+            prepared.emit(1, kind=3)
+    assert got == want

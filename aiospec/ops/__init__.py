@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from aiospec.ops._build import BuildError
 from aiospec.ops._errors import EmitError
-from aiospec.ops._producer import Producer, available_backends, emit
+from aiospec.ops._producer import PreparedEmit, Producer, available_backends, emit
 from aiospec.ops._reference import build_frame, build_step
 from aiospec.ops._step import Drafts, EmitStep, Logprobs
 
@@ -21,6 +21,7 @@ __all__ = (
     "EmitError",
     "EmitStep",
     "Logprobs",
+    "PreparedEmit",
     "Producer",
     "available_backends",
     "build_frame",

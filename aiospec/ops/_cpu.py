@@ -161,6 +161,11 @@ class CpuBackend:
             _raise(self._lib, status)
         return int(pos.value)
 
+    def bind(self, inputs: Inputs, *, timeout: float | None) -> _Bound:
+        """A call writing one frame of ``inputs`` per call, the argument block built once
+        (``PreparedEmit``)."""
+        return _Bound(self, inputs, timeout)
+
     def check(self) -> None:
         """Errors are raised by ``emit`` itself on this path."""
 
@@ -194,3 +199,29 @@ class CpuBackend:
             status = self._lib.aiospec_producer_close(p, int(mark_closed))
             if status:
                 _raise(self._lib, status)
+
+
+class _Bound:
+    """``CpuBackend.bind``: one step's argument block, reused by every call."""
+
+    __slots__ = ("_backend", "_inputs", "_args", "_a_ref", "_pos", "_pos_ref", "_timeout")
+
+    def __init__(self, backend: CpuBackend, inputs: Inputs, timeout: float | None) -> None:
+        self._backend = backend
+        self._inputs = inputs  # the block points into the views that inputs holds
+        self._args = inputs.args()
+        self._a_ref = ctypes.byref(self._args)
+        self._pos = ctypes.c_uint64()
+        self._pos_ref = ctypes.byref(self._pos)
+        self._timeout = -1.0 if timeout is None else float(timeout)
+
+    def __call__(self, step: int, kind: int, stream: Any, step_tensor: Any) -> None:
+        if step_tensor is not None:
+            raise ValueError("step_tensor: only the CUDA backend reads the step from a tensor, not cpu")
+        b = self._backend
+        args = self._args
+        args.step = step
+        args.kind = kind
+        status = b._lib.aiospec_producer_emit(b._handle(), self._a_ref, self._timeout, self._pos_ref)
+        if status:
+            _raise(b._lib, status)

@@ -39,7 +39,7 @@ __all__ = (
     "resolve_stream",
 )
 
-CUDA_ABI_VERSION = 3  # AIOSPEC_CUDA_ABI_VERSION (3: aiospec_emit_args of emit ABI 3)
+CUDA_ABI_VERSION = 4  # AIOSPEC_CUDA_ABI_VERSION (3: emit ABI 3's aiospec_emit_args; 4: aiospec_cuda_error_seq)
 E_RING_FULL = 64  # AIOSPEC_E_RING_FULL
 E_MAX_ROWS = 65  # AIOSPEC_E_MAX_ROWS
 _CUDA_ERROR_INVALID_VALUE = 1
@@ -104,6 +104,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "aiospec_cuda_last_error": (None, (p, ctypes.POINTER(ErrorWord))),
         "aiospec_cuda_placeholder": (vp, (p,)),
         "aiospec_cuda_check": (ctypes.c_int, (p, ctypes.POINTER(ErrorWord), u64p)),
+        "aiospec_cuda_error_seq": (vp, (p,)),
         "aiospec_cuda_format_error": (ctypes.c_int, (p, ctypes.POINTER(ErrorWord), ctypes.c_char_p, ctypes.c_size_t)),
         "aiospec_cuda_notify": (ctypes.c_int, (p,)),
         "aiospec_cuda_stats_get": (None, (p, ctypes.POINTER(CudaStats))),
@@ -260,6 +261,11 @@ class CudaProducer:
         self.timeout = timeout
         self._err = ErrorWord()
         self._step = ctypes.c_uint64()
+        self._err_ref = ctypes.byref(self._err)
+        self._step_ref = ctypes.byref(self._step)
+        # the mapped error counter: a load tells whether check() has anything to report
+        self._seq_word = ctypes.c_uint64.from_address(lib.aiospec_cuda_error_seq(self._h))
+        self._seen_seq = 0
         self._args_keep: tuple[Inputs, EmitArgs] | None = None
 
     name = "cuda"
@@ -277,38 +283,59 @@ class CudaProducer:
         int64 CUDA tensor the kernel reads the step from when it runs, for graph replays.
         """
         h = self._handle("emit")
-        if inputs.device != "cuda":
-            raise EmitError(f"handles: on {inputs.handles.where}, expected a CUDA device for the CUDA backend")
-        if inputs.device_id >= 0 and inputs.device_id != self.device:
-            raise EmitError(f"handles: on {inputs.handles.where}, expected cuda:{self.device} (the producer's device)")
+        self._check_device(inputs)
         if self._args_keep is not None and self._args_keep[0] is inputs:
             # the same prepared inputs again (static buffers, as graph-friendly engines keep
             # them): only the scalars may have changed
             args = self._args_keep[1]
             args.step, args.kind, args.producer = inputs.step, inputs.kind, inputs.producer
         else:
-            args = inputs.args()
-            for field in _POINTER_FIELDS:
-                ref = getattr(inputs, field)
-                if ref is not None and not getattr(args, field):
-                    setattr(args, field, self._placeholder)  # present but empty: not "absent"
+            args = self._args_of(inputs)
         step_ptr = _step_pointer(step_tensor) if step_tensor is not None else None
         s = resolve_stream(stream, inputs.handles.owner, self.device)
-        status = self._lib.aiospec_cuda_emit_ex(h, ctypes.byref(args), step_ptr, s)
-        if status == _CUDA_ERROR_INVALID_VALUE:
-            self._lib.aiospec_cuda_last_error(h, ctypes.byref(self._err))
-            if self._err.code != 0:
-                raise self._to_exception(self._err)
-        if status != 0:
-            raise RuntimeError(f"CUDA error {status} launching the emit kernels: {self._cuda_error(status)}")
+        self._launched(self._lib.aiospec_cuda_emit_ex(h, ctypes.byref(args), step_ptr, s))
         # the kernels read the tensors later: keep this call's views alive until the next one
         self._args_keep = (inputs, args)
-        self.check()
+        if self._seq_word.value != self._seen_seq:  # a kernel published an error since the last check
+            self.check()
+
+    def bind(self, inputs: Inputs, *, timeout: float | None = None) -> _Bound:
+        """A call enqueueing one frame of ``inputs`` per call, with the argument block,
+        the current-stream lookup and the error-word buffers made once (``PreparedEmit``).
+        ``timeout`` is ignored, as in ``emit``."""
+        self._handle("bind")
+        self._check_device(inputs)
+        return _Bound(self, inputs, self._args_of(inputs))
+
+    def _check_device(self, inputs: Inputs) -> None:
+        if inputs.device != "cuda":
+            raise EmitError(f"handles: on {inputs.handles.where}, expected a CUDA device for the CUDA backend")
+        if inputs.device_id >= 0 and inputs.device_id != self.device:
+            raise EmitError(f"handles: on {inputs.handles.where}, expected cuda:{self.device} (the producer's device)")
+
+    def _args_of(self, inputs: Inputs) -> EmitArgs:
+        args = inputs.args()
+        for field in _POINTER_FIELDS:
+            ref = getattr(inputs, field)
+            if ref is not None and not getattr(args, field):
+                setattr(args, field, self._placeholder)  # present but empty: not "absent"
+        return args
+
+    def _launched(self, status: int) -> None:
+        """Raise for a launch that failed (an argument the launcher refused, a CUDA error)."""
+        if status == 0:
+            return
+        if status == _CUDA_ERROR_INVALID_VALUE:
+            self._lib.aiospec_cuda_last_error(self._h, ctypes.byref(self._err))
+            if self._err.code != 0:
+                raise self._to_exception(self._err)
+        raise RuntimeError(f"CUDA error {status} launching the emit kernels: {self._cuda_error(status)}")
 
     def check(self) -> None:
         """Raise the oldest unreported error of finished emit kernels (no synchronization)."""
         h = self._handle("check")
-        if self._lib.aiospec_cuda_check(h, ctypes.byref(self._err), ctypes.byref(self._step)):
+        self._seen_seq = self._seq_word.value
+        if self._lib.aiospec_cuda_check(h, self._err_ref, self._step_ref):
             exc = self._to_exception(self._err)
             exc.step = int(self._step.value)  # type: ignore[attr-defined]
             raise exc
@@ -369,6 +396,50 @@ class CudaProducer:
                 return RingFull(msg)
             return EmitError(msg, code=e.code, arg=e.arg, row=e.row, col=e.col, value=e.value, lo=e.lo, hi=e.hi)
         return emit_error(e.code, e.arg, e.row, e.col, e.value, e.lo, e.hi)
+
+
+def _current_stream(owner: Any, device: int) -> Any:
+    """A cheap call returning the current stream of the framework that owns ``owner``'s
+    memory (``resolve_stream(None, owner, device)`` without its per-call lookups)."""
+    module = type(owner).__module__.split(".")[0]
+    if module == "torch" and "torch" in sys.modules:
+        raw = getattr(sys.modules["torch"]._C, "_cuda_getCurrentRawStream", None)
+        if raw is not None:
+            return lambda: raw(device)
+    return lambda: resolve_stream(None, owner, device)
+
+
+class _Bound:
+    """``CudaProducer.bind``: one step's argument block and its views, reused by every call."""
+
+    __slots__ = ("_prod", "_keep", "_args", "_a_ref", "_current", "_owner", "_emit")
+
+    def __init__(self, prod: CudaProducer, inputs: Inputs, args: EmitArgs) -> None:
+        self._prod = prod
+        self._keep = (inputs, args)  # the block points into the views that inputs holds
+        self._args = args
+        self._a_ref = ctypes.byref(args)
+        self._owner = inputs.handles.owner
+        self._current = _current_stream(self._owner, prod.device)
+        self._emit = prod._lib.aiospec_cuda_emit_ex
+
+    def __call__(self, step: int, kind: int, stream: Any, step_tensor: Any) -> None:
+        p = self._prod
+        h = p._h
+        if h is None:
+            raise RingError(f"emit: the CUDA producer of ring {p.ring_name} is closed")
+        args = self._args
+        args.step = step
+        args.kind = kind
+        s = self._current() if stream is None else resolve_stream(stream, self._owner, p.device)
+        step_ptr = _step_pointer(step_tensor) if step_tensor is not None else None
+        status = self._emit(h, self._a_ref, step_ptr, s)
+        if status:
+            p._launched(status)
+        # the kernel reads the tensors later: they stay alive with the producer until its next emit
+        p._args_keep = self._keep
+        if p._seq_word.value != p._seen_seq:  # a kernel published an error since the last check
+            p.check()
 
 
 # a "forever" the kernels can count in device clock ticks

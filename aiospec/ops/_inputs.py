@@ -27,7 +27,7 @@ from aiospec.ops._abi import EmitArgs
 from aiospec.ops._errors import Arg, EmitError, ErrorCode, emit_error
 from aiospec.ops._step import EmitStep, check_positions
 
-__all__ = ("TensorRef", "Inputs", "as_tensor", "collect")
+__all__ = ("TensorRef", "Inputs", "as_tensor", "check_scalars", "collect")
 
 _U32_MAX = 0xFFFFFFFF
 _U64_MAX = (1 << 64) - 1
@@ -318,6 +318,16 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
 
 
+def check_scalars(step: Any, kind: Any) -> None:
+    """The step number (u64) and the kind (target, draft or prompt) of one frame."""
+    if not _is_int(step) or not 0 <= int(step) <= _U64_MAX:
+        raise EmitError(f"step = {step!r}: expected an integer in 0..{_U64_MAX}")
+    if not _is_int(kind):
+        raise EmitError(f"kind = {kind!r}: expected 0 (target), 1 (draft) or 2 (prompt)")
+    if int(kind) not in (L.KIND_TARGET, L.KIND_DRAFT, L.KIND_PROMPT):
+        raise emit_error(ErrorCode.KIND, Arg.KIND, value=int(kind))
+
+
 def collect(
     step: EmitStep,
     *,
@@ -374,12 +384,7 @@ def collect(
         if ref is not None and (ref.device, ref.device_id) != (h.device, h.device_id):
             raise EmitError(f"{ref.name}: on {ref.where}, expected {h.where} like handles")
     step_no, kind = step.step, step.kind
-    if not _is_int(step_no) or not 0 <= int(step_no) <= _U64_MAX:
-        raise EmitError(f"step = {step_no!r}: expected an integer in 0..{_U64_MAX}")
-    if not _is_int(kind):
-        raise EmitError(f"kind = {kind!r}: expected 0 (target), 1 (draft) or 2 (prompt)")
-    if int(kind) not in (L.KIND_TARGET, L.KIND_DRAFT, L.KIND_PROMPT):
-        raise emit_error(ErrorCode.KIND, Arg.KIND, value=int(kind))
+    check_scalars(step_no, kind)
     check_positions(int(kind), step.positions is not None)
     pos = None
     if step.positions is not None:

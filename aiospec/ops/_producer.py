@@ -12,13 +12,14 @@ from typing import Any
 from aiospec.ops._backend import EmitBackend
 from aiospec.ops._build import BuildError, find_nvcc, force_cpu
 from aiospec.ops._errors import EmitError
-from aiospec.ops._inputs import Inputs, collect
-from aiospec.ops._step import EmitStep, as_step
+from aiospec.ops._inputs import Inputs, check_scalars, collect
+from aiospec.ops._step import EmitStep, as_step, check_positions
 from shm import Ring, RingError
 
-__all__ = ("Producer", "emit", "available_backends")
+__all__ = ("PreparedEmit", "Producer", "emit", "available_backends")
 
 _DEVICES = (None, "cpu", "cuda", "python")
+_U64_MAX = (1 << 64) - 1
 
 
 def _cuda_module() -> Any:
@@ -191,21 +192,44 @@ class Producer:
         the readers leave no room within ``timeout``. On the CUDA path the frame is written
         asynchronously on ``stream`` (an int handle, a framework stream object, or None for
         the current stream); errors found on the GPU surface from ``check()`` or a later call.
+        An engine that emits from the same tensors every step spends less host time per
+        call with ``prepare``.
         """
         with self._lock:
-            if self._closed:
-                raise RingError(f"emit: the producer of ring {self._name} is closed")
-            # AIOSPEC_FORCE_CPU on an unbound or auto producer: CUDA tensors are copied to the
-            # host while they are viewed, once, and the CPU writer takes them
-            host = self._device is None and force_cpu()
-            x = collect(step, producer=self._producer, max_rows=self._max_rows, host=host)
-            backend = self._backend
-            if backend is None:
-                backend = self._open("cuda", x.device_id) if x.device == "cuda" else self._open_for_host()
-                self._backend = backend
-            if (x.device == "cuda") != (backend.name == "cuda"):
-                raise self._wrong_device(x, backend)
+            x, backend = self._collect(step)
             backend.emit(x, timeout=self._timeout, stream=stream)
+
+    def prepare(self, step: EmitStep) -> PreparedEmit:
+        """Check ``step``'s tensors once and return a ``PreparedEmit`` that writes a frame of
+        their current contents on each call, for engines that keep static output buffers
+        (as CUDA graphs need): only the step number, the kind and the stream change per call.
+
+        The checks are those of ``emit_step`` (dimensions, dtypes, shapes, layouts, devices,
+        scalars), with the same errors; the values (counts, offsets, ids) are checked by the
+        op on every emit, as always. The tensors must keep their storage and shape while the
+        ``PreparedEmit`` is used (no ``resize_``, no reassigned ``.data``): it holds them and
+        their addresses.
+        """
+        with self._lock:
+            x, backend = self._collect(step)
+            return PreparedEmit(self, x, backend)
+
+    def _collect(self, step: EmitStep) -> tuple[Inputs, EmitBackend]:
+        """The checked inputs of ``step`` and the backend they go to (opened at the first
+        call); under the lock."""
+        if self._closed:
+            raise RingError(f"emit: the producer of ring {self._name} is closed")
+        # AIOSPEC_FORCE_CPU on an unbound or auto producer: CUDA tensors are copied to the
+        # host while they are viewed, once, and the CPU writer takes them
+        host = self._device is None and force_cpu()
+        x = collect(step, producer=self._producer, max_rows=self._max_rows, host=host)
+        backend = self._backend
+        if backend is None:
+            backend = self._open("cuda", x.device_id) if x.device == "cuda" else self._open_for_host()
+            self._backend = backend
+        if (x.device == "cuda") != (backend.name == "cuda"):
+            raise self._wrong_device(x, backend)
+        return x, backend
 
     def emit(self, *args: Any, stream: Any = None, **kwargs: Any) -> None:
         """``emit_step`` of an ``EmitStep`` passed alone, or of the op's keyword form (the
@@ -256,6 +280,64 @@ class Producer:
         warnings.warn(f"unclosed {self!r}", ResourceWarning, stacklevel=2, source=self)
         with contextlib.suppress(Exception):
             self.close()
+
+
+class PreparedEmit:
+    """One step's tensors, checked once by ``Producer.prepare``; each ``emit`` call writes
+    one frame of their contents as they are then. Not constructed directly.
+
+    The host work per call is a few scalar stores and one native call: the input views, the
+    argument block and (on the CUDA path) the kernel's arguments are built once. The
+    producer's lock, its closed state and its error reporting apply as for ``emit_step``.
+    """
+
+    __slots__ = ("_producer", "_inputs", "_backend", "_call")
+
+    def __init__(self, producer: Producer, inputs: Inputs, backend: EmitBackend) -> None:
+        self._producer = producer
+        self._inputs = inputs
+        self._backend = backend
+        bind = getattr(backend, "bind", None)
+        # a native backend binds the argument block once; the others take the Inputs again
+        self._call: Any = bind(inputs, timeout=producer._timeout) if bind is not None else None
+
+    @property
+    def rows(self) -> int:
+        """Batch rows of the prepared tensors."""
+        return self._inputs.rows
+
+    def emit(self, step: int | None = None, *, kind: int | None = None, stream: Any = None,
+             step_tensor: Any = None) -> None:  # fmt: skip
+        """Write one frame of the prepared tensors' current contents.
+
+        ``step`` / ``kind``: this frame's step number and kind (None keeps the last call's;
+        the first call's come from the prepared ``EmitStep``); ``stream`` as for
+        ``Producer.emit_step``. ``step_tensor`` (CUDA only): a one-element int64 CUDA tensor
+        the kernel reads the step from when it runs, for emits captured in a CUDA graph.
+        Raises what ``emit_step`` raises for these inputs.
+        """
+        x = self._inputs
+        if kind is not None or (step is not None and not (type(step) is int and 0 <= step <= _U64_MAX)):
+            check_scalars(x.step if step is None else step, x.kind if kind is None else kind)
+            if kind is not None:  # positions were prepared for a prompt frame, or not
+                check_positions(int(kind), x.positions is not None)
+        p = self._producer
+        with p._lock:
+            if p._closed or p._backend is not self._backend:
+                raise RingError(f"emit: the producer of ring {p._name} is closed")
+            if step is not None:
+                x.step = int(step)
+            if kind is not None:
+                x.kind = int(kind)
+            if self._call is not None:
+                self._call(x.step, x.kind, stream, step_tensor)
+            elif step_tensor is not None:
+                raise ValueError(f"step_tensor: only the CUDA backend reads the step from a tensor, not {p.device}")
+            else:
+                self._backend.emit(x, timeout=p._timeout, stream=stream)
+
+    def __repr__(self) -> str:
+        return f"<aiospec.ops.PreparedEmit rows={self._inputs.rows} ring={self._producer.ring_name!r}>"
 
 
 def emit(producer: Producer, *args: Any, **kwargs: Any) -> None:

@@ -34,6 +34,22 @@ constexpr int kDefaultRowsPerBlock = 8;
 constexpr int kMaxRowsPerBlock = aiospec::cuda::kThreads / 2;
 // Every block reads every row's counts, so past this many blocks the rows per block grow.
 constexpr long long kMaxBlocks = 264;
+// A frame that cannot exceed this many bytes is written by one block: it commits without the
+// blocks' counter and the state read back after it (docs/benchmarks.md, "Where the fixed cost
+// goes"); past it, more blocks move the bytes faster than those round trips cost.
+#ifndef AIOSPEC_SOLO_BYTES
+#define AIOSPEC_SOLO_BYTES 16384
+#endif
+constexpr long long kSoloBytes = AIOSPEC_SOLO_BYTES;
+
+// The largest frame these inputs can make (every row a record, every token and draft id
+// live): the bytes of each column's elements plus the header and the padding words.
+long long frame_bound(const aiospec_emit_args* a) {
+  const long long rows = a->rows;
+  const long long per_token = 4 + (aiospec_has_logprobs(a) ? 8 + 8 * (long long)aiospec_frame_k(a) : 0);
+  const long long per_row = 8 + 4 + 8 + a->max_tokens * per_token + (a->draft_ids != nullptr ? 4 * a->max_draft : 0);
+  return rows * per_row + AIOSPEC_FRAME_HEADER + AIOSPEC_HEADER_SPACE + 8 * AIOSPEC_NUM_COLUMNS + AIOSPEC_FRAME_ALIGN + 64;
+}
 
 void put_error(char* buf, size_t size, const std::string& msg) {
   if (buf == nullptr || size == 0) return;
@@ -335,6 +351,7 @@ cudaError_t aiospec_cuda_emit_ex(aiospec_cuda_producer* p, const aiospec_emit_ar
   if (guard.status() != cudaSuccess) return guard.status();
   long long rpb = p->opts.rows_per_block;
   if ((args->rows + rpb - 1) / rpb > kMaxBlocks) rpb = (args->rows + kMaxBlocks - 1) / kMaxBlocks;
+  if (args->rows <= kMaxRowsPerBlock && frame_bound(args) <= kSoloBytes) rpb = args->rows > 0 ? args->rows : 1;
   if (rpb > kMaxRowsPerBlock) rpb = kMaxRowsPerBlock;
   const long long blocks = args->rows > 0 ? (args->rows + rpb - 1) / rpb : 1;
   const size_t shmem = sizeof(long long) * 4 * size_t(rpb + 1);
@@ -368,6 +385,17 @@ int aiospec_cuda_check(aiospec_cuda_producer* p, aiospec_error* out, uint64_t* s
   p->reported = seq;
   __atomic_store_n(const_cast<unsigned long long*>(&p->mh->ack), (unsigned long long)seq, __ATOMIC_RELEASE);
   return 1;
+}
+
+#ifdef AIOSPEC_PHASES
+// Measurement builds only (emit_kernel.cuh): the last emit's phase clocks.
+int aiospec_cuda_phases(unsigned long long* out) {
+  return int(cudaMemcpyFromSymbol(out, aiospec_cuda_phase_clock, 16 * sizeof(unsigned long long)));
+}
+#endif
+
+const volatile uint64_t* aiospec_cuda_error_seq(const aiospec_cuda_producer* p) {
+  return p != nullptr && p->mh != nullptr ? reinterpret_cast<const volatile uint64_t*>(&p->mh->seq) : nullptr;
 }
 
 int aiospec_cuda_format_error(const aiospec_cuda_producer* p, const aiospec_error* e, char* buf, size_t size) {

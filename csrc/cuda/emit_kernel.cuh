@@ -66,6 +66,20 @@
 #ifndef AIOSPEC_THREADS
 #define AIOSPEC_THREADS 256
 #endif
+// AIOSPEC_PHASES: thread 0 of block 0 (phases 9 = entry, 0-6) and the committing thread (7, 8) store
+// clock64() at each phase boundary into aiospec_cuda_phase_clock (emit_cuda.cu), where the
+// driver's "phases" mode reads them; meaningful for one-block frames (one SM's clock).
+#ifdef AIOSPEC_PHASES
+__device__ unsigned long long aiospec_cuda_phase_clock[16];
+#define AIOSPEC_PHASE(n)                                                                         \
+  do {                                                                                           \
+    if ((n) == 7 || (n) == 8 || (blockIdx.x == 0 && threadIdx.x == 0)) aiospec_cuda_phase_clock[n] = clock64(); \
+  } while (0)
+#else
+#define AIOSPEC_PHASE(n) \
+  do {                   \
+  } while (0)
+#endif
 
 namespace aiospec {
 namespace cuda {
@@ -132,6 +146,24 @@ __device__ __forceinline__ uint32_t ld_acquire_sys_u32(const uint8_t* p) {
 __device__ __forceinline__ uint64_t ld_volatile_u64(const uint8_t* p) {
   return *reinterpret_cast<const volatile uint64_t*>(p);
 }
+// Into L1 without a register waiting for it: the checks' loads, each behind a branch on the
+// one before, then hit L1 instead of making one round trip to L2 / HBM each.
+__device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefetch.global.L1 [%0];" ::"l"(p)); }
+
+__device__ __forceinline__ void prefetch_row(const aiospec_emit_args& a, int64_t i) {
+  prefetch_l1(a.num_tokens + i);
+  prefetch_l1(a.handles + i);
+  if (a.flags != nullptr) prefetch_l1(a.flags + i);
+  if (a.num_draft != nullptr) prefetch_l1(a.num_draft + i);
+  if (a.lp_offsets != nullptr) {
+    prefetch_l1(a.lp_offsets + i);
+    prefetch_l1(a.lp_offsets + i + 1);
+  }
+  const int64_t tw = a.token_ids_i64 ? 8 : 4;
+  const uint8_t* tok = static_cast<const uint8_t*>(a.token_ids) + aiospec_token_row(&a, i) * tw;
+  if (a.max_tokens > 0) prefetch_l1(tok);
+}
+
 __device__ __forceinline__ uint64_t globaltimer_ns() {
   uint64_t t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -343,10 +375,9 @@ __device__ void report_error(const aiospec_error& e, const RingRef& ring, State*
 // ---- block 0's frame-wide words ---------------------------------------------------------------
 
 // Besides its rows, block 0 writes the words of the frame no row owns, one task per range of
-// threads (disjoint, so they run side by side; the header tasks fill warp 0's spare lanes).
+// threads (disjoint, so they run side by side); the msgpack header is the last warp's.
 namespace block0 {
-// [kHeaderWords, + HEADER_SPACE / 8): the msgpack header, 8 bytes a thread
-constexpr int kHeaderWords = 0;
+// (the msgpack header: block 0's last warp, see step 4 of the kernel)
 // the frame's absolute position (readers use it to detect a frame from an earlier lap)
 constexpr int kPositionWord = 32;
 // token_offsets[R] = T and draft_offsets[R] = D: the offset columns' last entries
@@ -358,17 +389,13 @@ constexpr int kColumnPads = 64;
 constexpr int kAlignTail = 96;
 constexpr int kAlignTailWords = AIOSPEC_FRAME_ALIGN / 8;
 
-static_assert(kHeaderWords + AIOSPEC_HEADER_SPACE / 8 <= kPositionWord, "header words overlap");
+static_assert(AIOSPEC_HEADER_SPACE / 8 <= 32, "the header warp stores a word a lane");
 static_assert(kColumnPads + AIOSPEC_NUM_COLUMNS <= kAlignTail, "column pads overlap the tail");
 static_assert(kAlignTail + kAlignTailWords <= kThreads, "block 0's tasks need more threads");
 
 __device__ __forceinline__ void write_frame_words(int tid, const aiospec_frame_layout& lay, uint8_t* frame,
-                                                  uint64_t pos, const uint8_t* header) {
+                                                  uint64_t pos) {
   uint8_t* pay = frame + AIOSPEC_FRAME_HEADER;
-  if (tid >= kHeaderWords && tid < kHeaderWords + AIOSPEC_HEADER_SPACE / 8) {
-    const int w = tid - kHeaderWords;
-    st_u64(pay + 8 * w, reinterpret_cast<const uint64_t*>(header)[w]);
-  }
   if (tid == kPositionWord) st_u64(frame, pos);
   if (tid == kTokenOffsetsEnd && lay.off[AIOSPEC_COL_TOKEN_OFFSETS] != 0) {
     st_u32(pay + lay.off[AIOSPEC_COL_TOKEN_OFFSETS] + 4 * lay.r, uint32_t(lay.t));
@@ -405,11 +432,12 @@ __global__ void __launch_bounds__(kThreads)
     emit_kernel(aiospec_emit_args a, RingRef ring, State* st, Mapped* m, const uint64_t* step_dev,
                 int rows_per_block) {
   extern __shared__ long long sh[];
-  __shared__ unsigned long long s_key, s_idkey;
-  __shared__ int s_write, s_last;
+  __shared__ unsigned long long s_key, s_idkey, s_needed;
+  __shared__ int s_write, s_last, s_full, s_pad;
   __shared__ int s_nt_min, s_nt_max, s_nd_min, s_nd_max;  // counts of the records (uniform?)
   __shared__ long long s_chunk[kThreads + 1];  // count_exceptions' token offsets
   __shared__ alignas(8) uint8_t s_header[AIOSPEC_HEADER_SPACE];
+  AIOSPEC_PHASE(9);
   const int tid = threadIdx.x;
   const int rpb = rows_per_block;
   long long* s_rec = sh;
@@ -420,17 +448,27 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t row0 = int64_t(blockIdx.x) * rpb;
   const int64_t row_end = row0 + rpb < rows ? row0 + rpb : rows;
   const int n = row_end > row0 ? int(row_end - row0) : 0;
+  for (int64_t i = tid; i < rows; i += kThreads) prefetch_row(a, i);
   // issued now, used after the row checks: their latency hides behind that work
   const uint64_t head = st->head;
   const uint64_t tail_cache = tid < 32 ? st->tail_cache : 0;
+  // the counters the committing thread adds to (only the last launch changed them)
+  const uint64_t frames_written = tid == 0 ? st->frames_written : 0;
+  const uint64_t bytes_written = tid == 0 ? st->bytes_written : 0;
   const uint64_t step = step_dev != nullptr ? *step_dev : a.step;
+  // one block: the frame is committed by this block alone, with no device-memory round trip
+  // between its stores and the commit (no counter, no state read back)
+  const bool solo = gridDim.x == 1;
   if (tid == 0) {
     s_key = kNoError;
     s_idkey = kNoError;
+    s_full = 0;
+    s_pad = 0;
     s_nt_min = s_nd_min = INT32_MAX;
     s_nt_max = s_nd_max = -1;
   }
   __syncthreads();
+  AIOSPEC_PHASE(0);
 
   // 1. Structural checks of every row (the id checks are switched off by declaring the id
   //    inputs int32; this block checks the int64 ids of its own rows where it copies them),
@@ -463,6 +501,7 @@ __global__ void __launch_bounds__(kThreads)
     atomicMax(&s_nd_max, nd_max);
   }
   __syncthreads();
+  AIOSPEC_PHASE(1);
   const uint64_t skey = s_key;
   const int64_t live = skey == kNoError ? rows : key_row(skey);  // rows [0, live) passed
   const uint32_t k = aiospec_frame_k(&a);
@@ -480,7 +519,11 @@ __global__ void __launch_bounds__(kThreads)
   } else if (sampled) {
     count_exceptions(a, k, row0, s_chunk, &before, &total);
   }
-  block_sum2(before, total);
+  // one block holds every row: its scan below gives the totals, so the block-wide sums are
+  // needed only for the exceptions, which every thread counted on its own
+  const bool sums = !solo || (skey == kNoError && sampled);
+  if (sums) block_sum2(before, total);
+  AIOSPEC_PHASE(2);
 
   // 2. This block's rows: exclusive prefix sums (rows past `live` are empty).
   {
@@ -493,8 +536,13 @@ __global__ void __launch_bounds__(kThreads)
       s_dr[tid] = before.d + ex.d;
     }
     if (tid < n && aiospec_has_logprobs(&a)) s_lp[tid] = a.lp_offsets[row0 + tid];
+    if (!sums) {
+      __syncthreads();
+      total = Triple{s_rec[n], s_tok[n], s_dr[n], 0};
+    }
   }
 
+  AIOSPEC_PHASE(3);
   // 3. Layout, frame position and space (every block reaches the same layout and position).
   aiospec_frame_layout lay;
   const uint32_t fflags = aiospec_frame_flags(&a, uint64_t(total.r), uint64_t(total.d), s_nt_min, s_nt_max,
@@ -528,8 +576,12 @@ __global__ void __launch_bounds__(kThreads)
     if (tid == 0) {
       s_write = valid && room;
       if (valid && !room) {
-        st->needed_tail = head + need - ring.capacity;
-        atomicExch(&st->full, 1u);
+        s_full = 1;
+        s_needed = head + need - ring.capacity;
+        if (!solo) {
+          st->needed_tail = s_needed;
+          atomicExch(&st->full, 1u);
+        }
       }
       if (s_write && blockIdx.x == 0) {
         if (pad != 0) {
@@ -539,9 +591,9 @@ __global__ void __launch_bounds__(kThreads)
           st_u64(ring.data + 8, 0);
           __threadfence_system();
           st_release_sys_u64(f + 8, pad | (uint64_t(AIOSPEC_FRAME_PAD) << 32));
-          st->pad_done = 1;
+          s_pad = 1;
+          if (!solo) st->pad_done = 1;
         }
-        aiospec_write_header(s_header, &lay, a.producer, step, a.kind);
       }
     }
   }
@@ -550,8 +602,21 @@ __global__ void __launch_bounds__(kThreads)
   uint8_t* frame = ring.data + (pos & ring.mask);
   uint8_t* pay = frame + AIOSPEC_FRAME_HEADER;
 
-  // 4. Block 0: the frame-wide words (block0::write_frame_words).
-  if (write && blockIdx.x == 0) block0::write_frame_words(tid, lay, frame, pos, s_header);
+  AIOSPEC_PHASE(4);
+  // 4. Block 0: the frame-wide words (block0::write_frame_words); the header is encoded and
+  //    stored by block 0's last warp (one serial encoder, then a lane a word) while the other
+  //    warps go on with the rows: nothing waits for it before the commit's barrier.
+  if (write && blockIdx.x == 0) {
+    block0::write_frame_words(tid, lay, frame, pos);
+    if ((tid >> 5) == kThreads / 32 - 1) {
+      const int lane = tid & 31;
+      if (lane == 0) aiospec_write_header(s_header, &lay, a.producer, step, a.kind);
+      __syncwarp();
+      if (lane < AIOSPEC_HEADER_SPACE / 8) {
+        st_u64(pay + 8 * lane, reinterpret_cast<const uint64_t*>(s_header)[lane]);
+      }
+    }
+  }
 
   // 5. This block's rows: records, then token ids with their logprobs and ranks, draft ids,
   //    top-k ids and logprobs. Int64 ids are checked even when nothing is written.
@@ -668,34 +733,51 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
 
-  // 6. Count this block done; the last one decides.
+  AIOSPEC_PHASE(5);
+  // 6. Count this block done; the last one decides (one block: it is the last).
   if (key != kNoError) atomicMin(&s_idkey, key);
 #if AIOSPEC_FENCE_MODE == 0
   __threadfence_system();
 #endif
   __syncthreads();
-  if (tid == 0) {
-    if (s_idkey != kNoError) atomicMin(&st->key, s_idkey);
-#if AIOSPEC_FENCE_MODE >= 2
-    __threadfence();
-#else
-    __threadfence_system();  // the block's stores (ordered by the barrier) at system scope
+  AIOSPEC_PHASE(6);
+  unsigned long long idkey;
+  unsigned int full, pad_done;
+  uint64_t needed_tail;
+  if (solo) {
+    if (tid != 0) return;
+#if AIOSPEC_FENCE_MODE == 1
+    __threadfence_system();
 #endif
-    s_last = atomicAdd(&st->blocks_done, 1u) == gridDim.x - 1;
-  }
-  __syncthreads();
-  if (!s_last || tid != 0) return;
+    idkey = s_idkey;
+    full = s_full;
+    pad_done = s_pad;
+    needed_tail = s_needed;
+  } else {
+    if (tid == 0) {
+      if (s_idkey != kNoError) atomicMin(&st->key, s_idkey);
+#if AIOSPEC_FENCE_MODE >= 2
+      __threadfence();
+#else
+      __threadfence_system();  // the block's stores (ordered by the barrier) at system scope
+#endif
+      s_last = atomicAdd(&st->blocks_done, 1u) == gridDim.x - 1;
+    }
+    __syncthreads();
+    if (!s_last || tid != 0) return;
 
-  // every other block is done: plain loads (issued together) and stores will do
-  __threadfence();
-  volatile State* vs = st;
-  const unsigned long long idkey = vs->key;
-  const unsigned int full = vs->full;
-  const unsigned int pad_done = vs->pad_done;
-  vs->key = kNoError;
-  vs->full = 0;
-  vs->pad_done = 0;
-  vs->blocks_done = 0;
+    // every other block is done: plain loads (issued together) and stores will do
+    __threadfence();
+    volatile State* vs = st;
+    idkey = vs->key;
+    full = vs->full;
+    pad_done = vs->pad_done;
+    needed_tail = vs->needed_tail;
+    vs->key = kNoError;
+    vs->full = 0;
+    vs->pad_done = 0;
+    vs->blocks_done = 0;
+  }
   if (pad_done) {
     st->head = pos;
     st_u64(ring.ctl + AIOSPEC_OFF_HEAD, pos);
@@ -716,7 +798,7 @@ __global__ void __launch_bounds__(kThreads)
   }
   if (full) {
     aiospec_error e;
-    aiospec_set_error(&e, AIOSPEC_E_RING_FULL, AIOSPEC_ARG_FRAME, -1, -1, int64_t(size), int64_t(st->needed_tail),
+    aiospec_set_error(&e, AIOSPEC_E_RING_FULL, AIOSPEC_ARG_FRAME, -1, -1, int64_t(size), int64_t(needed_tail),
                       int64_t(head), -1);
     report_error(e, ring, st, m, step);
     return;
@@ -733,15 +815,17 @@ __global__ void __launch_bounds__(kThreads)
 #else
   st_release_sys_u64(frame + 8, commit);
 #endif
+  AIOSPEC_PHASE(7);
   st->head = pos + size;
-  st->frames_written += 1;
-  st->bytes_written += lay.payload_len;
-  st_u64(ring.ctl + AIOSPEC_OFF_FRAMES_WRITTEN, st->frames_written);
-  st_u64(ring.ctl + AIOSPEC_OFF_BYTES_WRITTEN, st->bytes_written);
+  st->frames_written = frames_written + 1;
+  st->bytes_written = bytes_written + lay.payload_len;
+  st_u64(ring.ctl + AIOSPEC_OFF_FRAMES_WRITTEN, frames_written + 1);
+  st_u64(ring.ctl + AIOSPEC_OFF_BYTES_WRITTEN, bytes_written + lay.payload_len);
 #if AIOSPEC_FENCE_MODE == 0
   __threadfence_system();
 #endif
   st_u64(ring.ctl + AIOSPEC_OFF_HEAD, pos + size);
+  AIOSPEC_PHASE(8);
 }
 
 }  // namespace cuda

@@ -35,6 +35,10 @@
 #include "aiospec/emit_cuda.h"
 #include "aiospec/layout.h"
 
+#ifdef AIOSPEC_PHASES
+extern "C" int aiospec_cuda_phases(unsigned long long* out);
+#endif
+
 namespace {
 
 int g_failures = 0;
@@ -573,6 +577,80 @@ double median(std::vector<float> v) {
   return v.empty() ? 0.0 : double(v[v.size() / 2]);
 }
 
+// A timing batch: every row `tokens` tokens, no drafts, no flags; k < 0: no logprobs.
+Inputs timing_inputs(std::mt19937_64& rng, int64_t rows, int64_t tokens, int64_t k) {
+  Inputs in = random_inputs(rng, rows, tokens, k < 0 ? -1 : int(k), true);
+  for (auto& v : in.nt) v = int32_t(tokens);
+  for (auto& v : in.fl) v = 0;
+  in.drafts = false;
+  if (in.lp) {
+    in.k = int(k);
+    for (int64_t i = 0; i <= in.rows; ++i) in.lpo[size_t(i)] = int32_t(i * tokens);
+    in.N = in.rows * tokens;
+    in.lpid64.resize(size_t(in.N * in.width));
+    in.lpv.resize(size_t(in.N * in.width));
+    in.rank64.assign(size_t(in.N), 1);
+    // as a sampler hands them over: the sampled token is the top-1 alternative (rank 1), so
+    // a frame with a top-k carries its position, no exceptions
+    for (int64_t i = 0; i < in.rows; ++i) {
+      for (int64_t j = 0; j < tokens; ++j) {
+        const size_t r = size_t(i * tokens + j) * size_t(in.width);
+        const int64_t tok = in.tok64[size_t(i * in.W + j)];
+        for (int64_t c = 0; c < in.width; ++c) {
+          in.lpid64[r + size_t(c)] = c <= 1 ? tok : 1000 + c;
+          in.lpv[r + size_t(c)] = c <= 1 ? -0.1f : -0.1f - float(c);
+        }
+      }
+    }
+  }
+  in.kind = AIOSPEC_KIND_TARGET;
+  in.processed = false;
+  return in;
+}
+
+void one_config(int64_t rows, int64_t tokens, int64_t k, int n) {
+  std::mt19937_64 rng(7);
+  Segment seg(64u << 20, 8u << 20, "one");
+  seg.slot32(AIOSPEC_RD_STATE) = AIOSPEC_READER_FREE;
+  aiospec_cuda_options o;
+  aiospec_cuda_default_options(&o);
+  o.max_rows = 4096;
+  o.liveness_s = 0;
+  aiospec_cuda_producer* p = nullptr;
+  char err[512];
+  if (aiospec_cuda_producer_create(seg.name.c_str(), &o, &p, err, sizeof err) != 0) {
+    std::fprintf(stderr, "producer_create: %s\n", err);
+    std::exit(2);
+  }
+  Inputs in = timing_inputs(rng, rows, tokens, k);
+  aiospec_emit_args da = in.device_args(0);
+#ifdef AIOSPEC_PHASES
+  // each emit alone (the GPU otherwise idle), the clock of every phase boundary against the
+  // kernel's entry; the median over the emits
+  std::vector<std::vector<double>> ph(10);
+  for (int i = 0; i < n; ++i) {
+    CUDA_OK(aiospec_cuda_emit(p, &da, 0));
+    CUDA_OK(cudaDeviceSynchronize());
+    unsigned long long c[16];
+    CUDA_OK(cudaError_t(aiospec_cuda_phases(c)));
+    for (int k = 0; k <= 8; ++k) ph[size_t(k)].push_back(double(c[k] - c[9]));
+  }
+  std::printf("phases rows=%lld tokens=%lld k=%lld cycles_from_entry", (long long)rows, (long long)tokens, (long long)k);
+  for (int k = 0; k <= 8; ++k) {
+    std::sort(ph[size_t(k)].begin(), ph[size_t(k)].end());
+    std::printf(" p%d=%.0f", k, ph[size_t(k)][ph[size_t(k)].size() / 2]);
+  }
+  std::printf("\n");
+#else
+  for (int i = 0; i < n; ++i) CUDA_OK(aiospec_cuda_emit(p, &da, 0));
+#endif
+  CUDA_OK(cudaDeviceSynchronize());
+  aiospec_error e;
+  CHECK(aiospec_cuda_check(p, &e, nullptr) == 0, "device error: %d", e.code);
+  std::printf("one rows=%lld tokens=%lld k=%lld emits=%d\n", (long long)rows, (long long)tokens, (long long)k, n);
+  aiospec_cuda_producer_destroy(p);
+}
+
 // GPU time per emit with CUDA events (the stream held by a spinning kernel while the launches
 // queue, so host launch time stays out), and per replay of a graph of one captured emit.
 // No reader: nothing waits for space.
@@ -611,20 +689,19 @@ void time_emits(std::mt19937_64& rng, int rpb) {
         t.push_back(ms * 1000.f);
       }
     }
-    std::printf("time two-empty-kernels gpu_us=%.2f\n", median(t));
+    CUDA_OK(cudaEventRecord(ev[0], s));
+    for (int i = 0; i < 2000; ++i) empty_kernel<<<1, 32, 0, s>>>();
+    CUDA_OK(cudaEventRecord(ev[1], s));
+    CUDA_OK(cudaStreamSynchronize(s));
+    float ms;
+    CUDA_OK(cudaEventElapsedTime(&ms, ev[0], ev[1]));
+    std::printf("time two-empty-kernels gpu_us=%.2f empty_b2b_us=%.2f\n", median(t), ms * 1000.0 / 2000);
   }
-  const int64_t configs[][3] = {{64, 6, 0}, {256, 1, 0}, {256, 6, 0}, {256, 6, 5}, {256, 6, 20}, {1024, 6, 20}};
+  // k < 0: no logprobs
+  const int64_t configs[][3] = {{64, 1, -1}, {64, 6, 0},   {256, 1, 0},   {256, 6, 0},
+                                {256, 6, 5}, {256, 6, 20}, {1024, 1, -1}, {1024, 6, 20}};
   for (const auto& c : configs) {
-    Inputs in = random_inputs(rng, c[0], c[1], int(c[2]), true);
-    for (auto& v : in.nt) v = int32_t(c[1]);
-    for (auto& v : in.fl) v = 0;
-    in.drafts = false;
-    in.k = int(c[2]);
-    for (int64_t i = 0; i <= in.rows; ++i) in.lpo[size_t(i)] = int32_t(i * c[1]);
-    in.N = in.rows * c[1];
-    in.lpid64.resize(size_t(in.N * in.width));
-    in.lpv.resize(size_t(in.N * in.width));
-    in.rank64.resize(size_t(in.N), 3);
+    Inputs in = timing_inputs(rng, c[0], c[1], c[2]);
     aiospec_emit_args da = in.device_args(0);
     aiospec_frame_layout lay;
     aiospec_error e;
@@ -646,6 +723,13 @@ void time_emits(std::mt19937_64& rng, int rpb) {
         t.push_back(ms * 1000.f);
       }
     }
+    // back to back: what an emit adds to a busy stream (its launch hidden behind the work before)
+    CUDA_OK(cudaEventRecord(ev[0], s));
+    for (int i = 0; i < 200; ++i) CUDA_OK(aiospec_cuda_emit(p, &da, s));
+    CUDA_OK(cudaEventRecord(ev[1], s));
+    CUDA_OK(cudaStreamSynchronize(s));
+    float b2b_ms;
+    CUDA_OK(cudaEventElapsedTime(&b2b_ms, ev[0], ev[1]));
     cudaGraph_t g;
     cudaGraphExec_t ge;
     CUDA_OK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
@@ -662,9 +746,9 @@ void time_emits(std::mt19937_64& rng, int rpb) {
     CUDA_OK(cudaGraphExecDestroy(ge));
     CUDA_OK(cudaGraphDestroy(g));
     CHECK(aiospec_cuda_check(p, &e, nullptr) == 0, "device error while timing: %d", e.code);
-    std::printf("time rows=%lld tokens=%lld k=%lld rpb=%d frame_bytes=%llu gpu_us=%.2f graph_us=%.2f\n",
+    std::printf("time rows=%lld tokens=%lld k=%lld rpb=%d frame_bytes=%llu gpu_us=%.2f b2b_us=%.2f graph_us=%.2f\n",
                 (long long)c[0], (long long)c[1], (long long)c[2], rpb, (unsigned long long)lay.frame_size, median(t),
-                ms * 1000.0 / 200);
+                b2b_ms * 1000.0 / 200, ms * 1000.0 / 200);
   }
   for (auto& e : ev) CUDA_OK(cudaEventDestroy(e));
   aiospec_cuda_producer_destroy(p);
@@ -674,6 +758,11 @@ void time_emits(std::mt19937_64& rng, int rpb) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  if (argc == 6 && std::strcmp(argv[1], "one") == 0) {
+    // one R T K N: N emits of one timing batch, nothing timed (for Nsight Compute)
+    one_config(std::atoll(argv[2]), std::atoll(argv[3]), std::atoll(argv[4]), std::atoi(argv[5]));
+    return g_failures ? 1 : 0;
+  }
   if (argc > 1 && std::strcmp(argv[1], "time") == 0) {
     std::mt19937_64 rng(7);
     for (int i = 2; i < argc; ++i) time_emits(rng, std::atoi(argv[i]));

@@ -28,7 +28,7 @@ extern "C" {
 #endif
 
 /* Bumped whenever a struct or a function below changes. */
-#define AIOSPEC_CUDA_ABI_VERSION 3
+#define AIOSPEC_CUDA_ABI_VERSION 4
 
 /* Error codes of the CUDA path beyond emit.h's AIOSPEC_E_* (same aiospec_error struct). */
 enum aiospec_cuda_error_code {
@@ -92,6 +92,11 @@ void aiospec_cuda_last_error(const aiospec_cuda_producer* p, aiospec_error* out)
  * Each error is reported once; errors that happened while one was pending are only counted
  * (aiospec_cuda_stats.errors). Also does the throttled liveness pass. */
 int aiospec_cuda_check(aiospec_cuda_producer* p, aiospec_error* out, uint64_t* step);
+
+/* The word aiospec_cuda_check compares with what it reported: device-side errors published so
+ * far, in mapped host memory. A caller that reads it before each aiospec_cuda_check may skip
+ * the call while it still holds the value read before the last one (a load, no call). */
+const volatile uint64_t* aiospec_cuda_error_seq(const aiospec_cuda_producer* p);
 
 /* Formats an error of this path (emit.h's codes and AIOSPEC_E_RING_FULL / _MAX_ROWS). */
 int aiospec_cuda_format_error(const aiospec_cuda_producer* p, const aiospec_error* e, char* buf, size_t size);
