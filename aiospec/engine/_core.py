@@ -14,6 +14,7 @@ step.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from typing import Literal
 
 import msgspec
@@ -48,6 +49,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     transport_address: str = ""
     ring_capacity: int = 32 << 20
     device: str = "auto"
+    api_servers: int = 1  # API server processes reading the ring (one reader slot each)
 
     def validate(self) -> None:
         checks = (
@@ -60,6 +62,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             ("producer", self.producer, 0 <= self.producer < 1 << 32, "0..2**32-1"),
             ("transport", self.transport, self.transport in ("ring", "vllm", "fastdeploy"), "ring, vllm or fastdeploy"),
             ("device", self.device, self.device in ("auto", "cpu", "python", "cuda"), "auto, cpu, python or cuda"),
+            ("api_servers", self.api_servers, 1 <= self.api_servers <= 16, "1..16"),
         )
         for name, value, ok, expected in checks:
             if not ok:
@@ -198,6 +201,11 @@ class EngineCore:
         while len(self._tombstone_order) > 65536:
             self._tombstones.discard(self._tombstone_order.popleft())
         return False
+
+    def handles_of(self, pred: Callable[[int], bool]) -> list[int]:
+        """The handles running or waiting here for which ``pred`` holds."""
+        waiting = [w.request.handle if isinstance(w, Handoff) else w.handle for w in self._waiting]
+        return [h for h in [*self._slot_of, *waiting] if pred(h)]
 
     def _consume_tombstone(self, handle: int) -> bool:
         if handle in self._tombstones:

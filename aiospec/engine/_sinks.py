@@ -88,7 +88,9 @@ class RingSink:
         capacity = config.ring_capacity
         while capacity // 4 < worst:
             capacity *= 2
-        self.ring = shm.Ring.create(capacity=capacity, max_readers=8, max_record=capacity // 4)
+        # one reader per API server (--api-servers, at most 16 here) and room for tools
+        readers = min(shm.layout.MAX_READERS, max(8, config.api_servers + 4))
+        self.ring = shm.Ring.create(capacity=capacity, max_readers=readers, max_record=capacity // 4)
         self.transport = self.ring.name
         self.device = _pick_device(config.device)
         try:
@@ -132,6 +134,10 @@ class RingSink:
         )
         t.cuda.current_stream().synchronize()  # the step's own sync point; then wake readers
         self.producer.notify()
+
+    def evict_dead_readers(self) -> None:
+        """Free the reader slots of processes that are gone (an API server that died)."""
+        self.ring.evict_dead_readers()
 
     def idle(self) -> None:
         now = time.monotonic()
