@@ -249,3 +249,18 @@ def test_api_servers_argument_is_checked() -> None:
         r = subprocess.run([sys.executable, "-m", "aiospec.cli", "serve", *argv], capture_output=True, text=True,
                            timeout=60)  # fmt: skip
         assert r.returncode == 2 and msg in r.stderr, (argv, r.stderr)
+
+
+@pytest.mark.slow
+def test_demo_takes_api_servers(tmp_path: Any) -> None:
+    import subprocess
+    import sys
+
+    r = subprocess.run(
+        [sys.executable, "-m", "aiospec.cli", "demo", "--once", "--api-servers", "2", "-n", "8", "-c", "4",
+         "--max-tokens", "4"],
+        capture_output=True, text=True, timeout=180, cwd=tmp_path,
+        env=dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "2 API server processes" in " ".join(r.stdout.split()), r.stdout
