@@ -181,7 +181,7 @@ def _engine_counters(stats: dict[str, Any]) -> dict[str, float]:
 def run_one(path: str, concurrency: int, a: argparse.Namespace, servers: int = 1) -> dict[str, Any]:
     args = ["--token-path", path, "--max-batch", str(a.max_batch), "--step-ms", str(a.step_ms),
             "--num-draft", str(a.num_draft), "--acceptance", str(a.acceptance),
-            "--api-servers", str(servers)]  # fmt: skip
+            "--api-servers", str(servers), "--device", a.device]  # fmt: skip
     if path == "fastdeploy" and a.raise_msg_limits:
         args.append("--raise-msg-limits")
     srv = ServerProcess(args)
@@ -305,6 +305,8 @@ def main() -> int:
     p.add_argument("--repeat", type=int, default=1, help="repetitions (interleaved); medians are reported")
     p.add_argument("--api-servers", type=int, nargs="+", default=[1], help="API server processes per run (a sweep)")
     p.add_argument("--clients", type=int, default=1, help="load-generator processes per run")
+    p.add_argument("--device", choices=("auto", "cpu", "python", "cuda"), default="auto",
+                   help="the engine's emit op backend (the server's side is the same for all)")  # fmt: skip
     p.add_argument("--json", metavar="PATH", help="also write the JSON here")
     a = p.parse_args()
 
