@@ -264,3 +264,41 @@ def test_demo_takes_api_servers(tmp_path: Any) -> None:
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
     assert "2 API server processes" in " ".join(r.stdout.split()), r.stdout
+
+
+def test_metrics_share_sums_counters_over_every_process_and_gauges_over_live_ones(tmp_path: Any) -> None:
+    import msgspec
+
+    from aiospec.server._metrics import Metrics, MetricsShare
+
+    def extra(cpu: float, lag: int) -> list[Any]:
+        return [("process_cpu_seconds_total", "counter", "CPU time of the server process.", cpu, None),
+                ("aiospec_hub_records_routed_total", "counter", "Records routed to streams.", 10, None),
+                ("aiospec_ring_lag_bytes", "gauge", "Bytes.", lag, {"ring": "r"})]  # fmt: skip
+
+    ms = [Metrics() for _ in range(3)]
+    shares = [MetricsShare(str(tmp_path), i, m, lambda i=i: extra(1.0 + i, 100 * i)) for i, m in enumerate(ms)]
+    for i, m in enumerate(ms):
+        m.tokens, m.streams_open = 100 * (i + 1), i + 1
+        m.request_done("chat", 200)
+        m.ttft.observe(0.01 * (i + 1))
+        shares[i].write()
+    # server 2 died: its counters still count, its gauges no longer do
+    path = tmp_path / "server-2.msgpack"
+    snap = msgspec.msgpack.decode(path.read_bytes())
+    snap["pid"] = 2**22 + 12345  # no such process
+    path.write_bytes(msgspec.msgpack.encode(snap))
+    text = ms[0].render([*extra(1.0, 0), ("aiospec_engine_up", "gauge", "Up.", 1, None)])
+    assert re.search(r"^aiospec_tokens_total 600$", text, re.M), text
+    assert re.search(r'^aiospec_requests_total\{endpoint="chat",status="200"\} 3$', text, re.M)
+    assert re.search(r"^aiospec_streams_open 3$", text, re.M)  # 1 + 2; the dead server's 3 left out
+    assert re.search(r"^aiospec_time_to_first_token_seconds_count 3$", text, re.M)
+    assert re.search(r"^process_cpu_seconds_total 6$", text, re.M)  # 1 + 2 + 3
+    assert re.search(r"^aiospec_hub_records_routed_total 30$", text, re.M)
+    assert re.findall(r'^aiospec_ring_lag_bytes\{ring="r",server="(\d)"\}', text, re.M) == ["0", "1"]
+    assert re.findall(r"^aiospec_engine_up (\d)$", text, re.M) == ["1"]  # the engines' figures: not summed
+    assert [(s["index"], s["alive"]) for s in shares[1].servers()] == [(0, True), (1, True), (2, False)]
+    # a reset asked of one process reaches the others
+    ms[1].loop_lag._n = 5
+    ms[0].loop_lag.reset()
+    assert shares[1]._reset_epoch() != shares[1]._reset_seen

@@ -177,8 +177,7 @@ class Metrics:
     def start_share(self, directory: str, index: int, local_extra: Callable[[], list[Extra]]) -> None:
         """Share this process's metrics with the other API server processes (``--api-servers``)."""
         if directory:
-            self.share = MetricsShare(directory, index, self, local_extra)
-            self.share.start()
+            MetricsShare(directory, index, self, local_extra).start()
 
     async def stop_share(self) -> None:
         if self.share is not None:
@@ -326,6 +325,7 @@ class MetricsShare:
         self._reset_seen = self._reset_epoch()
         self._task: asyncio.Task[None] | None = None
         metrics.loop_lag.on_reset = self._broadcast_reset
+        metrics.share = self
 
     def start(self) -> None:
         self.write()
