@@ -282,6 +282,68 @@ def _median(rs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _summary(
+    a: argparse.Namespace,
+    samples: dict[tuple[int, int, str], list[dict[str, Any]]],
+    failures: list[dict[str, Any]],
+    load_before: tuple[float, float, float],
+) -> dict[str, Any]:
+    """The JSON of the runs so far: medians, ratios, targets."""
+    runs = [_median(rs) for rs in samples.values()]
+    ratios: dict[str, Any] = {}
+    targets: dict[str, Any] = {}
+    for c in a.concurrency:
+        for n in a.api_servers:
+            by = {r["path"]: r for r in runs if r["concurrency"] == c and r["api_servers"] == n}
+            if "ring" not in by:
+                continue
+            key = str(c) if a.api_servers == [1] else f"{c}/N={n}"
+            ring = by["ring"]
+            for base in ("vllm", "fastdeploy"):
+                if base in by:
+                    b = by[base]
+                    ratios.setdefault(key, {})[f"ring_vs_{base}"] = {
+                        "tokens_per_s": round(ring["tokens_per_s"] / max(b["tokens_per_s"], 1e-9), 3),
+                        "server_cpu_per_token": round(
+                            ring["server_cpu_us_per_token"] / max(b["server_cpu_us_per_token"], 1e-9), 3
+                        ),
+                        "itl_p99": round(ring["itl_ms"]["p99"] / max(b["itl_ms"]["p99"], 1e-9), 3),
+                        "ttft_p99": round(ring["ttft_ms"]["p99"] / max(b["ttft_ms"]["p99"], 1e-9), 3),
+                    }
+            t: dict[str, Any] = {"loop_lag_p99_le_10ms": ring["loop_lag_ms"]["p99_ms"] <= 10.0}
+            if "vllm" in by:
+                v = by["vllm"]
+                t["tokens_per_s_ge_1.5x_vllm"] = ring["tokens_per_s"] >= 1.5 * v["tokens_per_s"]
+                t["server_cpu_per_token_le_vllm"] = ring["server_cpu_us_per_token"] <= v["server_cpu_us_per_token"]
+                t["itl_p99_le_vllm"] = ring["itl_ms"]["p99"] <= v["itl_ms"]["p99"]
+            one = next(
+                (r for r in runs if r["concurrency"] == c and r["api_servers"] == 1 and r["path"] == "ring"), None
+            )
+            if n > 1 and one is not None:
+                scale = ring["tokens_per_s"] / max(one["tokens_per_s"], 1e-9)
+                t[f"ring_N{n}_over_N1"] = round(scale, 3)
+                if n == 8:
+                    t["ring_N8_ge_6x_N1"] = scale >= 6.0
+            targets[key] = t
+    out = {
+        "benchmark": "bench_e2e",
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            # other work on the machine competes with the three processes measured here
+            "loadavg_before": [round(x, 2) for x in load_before],
+            "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+        },
+        "settings": {k: v for k, v in vars(a).items() if k != "json"},
+        "runs": runs,
+        "failures": failures,
+        "ratios": ratios,
+        "targets": targets,
+    }
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--concurrency", type=int, nargs="+", default=[64, 256, 1024])
@@ -336,58 +398,10 @@ def main() -> int:
                         f"errors {r['errors']}"
                     )
                     print(line, file=sys.stderr)
-    runs = [_median(rs) for rs in samples.values()]
-    ratios: dict[str, Any] = {}
-    targets: dict[str, Any] = {}
-    for c in a.concurrency:
-        for n in a.api_servers:
-            by = {r["path"]: r for r in runs if r["concurrency"] == c and r["api_servers"] == n}
-            if "ring" not in by:
-                continue
-            key = str(c) if a.api_servers == [1] else f"{c}/N={n}"
-            ring = by["ring"]
-            for base in ("vllm", "fastdeploy"):
-                if base in by:
-                    b = by[base]
-                    ratios.setdefault(key, {})[f"ring_vs_{base}"] = {
-                        "tokens_per_s": round(ring["tokens_per_s"] / max(b["tokens_per_s"], 1e-9), 3),
-                        "server_cpu_per_token": round(
-                            ring["server_cpu_us_per_token"] / max(b["server_cpu_us_per_token"], 1e-9), 3
-                        ),
-                        "itl_p99": round(ring["itl_ms"]["p99"] / max(b["itl_ms"]["p99"], 1e-9), 3),
-                        "ttft_p99": round(ring["ttft_ms"]["p99"] / max(b["ttft_ms"]["p99"], 1e-9), 3),
-                    }
-            t: dict[str, Any] = {"loop_lag_p99_le_10ms": ring["loop_lag_ms"]["p99_ms"] <= 10.0}
-            if "vllm" in by:
-                v = by["vllm"]
-                t["tokens_per_s_ge_1.5x_vllm"] = ring["tokens_per_s"] >= 1.5 * v["tokens_per_s"]
-                t["server_cpu_per_token_le_vllm"] = ring["server_cpu_us_per_token"] <= v["server_cpu_us_per_token"]
-                t["itl_p99_le_vllm"] = ring["itl_ms"]["p99"] <= v["itl_ms"]["p99"]
-            one = next(
-                (r for r in runs if r["concurrency"] == c and r["api_servers"] == 1 and r["path"] == "ring"), None
-            )
-            if n > 1 and one is not None:
-                scale = ring["tokens_per_s"] / max(one["tokens_per_s"], 1e-9)
-                t[f"ring_N{n}_over_N1"] = round(scale, 3)
-                if n == 8:
-                    t["ring_N8_ge_6x_N1"] = scale >= 6.0
-            targets[key] = t
-    out = {
-        "benchmark": "bench_e2e",
-        "machine": {
-            "cpus": os.cpu_count(),
-            "python": platform.python_version(),
-            "platform": platform.platform(),
-            # other work on the machine competes with the three processes measured here
-            "loadavg_before": [round(x, 2) for x in load_before],
-            "loadavg_after": [round(x, 2) for x in os.getloadavg()],
-        },
-        "settings": {k: v for k, v in vars(a).items() if k != "json"},
-        "runs": runs,
-        "failures": failures,
-        "ratios": ratios,
-        "targets": targets,
-    }
+                    if a.json:  # what ran so far survives a run cut short
+                        with open(a.json, "w") as f:
+                            f.write(json.dumps(_summary(a, samples, failures, load_before), indent=2) + "\n")
+    out = _summary(a, samples, failures, load_before)
     text = json.dumps(out, indent=2)
     print(text)
     if a.json:
