@@ -4,10 +4,11 @@
 With ``--api-servers N`` every server process reads every frame of the ring and routes only
 the rows whose handles carry its index (``Router(partition=...)``). This measures, per frame
 of ``--rows`` rows (``--k`` top logprobs, 1..3 tokens a row), the Router's ``plan`` + ``route``
-time of one server for N = 1, 2, 4, 8 with every server's streams open, against two
-references: the same server routing all rows (N = 1), and the filter alone (``skip_us``: the
-vectorized comparison and the gather of the server's rows). ``skip_us_per_other_row`` is what
-each row of another server costs; ``route_us_per_own_row`` what each own row costs.
+time of one server for N = 1, 2, 4, 8 with its own streams open, against: the same server
+routing all rows (N = 1); ``compare_us``, the vectorized comparison of the handle column that
+decides which rows are whose (what every other server's row costs: ``skip_us_per_other_row``);
+``filter_us``, the comparison plus the gather of the server's own rows into a frame of their
+own (``plan`` alone). ``route_us_per_own_row`` is the rest per own row.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ sys.path.insert(0, _ROOT)
 from aiospec._codec import decode_frame, encode_frame  # noqa: E402
 from aiospec._routing import Router  # noqa: E402
 from aiospec.engine._client import SERVER_SHIFT, HandleAllocator  # noqa: E402
+
+_SHIFT, _ZERO = np.uint64(SERVER_SHIFT), np.uint64(0)
 
 
 def _frame(rows: int, k: int, servers: int, rng: np.random.Generator) -> Any:
@@ -83,11 +86,15 @@ def main() -> int:
                 c._segs.clear()
                 c._pinned = 0
 
-        def skip_only(r: Router = router, frame: Any = frame) -> None:
+        def plan_only(r: Router = router, frame: Any = frame) -> None:
             r.plan([frame])
 
+        def compare(frame: Any = frame) -> None:
+            np.count_nonzero((frame.handles >> _SHIFT) == _ZERO)
+
         total = _time(plan_route, a.repeat)
-        skip = _time(skip_only, a.repeat) if n > 1 else 0.0
+        skip = _time(plan_only, a.repeat) if n > 1 else 0.0
+        cmp = _time(compare, a.repeat * 10) if n > 1 else 0.0
         others = a.rows - len(own)
         results.append(
             {
@@ -95,8 +102,9 @@ def main() -> int:
                 "rows_per_frame": a.rows,
                 "own_rows": len(own),
                 "plan_route_us_per_frame": round(total * 1e6, 1),
-                "skip_us": round(skip * 1e6, 1),
-                "skip_us_per_other_row": round(skip * 1e6 / others, 4) if others else 0.0,
+                "compare_us": round(cmp * 1e6, 2),
+                "filter_us": round(skip * 1e6, 1),
+                "skip_us_per_other_row": round(cmp * 1e6 / others, 4) if others else 0.0,
                 "route_us_per_own_row": round((total - skip) * 1e6 / max(len(own), 1), 3),
             }
         )
