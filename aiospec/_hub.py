@@ -72,6 +72,7 @@ class HubStats(msgspec.Struct, frozen=True, gc=False):
     tokens_per_s: float
     rings: tuple[RingInfo, ...]
     records_prompt: int = 0  # records of prompt frames read
+    records_skipped: int = 0  # records of other API servers' handles (``partition``)
 
 
 class Hub:
@@ -85,7 +86,10 @@ class Hub:
     process is alive in this pid namespace (streams stay open), presumed gone when its pid
     cannot be checked (a dead pid or a closed ring is detected without it); ``validate_offsets``: scan every
     frame's offset columns for monotonicity when decoding it (False: for producers you trust;
-    the header and sizes are checked either way, and a bad frame counts as lost).
+    the header and sizes are checked either way, and a bad frame counts as lost);
+    ``partition = (shift, value)``: route only the records whose ``handle >> shift`` is
+    ``value`` (one of several API server processes reading one ring; the others' records are
+    skipped per frame, counted in ``records_skipped``).
 
     The rings are attached on ``async with`` (or ``__aenter__``); ``aclose()`` (or leaving the
     block) ends every open stream with ``HubClosed``. A Hub is entered once.
@@ -101,6 +105,7 @@ class Hub:
         recheck: float = 0.05,
         producer_timeout: float | None = None,
         validate_offsets: bool = True,
+        partition: tuple[int, int] | None = None,
     ) -> None:
         names = [rings] if isinstance(rings, str) else list(rings)
         if not isinstance(yield_every, int) or yield_every < 1:
@@ -120,7 +125,7 @@ class Hub:
         self._recheck = recheck
         self._producer_timeout = producer_timeout
         self._validate = validate_offsets
-        self._router = Router()
+        self._router = Router(partition)
         self._feeds: dict[str, RingFeed] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._rings: dict[str, RingInfo] = {}  # rings no longer read, as they ended
@@ -255,6 +260,7 @@ class Hub:
             tokens_per_s=rt.tokens_routed / up if up > 0 else 0.0,
             rings=tuple(infos),
             records_prompt=rt.records_prompt,
+            records_skipped=rt.records_skipped,
         )
 
     # -- RingSink (called by the reader tasks) ---------------------------------------------------

@@ -274,6 +274,37 @@ def _merged_unit(frames: list[Frame]) -> Unit:
     )
 
 
+def _subset(f: Frame, keep: np.ndarray) -> Frame:
+    """The records ``keep`` (sorted indices) of ``f`` as a frame of their own: each of their
+    columns gathered once, the other records' tokens never touched."""
+    g = Frame.__new__(Frame)
+    g.version, g.producer, g.step, g.kind, g.k = f.version, f.producer, f.step, f.kind, f.k
+    g.has_logprobs, g.nbytes, g.rows = f.has_logprobs, f.nbytes, None
+    g.logprobs_processed = f.logprobs_processed
+    g.positions = None if f.positions is None else f.positions[keep]
+    g.handles = f.handles[keep]
+    g.flags = f.flags[keep]
+
+    def take(offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """New offsets and the element indices of the kept records' spans."""
+        starts = offsets[:-1][keep].astype(np.int64)
+        counts = offsets[1:][keep].astype(np.int64) - starts
+        offs = np.zeros(keep.shape[0] + 1, np.int32)
+        np.cumsum(counts, out=offs[1:])
+        return offs, np.repeat(starts - offs[:-1], counts) + np.arange(int(offs[-1]))
+
+    g.token_offsets, tsel = take(f.token_offsets)
+    g.token_ids = f.token_ids[tsel]
+    for name in ("logprobs", "ranks", "topk_ids", "topk_logprobs"):
+        col = getattr(f, name)
+        setattr(g, name, None if col is None else col[tsel])
+    g.draft_offsets = g.draft_ids = None
+    if f.draft_offsets is not None and f.draft_ids is not None:
+        g.draft_offsets, dsel = take(f.draft_offsets)
+        g.draft_ids = f.draft_ids[dsel]
+    return g
+
+
 class Router:
     """Handle -> collector table and the routing loop (shared by every ring).
 
@@ -282,9 +313,16 @@ class Router:
     and batch, not per record. ``route(unit, start, stop)`` hands groups to their collectors.
     Wake-ups are batched: ``route`` only queues the streams whose consumer waits, ``flush``
     wakes each of them once (SGLang #22658: one ``set()`` per record is a wake-up storm).
+
+    ``partition = (shift, value)``: only records whose handle has ``value`` in its bits from
+    ``shift`` up are this router's (one of several API server processes on one ring); the
+    others are skipped with one vectorized comparison per frame (``records_skipped``) before
+    any per-record work.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, partition: tuple[int, int] | None = None) -> None:
+        self.partition = partition
+        self.records_skipped = 0
         self.table: dict[int, Collector] = {}
         self._wake: list[Collector] = []
         self.records_routed = 0
@@ -313,9 +351,18 @@ class Router:
         Prompt and draft records are never merged with target records."""
         units: list[Unit] = []
         run: list[Frame] = []
+        part = self.partition
         for f in frames:
             if not f.num_records:
                 continue
+            if part is not None:
+                mine = (f.handles >> np.uint64(part[0])) == np.uint64(part[1])
+                n_mine = int(np.count_nonzero(mine))
+                if n_mine < f.num_records:
+                    self.records_skipped += f.num_records - n_mine
+                    if not n_mine:
+                        continue
+                    f = _subset(f, np.flatnonzero(mine))
             if f.kind != L.KIND_TARGET:
                 if f.kind == L.KIND_DRAFT:
                     self.records_draft += f.num_records

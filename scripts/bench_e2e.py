@@ -28,6 +28,17 @@ engine processes and the load generator to the other CPUs (``--no-pin`` leaves p
 the kernel: the server then loses its CPU to the others at times, which shows as loop lag).
 Compare the paths by their ratios, measured side by side in one run.
 
+``--api-servers 1 2 4 8`` repeats every configuration with that many API server processes
+(``aiospec serve --api-servers N``: one port shared with SO_REUSEPORT, each process reading the
+rings for its own requests; on the vLLM-style path one ZeroMQ output socket per server). Server
+CPU is then the sum over the server processes (and their parent); each process gets a CPU of
+its own, the engine and the load generators the rest. ``--clients K`` runs K load-generator
+processes with the streams split between them (one Python client cannot receive what eight
+servers send); their tokens are summed and the latency percentiles are the worst client's.
+The engine's own counters (``/stats``: steps, step and emit seconds) say whether it was the
+bound: ``engine.busy`` is the fraction of the wall time it spent stepping and emitting, and
+``engine.steps_per_s`` against ``1 / step_ms`` how far behind its pace it fell.
+
 The engine must offer more tokens than one Python server process can format at the highest
 concurrency (it decodes every slot every step, 10 ms by default): the server then runs at its
 capacity, and each stream receives coalesced multi-token chunks. With 20 ms steps the ring's
@@ -77,27 +88,64 @@ def _http(url: str, method: str = "GET") -> Any:
 
 
 def _load(
-    url: str, concurrency: int, requests: int, max_tokens: int, a: argparse.Namespace, *, ramp_up: float
+    url: str,
+    concurrency: int,
+    requests: int,
+    max_tokens: int,
+    a: argparse.Namespace,
+    *,
+    ramp_up: float,
+    clients: int = 1,
+    cpus: set[int] | None = None,
 ) -> tuple[dict[str, Any], float]:
-    """``aiospec loadtest`` in a child process at nice 10; its summary and its CPU seconds."""
-    with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        pin = [] if a.no_pin else ["taskset", "-c", ",".join(map(str, _others()))]
-        cmd = [*pin, "nice", "-n", str(a.client_nice), sys.executable, "-m", "aiospec.cli", "loadtest", url,
-               "-c", str(concurrency), "-n", str(requests), "--max-tokens", str(max_tokens),
-               "--top-logprobs", str(a.top_logprobs), "--prompt-words", str(a.prompt_words),
-               "--prompt-logprobs", str(a.prompt_logprobs),
-               "--duration", str(a.time_cap), "--ramp-up", str(ramp_up), "--model", "aiospec-toy",
-               "-q", "--json", out.name]  # fmt: skip
+    """``aiospec loadtest`` in ``clients`` child processes at nice 10 (the streams split
+    between them); the merged summary and their CPU seconds."""
+    outs = [tempfile.NamedTemporaryFile(suffix=".json") for _ in range(clients)]  # noqa: SIM115
+    try:
+        pin = [] if a.no_pin or not cpus else ["taskset", "-c", ",".join(map(str, sorted(cpus)))]
         env = dict(os.environ, PYTHONPATH=_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        procs = []
         before = os.times()
-        r = subprocess.run(cmd, env=env, timeout=a.time_cap * 3 + 120, stderr=subprocess.PIPE, text=True)
+        for k, out in enumerate(outs):
+            c = concurrency // clients + (1 if k < concurrency % clients else 0)
+            n = requests // clients + (1 if k < requests % clients else 0)
+            cmd = [*pin, "nice", "-n", str(a.client_nice), sys.executable, "-m", "aiospec.cli", "loadtest", url,
+                   "-c", str(max(c, 1)), "-n", str(max(n, 1)), "--max-tokens", str(max_tokens),
+                   "--top-logprobs", str(a.top_logprobs), "--prompt-words", str(a.prompt_words),
+                   "--prompt-logprobs", str(a.prompt_logprobs),
+                   "--duration", str(a.time_cap), "--ramp-up", str(ramp_up), "--model", "aiospec-toy",
+                   "-q", "--json", out.name]  # fmt: skip
+            procs.append(subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True))
+        errs = [p.communicate(timeout=a.time_cap * 3 + 120)[1] for p in procs]
         after = os.times()
-        try:
-            with open(out.name) as f:
-                summary: dict[str, Any] = json.load(f)
-        except (OSError, ValueError):
-            raise RuntimeError(f"aiospec loadtest exited with {r.returncode}: {r.stderr[-2000:]}") from None
-    return summary, (after.children_user + after.children_system) - (before.children_user + before.children_system)
+        summaries = []
+        for p, out, err in zip(procs, outs, errs, strict=True):
+            try:
+                with open(out.name) as f:
+                    summaries.append(json.load(f))
+            except (OSError, ValueError):
+                raise RuntimeError(f"aiospec loadtest exited with {p.returncode}: {err[-2000:]}") from None
+    finally:
+        for out in outs:
+            out.close()
+    cpu = (after.children_user + after.children_system) - (before.children_user + before.children_system)
+    return _merge(summaries), cpu
+
+
+def _merge(ss: list[dict[str, Any]]) -> dict[str, Any]:
+    """One summary of several load generators: counts and tokens/s summed, latency percentiles
+    the worst generator's, tokens per chunk averaged by tokens."""
+    if len(ss) == 1:
+        return ss[0]
+    out = dict(ss[0])
+    for k in ("requests", "ok", "errors", "output_tokens", "tokens_per_s"):
+        out[k] = sum(s[k] for s in ss)
+    out["error_samples"] = [e for s in ss for e in s["error_samples"]][:10]
+    tokens = max(out["output_tokens"], 1)
+    out["tokens_per_chunk"] = sum(s["tokens_per_chunk"] * s["output_tokens"] for s in ss) / tokens
+    for k in ("ttft_ms", "itl_ms"):
+        out[k] = {q: max(s[k][q] for s in ss) for q in ("p50", "p99")}
+    return out
 
 
 def _server_cpu() -> set[int]:
@@ -111,9 +159,32 @@ def _others() -> set[int]:
     return (cpus - _server_cpu()) or cpus
 
 
-def run_one(path: str, concurrency: int, a: argparse.Namespace) -> dict[str, Any]:
+def _placement(n: int) -> tuple[list[set[int]], set[int]]:
+    """A CPU per server process (the first ``n``) and the rest for the engine and the load
+    generators; where there are too few CPUs, the servers share what the others leave."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if n == 1:
+        return [_server_cpu()], _others()
+    if len(cpus) >= n + 2:
+        return [{c} for c in cpus[:n]], set(cpus[n:])
+    half = set(cpus[: max(1, len(cpus) // 2)])
+    return [half] * n, (set(cpus) - half) or set(cpus)
+
+
+def _engine_counters(stats: dict[str, Any]) -> dict[str, float]:
+    e = stats.get("engines") or []
+    return {
+        "steps": float(sum(x["steps"] for x in e)),
+        "busy_s": float(sum(x["step_seconds"] + x["emit_seconds"] for x in e)),
+        "running": float(sum(x["running"] for x in e)),
+        "waiting": float(sum(x["waiting"] for x in e)),
+    }
+
+
+def run_one(path: str, concurrency: int, a: argparse.Namespace, servers: int = 1) -> dict[str, Any]:
     args = ["--token-path", path, "--max-batch", str(a.max_batch), "--step-ms", str(a.step_ms),
-            "--num-draft", str(a.num_draft), "--acceptance", str(a.acceptance)]  # fmt: skip
+            "--num-draft", str(a.num_draft), "--acceptance", str(a.acceptance),
+            "--api-servers", str(servers), "--device", a.device]  # fmt: skip
     if path == "fastdeploy" and a.raise_msg_limits:
         args.append("--raise-msg-limits")
     srv = ServerProcess(args)
@@ -121,26 +192,47 @@ def run_one(path: str, concurrency: int, a: argparse.Namespace) -> dict[str, Any
     try:
         stats = _http(srv.url + "/stats")
         engine_pids = stats["engine_pids"]
+        server_pids = [srv.pid] if servers == 1 else [srv.pid] + [s["pid"] for s in stats["servers"]]
+        placement, others = _placement(servers)
         if not a.no_pin:
-            _pin(srv.pid, _server_cpu())
+            if servers == 1:
+                _pin(srv.pid, placement[0])
+            else:
+                _pin(srv.pid, others)  # the parent only supervises
+                for s in stats["servers"]:
+                    _pin(s["pid"], placement[s["index"]])
             for p in engine_pids:
-                _pin(p, _others())
-        _load(srv.url, 16, 32, 16, a, ramp_up=0.0)  # warm-up
+                _pin(p, others)
+        _load(srv.url, 16 * servers, 32 * servers, 16, a, ramp_up=0.0, cpus=others)  # warm-up
         n = max(concurrency, int(concurrency * a.requests_per_stream))
         _http(srv.url + "/stats/reset", "POST")
-        cpu0 = _cpu(srv.pid)
+        time.sleep(0.3)  # every server process sees the reset
+        cpu0 = {p: _cpu(p) for p in server_pids}
         ecpu0 = sum(_cpu(p) for p in engine_pids)
+        e0 = _engine_counters(_http(srv.url + "/stats"))
         t0 = time.perf_counter()
-        s, client_cpu = _load(srv.url, concurrency, n, a.max_tokens, a, ramp_up=a.ramp_up)
+        s, client_cpu = _load(srv.url, concurrency, n, a.max_tokens, a, ramp_up=a.ramp_up, clients=a.clients,
+                              cpus=others)  # fmt: skip
         wall = time.perf_counter() - t0
-        cpu = _cpu(srv.pid) - cpu0
+        per_server_cpu = {p: _cpu(p) - c for p, c in cpu0.items()}
+        cpu = sum(per_server_cpu.values())
         ecpu = sum(_cpu(p) for p in engine_pids) - ecpu0
+        if servers > 1:
+            time.sleep(1.1)  # each process's loop-lag summary is shared once a second
         after = _http(srv.url + "/stats")
+        e1 = _engine_counters(after)
     finally:
         srv.stop()
     tokens = max(s["output_tokens"], 1)
+    lags = (
+        [after["loop_lag"]]
+        if servers == 1
+        else [x["loop_lag_summary"] for x in sorted(after["servers"], key=lambda x: x["index"])]
+    )
+    steps = e1["steps"] - e0["steps"]
     return {
         "path": path,
+        "api_servers": servers,
         "concurrency": concurrency,
         "requests": s["requests"],
         "ok": s["ok"],
@@ -154,9 +246,19 @@ def run_one(path: str, concurrency: int, a: argparse.Namespace) -> dict[str, Any
         "itl_ms": {"p50": round(s["itl_ms"]["p50"], 2), "p99": round(s["itl_ms"]["p99"], 2)},
         "server_cpu_s": round(cpu, 3),
         "server_cpu_us_per_token": round(cpu / tokens * 1e6, 2),
+        "server_cpu_s_per_process": [round(v, 3) for v in per_server_cpu.values()],
         "engine_cpu_us_per_token": round(ecpu / tokens * 1e6, 2),
         "client_cpu_us_per_token": round(client_cpu / tokens * 1e6, 2),
-        "loop_lag_ms": {k: round(v, 3) for k, v in after["loop_lag"].items() if k != "n"},
+        "loop_lag_ms": {k: round(max(x[k] for x in lags), 3) for k in lags[0] if k != "n"},
+        "loop_lag_p99_ms_per_server": [round(x["p99_ms"], 3) for x in lags],
+        # the engine's own counters over the load: the share of the wall time it spent on its
+        # steps and emits (near 1: the engine was the bound), and its pace against 1 / step_ms
+        "engine": {
+            "busy": round((e1["busy_s"] - e0["busy_s"]) / max(wall, 1e-9), 3),
+            "steps_per_s": round(steps / max(wall, 1e-9), 1),
+            "paced_steps_per_s": round(1e3 / a.step_ms, 1),
+            "tokens_per_step": round(tokens / max(steps, 1), 1),
+        },
     }
 
 
@@ -202,6 +304,68 @@ def _median(rs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _summary(
+    a: argparse.Namespace,
+    samples: dict[tuple[int, int, str], list[dict[str, Any]]],
+    failures: list[dict[str, Any]],
+    load_before: tuple[float, float, float],
+) -> dict[str, Any]:
+    """The JSON of the runs so far: medians, ratios, targets."""
+    runs = [_median(rs) for rs in samples.values()]
+    ratios: dict[str, Any] = {}
+    targets: dict[str, Any] = {}
+    for c in a.concurrency:
+        for n in a.api_servers:
+            by = {r["path"]: r for r in runs if r["concurrency"] == c and r["api_servers"] == n}
+            if "ring" not in by:
+                continue
+            key = str(c) if a.api_servers == [1] else f"{c}/N={n}"
+            ring = by["ring"]
+            for base in ("vllm", "fastdeploy"):
+                if base in by:
+                    b = by[base]
+                    ratios.setdefault(key, {})[f"ring_vs_{base}"] = {
+                        "tokens_per_s": round(ring["tokens_per_s"] / max(b["tokens_per_s"], 1e-9), 3),
+                        "server_cpu_per_token": round(
+                            ring["server_cpu_us_per_token"] / max(b["server_cpu_us_per_token"], 1e-9), 3
+                        ),
+                        "itl_p99": round(ring["itl_ms"]["p99"] / max(b["itl_ms"]["p99"], 1e-9), 3),
+                        "ttft_p99": round(ring["ttft_ms"]["p99"] / max(b["ttft_ms"]["p99"], 1e-9), 3),
+                    }
+            t: dict[str, Any] = {"loop_lag_p99_le_10ms": ring["loop_lag_ms"]["p99_ms"] <= 10.0}
+            if "vllm" in by:
+                v = by["vllm"]
+                t["tokens_per_s_ge_1.5x_vllm"] = ring["tokens_per_s"] >= 1.5 * v["tokens_per_s"]
+                t["server_cpu_per_token_le_vllm"] = ring["server_cpu_us_per_token"] <= v["server_cpu_us_per_token"]
+                t["itl_p99_le_vllm"] = ring["itl_ms"]["p99"] <= v["itl_ms"]["p99"]
+            one = next(
+                (r for r in runs if r["concurrency"] == c and r["api_servers"] == 1 and r["path"] == "ring"), None
+            )
+            if n > 1 and one is not None:
+                scale = ring["tokens_per_s"] / max(one["tokens_per_s"], 1e-9)
+                t[f"ring_N{n}_over_N1"] = round(scale, 3)
+                if n == 8:
+                    t["ring_N8_ge_6x_N1"] = scale >= 6.0
+            targets[key] = t
+    out = {
+        "benchmark": "bench_e2e",
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            # other work on the machine competes with the three processes measured here
+            "loadavg_before": [round(x, 2) for x in load_before],
+            "loadavg_after": [round(x, 2) for x in os.getloadavg()],
+        },
+        "settings": {k: v for k, v in vars(a).items() if k != "json"},
+        "runs": runs,
+        "failures": failures,
+        "ratios": ratios,
+        "targets": targets,
+    }
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--concurrency", type=int, nargs="+", default=[64, 256, 1024])
@@ -237,6 +401,10 @@ def main() -> int:
                    "kernel.msgmax / msgmnb for its run (root; put back when it exits); without it that path "
                    "is listed under failures on a machine with the kernel's defaults")  # fmt: skip
     p.add_argument("--repeat", type=int, default=1, help="repetitions (interleaved); medians are reported")
+    p.add_argument("--api-servers", type=int, nargs="+", default=[1], help="API server processes per run (a sweep)")
+    p.add_argument("--clients", type=int, default=1, help="load-generator processes per run")
+    p.add_argument("--device", choices=("auto", "cpu", "python", "cuda"), default="auto",
+                   help="the engine's emit op backend (the server's side is the same for all)")  # fmt: skip
     p.add_argument("--json", metavar="PATH", help="also write the JSON here")
     a = p.parse_args()
     if a.prompt_tokens is not None:
@@ -245,67 +413,36 @@ def main() -> int:
     if a.prompt_logprobs >= 0 and a.paths != ["ring"]:
         p.error("--prompt-logprobs: the baseline token paths carry output tokens only (--paths ring)")
 
-    samples: dict[tuple[int, str], list[dict[str, Any]]] = {}
+    samples: dict[tuple[int, int, str], list[dict[str, Any]]] = {}
     failures: list[dict[str, Any]] = []
     load_before = os.getloadavg()
     # repetitions interleave the paths, so slow phases of a shared machine hit all of them
     for rep in range(a.repeat):
         for c in a.concurrency:
-            for path in a.paths:
-                try:
-                    r = run_one(path, c, a)
-                except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
-                    # one failed configuration is reported, the others still run
-                    failures.append({"path": path, "concurrency": c, "repeat": rep, "failed": str(exc)})
-                    print(f"# {path:10s} c={c:5d} FAILED: {exc}", file=sys.stderr)
-                    continue
-                samples.setdefault((c, path), []).append(r)
-                line = (
-                    f"# {path:10s} c={c:5d} {r['tokens_per_s']:9.0f} tok/s  cpu {r['server_cpu_us_per_token']:6.1f} "
-                    f"us/tok  lag p99 {r['loop_lag_ms']['p99_ms']:6.2f} ms  errors {r['errors']}"
-                )
-                print(line, file=sys.stderr)
-    runs = [_median(rs) for rs in samples.values()]
-    ratios: dict[str, Any] = {}
-    targets: dict[str, Any] = {}
-    for c in a.concurrency:
-        by = {r["path"]: r for r in runs if r["concurrency"] == c}
-        if "ring" not in by:
-            continue
-        ring = by["ring"]
-        for base in ("vllm", "fastdeploy"):
-            if base in by:
-                b = by[base]
-                ratios.setdefault(str(c), {})[f"ring_vs_{base}"] = {
-                    "tokens_per_s": round(ring["tokens_per_s"] / max(b["tokens_per_s"], 1e-9), 3),
-                    "server_cpu_per_token": round(
-                        ring["server_cpu_us_per_token"] / max(b["server_cpu_us_per_token"], 1e-9), 3
-                    ),
-                    "itl_p99": round(ring["itl_ms"]["p99"] / max(b["itl_ms"]["p99"], 1e-9), 3),
-                    "ttft_p99": round(ring["ttft_ms"]["p99"] / max(b["ttft_ms"]["p99"], 1e-9), 3),
-                }
-        t: dict[str, Any] = {"loop_lag_p99_le_10ms": ring["loop_lag_ms"]["p99_ms"] <= 10.0}
-        if "vllm" in by:
-            v = by["vllm"]
-            t["tokens_per_s_ge_1.5x_vllm"] = ring["tokens_per_s"] >= 1.5 * v["tokens_per_s"]
-            t["server_cpu_per_token_le_vllm"] = ring["server_cpu_us_per_token"] <= v["server_cpu_us_per_token"]
-        targets[str(c)] = t
-    out = {
-        "benchmark": "bench_e2e",
-        "machine": {
-            "cpus": os.cpu_count(),
-            "python": platform.python_version(),
-            "platform": platform.platform(),
-            # other work on the machine competes with the three processes measured here
-            "loadavg_before": [round(x, 2) for x in load_before],
-            "loadavg_after": [round(x, 2) for x in os.getloadavg()],
-        },
-        "settings": {k: v for k, v in vars(a).items() if k != "json"},
-        "runs": runs,
-        "failures": failures,
-        "ratios": ratios,
-        "targets": targets,
-    }
+            for n in a.api_servers:
+                for path in a.paths:
+                    if n > 1 and path == "fastdeploy":
+                        continue  # several API servers take the ring or the vLLM-style path
+                    try:
+                        r = run_one(path, c, a, n)
+                    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+                        # one failed configuration is reported, the others still run
+                        failures.append({"path": path, "api_servers": n, "concurrency": c, "repeat": rep,
+                                         "failed": str(exc)})  # fmt: skip
+                        print(f"# {path:10s} N={n} c={c:5d} FAILED: {exc}", file=sys.stderr)
+                        continue
+                    samples.setdefault((c, n, path), []).append(r)
+                    line = (
+                        f"# {path:10s} N={n} c={c:5d} {r['tokens_per_s']:9.0f} tok/s  cpu "
+                        f"{r['server_cpu_us_per_token']:6.1f} us/tok  itl p99 {r['itl_ms']['p99']:7.1f} ms  lag p99 "
+                        f"{r['loop_lag_ms']['p99_ms']:6.2f} ms  engine busy {r['engine']['busy']:.2f}  "
+                        f"errors {r['errors']}"
+                    )
+                    print(line, file=sys.stderr)
+                    if a.json:  # what ran so far survives a run cut short
+                        with open(a.json, "w") as f:
+                            f.write(json.dumps(_summary(a, samples, failures, load_before), indent=2) + "\n")
+    out = _summary(a, samples, failures, load_before)
     text = json.dumps(out, indent=2)
     print(text)
     if a.json:

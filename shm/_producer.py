@@ -250,6 +250,11 @@ class Producer:
                     if w[seg.state[slot]] == L.READER_ACTIVE and w[seg.generation[slot]] == gen:
                         w[seg.state[slot]] = L.READER_EVICTED
 
+    def evict_readers(self) -> None:
+        """Evict the dead (and silent) readers wherever their tails are."""
+        self._require_open("evict_dead_readers")
+        self._evict_blocking(1 << 62)
+
     def _describe_laggards(self, needed_tail: int) -> str:
         seg = self.seg
         parts = []

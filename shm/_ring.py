@@ -311,6 +311,12 @@ class Ring:
         """
         return self._producer.notify()
 
+    def evict_dead_readers(self) -> None:
+        """Evict now every reader slot whose process is gone (and, with ``reader_timeout``,
+        every silent one), as a full ring would: for a producer told that a reader's process
+        ended, so its slot is free again before the ring fills. Works on any open handle."""
+        self._producer.evict_readers()
+
     def heartbeat(self) -> None:
         """Refresh the producer heartbeat (readers with a ``producer_timeout`` watch it).
 

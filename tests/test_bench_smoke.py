@@ -90,4 +90,29 @@ def test_bench_e2e_runs_each_path_and_reports_ratios() -> None:
         "loop_lag_p99_le_10ms": ring["loop_lag_ms"]["p99_ms"] <= 10.0,
         "tokens_per_s_ge_1.5x_vllm": ring["tokens_per_s"] >= 1.5 * vllm["tokens_per_s"],
         "server_cpu_per_token_le_vllm": ring["server_cpu_us_per_token"] <= vllm["server_cpu_us_per_token"],
+        "itl_p99_le_vllm": ring["itl_ms"]["p99"] <= vllm["itl_ms"]["p99"],
     }
+
+
+@pytest.mark.slow
+def test_bench_e2e_sweeps_api_servers_side_by_side() -> None:
+    out = _run("bench_e2e.py", "--concurrency", "6", "--paths", "ring", "vllm", "--api-servers", "1", "2",
+               "--clients", "2", "--requests-per-stream", "1", "--max-tokens", "8", "--ramp-up", "0",
+               "--time-cap", "30")  # fmt: skip
+    assert out["failures"] == []
+    runs = out["runs"]
+    assert isinstance(runs, list)
+    assert [(r["api_servers"], r["path"]) for r in runs] == [(1, "ring"), (1, "vllm"), (2, "ring"), (2, "vllm")]
+    for r in runs:
+        # the two load generators' requests together: all of them, with every token
+        assert r["requests"] == r["ok"] == 6 and r["output_tokens"] == 6 * 8, r
+        assert len(r["server_cpu_s_per_process"]) == (1 if r["api_servers"] == 1 else 3), r  # the parent too
+        assert len(r["loop_lag_p99_ms_per_server"]) == r["api_servers"], r
+        assert r["loop_lag_ms"]["p99_ms"] == max(r["loop_lag_p99_ms_per_server"]), r
+        e = r["engine"]
+        assert 0 < e["busy"] < 1 and e["steps_per_s"] > 0 and e["paced_steps_per_s"] == 100.0, e
+    t = out["targets"]["6/N=2"]  # type: ignore[index]
+    ring2 = runs[2]["tokens_per_s"]  # type: ignore[index]
+    assert t["ring_N2_over_N1"] == pytest.approx(ring2 / runs[0]["tokens_per_s"], rel=1e-2)  # type: ignore[index]
+    assert set(t) == {"loop_lag_p99_le_10ms", "tokens_per_s_ge_1.5x_vllm", "server_cpu_per_token_le_vllm",
+                      "itl_p99_le_vllm", "ring_N2_over_N1"}  # fmt: skip

@@ -38,6 +38,7 @@ __all__ = ("EngineCoreOutput", "EngineCoreOutputs", "LogprobsLists", "VllmStyleE
 
 _RAW_VIEW = 3  # vLLM's CUSTOM_TYPE_RAW_VIEW ext code
 _INLINE_MAX = 256  # vLLM's VLLM_MSGPACK_ZERO_COPY_THRESHOLD: smaller arrays go inline
+_SERVER_SHIFT = 56  # the API server's index in a handle (aiospec.engine._client.SERVER_SHIFT)
 
 
 class LogprobsLists(msgspec.Struct, array_like=True, gc=False):
@@ -129,14 +130,24 @@ def pack_outputs(g: Gathered, engine_index: int = 0) -> EngineCoreOutputs:
 
 
 class VllmStyleEmitter:
-    """Engine side: ``emit(...)`` (the emit op's inputs) packs a step and PUSHes it."""
+    """Engine side: ``emit(...)`` (the emit op's inputs) packs a step and PUSHes it.
+
+    ``address``: one ZeroMQ address, or several separated by commas, one per API server
+    process (``--api-servers``), as vLLM's engine core has one output socket per API server:
+    each step's outputs are grouped by the server that owns the request (its index in the
+    handle's bits 56..62, vLLM's ``client_index``) and each group goes to that server alone.
+    """
 
     def __init__(self, address: str, *, engine_index: int = 0, sndhwm: int = 1000) -> None:
         self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.PUSH)
-        self._sock.setsockopt(zmq.SNDHWM, sndhwm)
-        self._sock.setsockopt(zmq.LINGER, 1000)
-        self._sock.connect(address)
+        self._socks: list[Any] = []
+        for addr in address.split(","):
+            sock = self._ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.SNDHWM, sndhwm)
+            sock.setsockopt(zmq.LINGER, 1000)
+            sock.connect(addr)
+            self._socks.append(sock)
+        self._sock = self._socks[0]
         self._enc = _Encoder()
         self._engine_index = engine_index
 
@@ -144,16 +155,29 @@ class VllmStyleEmitter:
         """The multipart message of one step (reusable: ``send`` it as often as needed)."""
         return self._enc.encode(pack_outputs(g, self._engine_index))
 
-    def send(self, frames: list[Any]) -> int:
-        self._sock.send_multipart(frames, copy=False)
+    def send(self, frames: list[Any], server: int = 0) -> int:
+        self._socks[server].send_multipart(frames, copy=False)
         return sum(memoryview(f).nbytes for f in frames)
 
     def emit(self, step: EmitStep) -> int:
-        """Pack and send one step; returns the bytes sent."""
-        return self.send(self.encode(gather(step)))
+        """Pack and send one step (one message per API server with outputs); returns the bytes sent."""
+        g = gather(step)
+        n = len(self._socks)
+        if n == 1:
+            return self.send(self.encode(g))
+        packed = pack_outputs(g, self._engine_index)
+        groups: list[list[EngineCoreOutput]] = [[] for _ in range(n)]
+        for o in packed.outputs:
+            groups[(o.request_id >> _SERVER_SHIFT) % n].append(o)
+        sent = 0
+        for i, outs in enumerate(groups):
+            if outs:
+                sent += self.send(self._enc.encode(EngineCoreOutputs(self._engine_index, outs, packed.timestamp)), i)
+        return sent
 
     def close(self) -> None:
-        self._sock.close()
+        for sock in self._socks:
+            sock.close()
         self._ctx.term()
 
 

@@ -31,6 +31,7 @@ from aiospec.engine._protocol import (
     EngineStats,
     Failed,
     FrameBuffer,
+    Hello,
     Ready,
     Shutdown,
     StatsRequest,
@@ -38,7 +39,7 @@ from aiospec.engine._protocol import (
     encode,
 )
 
-__all__ = ("EngineError", "EngineGroup", "HandleAllocator")
+__all__ = ("MAX_SERVERS", "EngineError", "EngineGroup", "HandleAllocator", "RemoteEngines", "server_of")
 
 log = logging.getLogger("aiospec.engine")
 
@@ -47,12 +48,30 @@ class EngineError(shm.AiospecError, RuntimeError):
     """An engine process failed to start, died, or reported a failure."""
 
 
+SERVER_SHIFT = 56  # bits 56..62 of a handle: the API server that admitted the request
+MAX_SERVERS = 128
+_GEN_MASK = 0xFFFFFF  # 24-bit generation (bits 32..55)
+
+
+def server_of(handle: int) -> int:
+    """The index of the API server that owns ``handle`` (``HandleAllocator(server=...)``)."""
+    return handle >> SERVER_SHIFT & (MAX_SERVERS - 1)
+
+
 class HandleAllocator:
-    """64-bit request handles: ``generation << 32 | index`` with the index reused LIFO."""
+    """63-bit request handles: ``server << 56 | generation << 32 | index``, the index reused
+    LIFO, the 24-bit generation bumped on every reuse (a reused index never matches an
+    earlier request's handle). ``server`` (0..127) partitions the handles between the API
+    servers of one engine: each server's Hub routes only its own rows, and the engine aborts a
+    server's requests by these bits when that server goes away."""
 
-    __slots__ = ("_free", "_gen", "_next")
+    __slots__ = ("_base", "_free", "_gen", "_next", "server")
 
-    def __init__(self) -> None:
+    def __init__(self, server: int = 0) -> None:
+        if isinstance(server, bool) or not isinstance(server, int) or not 0 <= server < MAX_SERVERS:
+            raise ValueError(f"server = {server!r}: expected an int in 0..{MAX_SERVERS - 1}")
+        self.server = server
+        self._base = server << SERVER_SHIFT
         self._free: list[int] = []
         self._gen: list[int] = []
         self._next = 0
@@ -66,14 +85,14 @@ class HandleAllocator:
                 raise EngineError("handles: 2**32 requests in flight")
             self._next += 1
             self._gen.append(0)
-        gen = self._gen[index] = (self._gen[index] + 1) & 0x7FFFFFFF
-        return gen << 32 | index
+        gen = self._gen[index] = (self._gen[index] + 1) & _GEN_MASK
+        return self._base | gen << 32 | index
 
     def release(self, handle: int) -> None:
-        index, gen = handle & 0xFFFFFFFF, handle >> 32
-        if index >= self._next or self._gen[index] != gen:
+        index, gen = handle & 0xFFFFFFFF, handle >> 32 & _GEN_MASK
+        if handle >> SERVER_SHIFT != self.server or index >= self._next or self._gen[index] != gen:
             raise ValueError(f"handle = {handle:#x}: not an acquired handle")
-        self._gen[index] = (gen + 1) & 0x7FFFFFFF  # a late release of the same handle fails
+        self._gen[index] = (gen + 1) & _GEN_MASK  # a late release of the same handle fails
         self._free.append(index)
 
     @property
@@ -82,9 +101,10 @@ class HandleAllocator:
 
 
 class _Conn:
-    """One engine process and the server end of its control socket."""
+    """One engine process (None: an engine another process started) and the server end of
+    its control socket (or of a connection to its server socket)."""
 
-    def __init__(self, role: str, proc: subprocess.Popen[bytes], sock: socket.socket) -> None:
+    def __init__(self, role: str, proc: subprocess.Popen[bytes] | None, sock: socket.socket) -> None:
         self.role = role
         self.proc = proc
         self.sock = sock
@@ -99,6 +119,12 @@ class _Conn:
         self.closed = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wbuf = bytearray()
+
+    @property
+    def process(self) -> subprocess.Popen[bytes]:
+        if self.proc is None:
+            raise EngineError(f"{self.role} engine: started by another process")
+        return self.proc
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
@@ -209,12 +235,17 @@ class _Conn:
 
 
 class EngineGroup:
-    """The engine process (or PD pair) behind one server."""
+    """The engine process (or PD pair) behind one server. ``listen``: one listening Unix
+    socket per engine (prefill first), inherited by each engine (and by each engine started
+    again after a failure): API server processes connect there (``RemoteEngines``)."""
 
-    def __init__(self, config: EngineConfig, *, pd: bool = False) -> None:
+    def __init__(self, config: EngineConfig, *, pd: bool = False, listen: list[socket.socket] | None = None) -> None:
         config.validate()
+        if listen is not None and len(listen) != (2 if pd else 1):
+            raise ValueError(f"listen: {len(listen)} sockets, expected one per engine ({2 if pd else 1})")
         self.config = config
         self.pd = pd
+        self.listen = listen
         self._conns: list[_Conn] = []
         self._ids = itertools.count(1)
         self._started = False
@@ -227,7 +258,7 @@ class EngineGroup:
 
     @property
     def pids(self) -> list[int]:
-        return [c.proc.pid for c in self._conns]
+        return [c.process.pid for c in self._conns]
 
     @property
     def failures(self) -> list[str]:
@@ -242,19 +273,19 @@ class EngineGroup:
         """Why the group cannot serve now, or None: an engine exited or closed its control
         socket (which it does when it dies). For a supervisor; ``exits()`` says how each ended."""
         for c in self._conns:
-            rc = c.proc.poll()
+            rc = c.process.poll()
             if rc is not None:
-                return f"{c.role} engine (pid {c.proc.pid}) exited: {_describe_exit(rc)}"
+                return f"{c.role} engine (pid {c.process.pid}) exited: {_describe_exit(rc)}"
             if c.closed:
-                return f"{c.role} engine (pid {c.proc.pid}) closed its control socket"
+                return f"{c.role} engine (pid {c.process.pid}) closed its control socket"
         return None
 
     def exits(self) -> list[str]:
         """How each engine process ended (or that it still runs), for the log."""
         out = []
         for c in self._conns:
-            rc = c.proc.poll()
-            out.append(f"{c.role} engine pid {c.proc.pid}: " + ("running" if rc is None else _describe_exit(rc)))
+            rc = c.process.poll()
+            out.append(f"{c.role} engine pid {c.process.pid}: " + ("running" if rc is None else _describe_exit(rc)))
         return out
 
     def _spawn(self) -> None:
@@ -275,6 +306,9 @@ class EngineGroup:
                 cmd = [sys.executable, "-m", "aiospec.engine", "--ctl-fd", str(fds[0])]
                 if handoff is not None:
                     cmd += ["--handoff-fd", str(fds[1])]
+                if self.listen is not None:
+                    fds.append(self.listen[i].fileno())
+                    cmd += ["--listen-fd", str(fds[-1])]
                 cmd += ["--config", msgspec.msgpack.encode(cfg).hex()]
                 try:
                     proc = subprocess.Popen(cmd, pass_fds=fds, env=_child_env(), stdin=subprocess.DEVNULL)
@@ -307,7 +341,7 @@ class EngineGroup:
                 if c.ready in done:
                     c.ready.result()
                 elif dead in done:
-                    raise EngineError(f"{c.role} engine exited with status {c.proc.returncode} before it was ready")
+                    raise EngineError(f"{c.role} engine exited with status {c.process.returncode} before it was ready")
                 else:
                     raise EngineError(f"{c.role} engine: not ready after {timeout} s")
         except BaseException:
@@ -317,14 +351,14 @@ class EngineGroup:
 
     async def _wait_exit(self, c: _Conn) -> None:
         """Wait for the process to exit (a pidfd becomes readable) and reap it."""
-        if c.proc.poll() is not None:
+        if c.process.poll() is not None:
             return
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[None] = loop.create_future()
         try:
-            fd = os.pidfd_open(c.proc.pid)
+            fd = os.pidfd_open(c.process.pid)
         except ProcessLookupError:
-            c.proc.wait()
+            c.process.wait()
             return
 
         def done() -> None:
@@ -337,7 +371,7 @@ class EngineGroup:
         finally:
             loop.remove_reader(fd)
             os.close(fd)
-        c.proc.wait()
+        c.process.wait()
 
     def admit(self, req: Admit) -> None:
         self._conns[0].send(req)
@@ -367,13 +401,13 @@ class EngineGroup:
         for c in self._conns:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wait_exit(c), timeout)
-            if c.proc.poll() is None:
+            if c.process.poll() is None:
                 log.warning("%s engine did not stop in %s s; terminating", c.role, timeout)
-                c.proc.send_signal(signal.SIGTERM)
+                c.process.send_signal(signal.SIGTERM)
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._wait_exit(c), 5.0)
-                if c.proc.poll() is None:
-                    c.proc.kill()
+                if c.process.poll() is None:
+                    c.process.kill()
                     await self._wait_exit(c)
             c.detach()
             if self.config.transport == "ring" and c.transport:
@@ -382,11 +416,114 @@ class EngineGroup:
     def close_sync(self) -> None:
         """Last-resort cleanup outside an event loop (kill, join, unlink)."""
         for c in self._conns:
-            if c.proc.poll() is None:
-                c.proc.kill()
-            c.proc.wait()
+            if c.process.poll() is None:
+                c.process.kill()
+            c.process.wait()
             if self.config.transport == "ring" and c.transport:
                 _unlink_ring(c.transport)
+
+
+class RemoteEngines:
+    """The engines behind one of several API server processes (``--api-servers``): the
+    parent process started them (``EngineGroup(listen=...)``); this server connects to each
+    engine's server socket at ``addresses`` (prefill first), says ``Hello`` and waits for
+    ``Ready``. The same interface as ``EngineGroup`` for ``EngineLink``; ``stop()`` closes the
+    connections and leaves the engines running (the engine aborts this server's requests)."""
+
+    def __init__(self, config: EngineConfig, addresses: list[str], *, server: int, pd: bool = False) -> None:
+        config.validate()
+        if len(addresses) != (2 if pd else 1):
+            raise ValueError(f"addresses = {addresses!r}: expected one per engine ({2 if pd else 1})")
+        self.config = config
+        self.pd = pd
+        self.addresses = addresses
+        self.server = server
+        self._conns: list[_Conn] = []
+        self._ids = itertools.count(1)
+        self._started = False
+        self._stopped = False
+
+    @property
+    def transports(self) -> list[str]:
+        return [c.transport for c in self._conns]
+
+    @property
+    def pids(self) -> list[int]:
+        return [c.pid for c in self._conns]
+
+    @property
+    def failures(self) -> list[str]:
+        return [f for c in self._conns for f in c.failures]
+
+    @property
+    def alive(self) -> bool:
+        return bool(self._conns) and not self._stopped and all(not c.closed for c in self._conns)
+
+    def down(self) -> str | None:
+        for c in self._conns:
+            if c.closed:
+                return f"{c.role} engine (pid {c.pid}) closed its connection to this server"
+        return None
+
+    def exits(self) -> list[str]:
+        return [
+            f"{c.role} engine pid {c.pid}: " + ("connection closed" if c.closed else "connected") for c in self._conns
+        ]
+
+    async def start(self, timeout: float = 60.0) -> list[str]:
+        """Connect to every engine and wait for its ``Ready``; returns ``transports``."""
+        if self._started:
+            raise EngineError("remote engines: already started")
+        self._started = True
+        loop = asyncio.get_running_loop()
+        roles = ["prefill", "decode"] if self.pd else ["both"]
+        try:
+            for role, address in zip(roles, self.addresses, strict=True):
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                sock.setblocking(False)
+                c = _Conn(role, None, sock)
+                self._conns.append(c)
+                try:
+                    await asyncio.wait_for(loop.sock_connect(sock, address), timeout)
+                except (OSError, asyncio.TimeoutError) as exc:
+                    raise EngineError(f"{role} engine: cannot connect to {address}: {exc!r}") from None
+                c.attach(loop)
+                c.send(Hello(self.server, os.getpid()))
+                assert c.ready is not None
+                try:
+                    ready = await asyncio.wait_for(asyncio.shield(c.ready), timeout)
+                except asyncio.TimeoutError:
+                    raise EngineError(f"{role} engine at {address}: no Ready after {timeout} s") from None
+                c.pid = ready.pid
+        except BaseException:
+            await self.stop()
+            raise
+        return self.transports
+
+    def admit(self, req: Admit) -> None:
+        self._conns[0].send(req)
+
+    def abort(self, handle: int) -> None:
+        msg = Abort(handle)
+        for c in self._conns:
+            if not c.closed:
+                c.send(msg)
+
+    async def stats(self, timeout: float = 10.0) -> list[EngineStats]:
+        req = next(self._ids)
+        return list(await asyncio.gather(*(c.stats(req, timeout) for c in self._conns)))
+
+    async def stop(self, timeout: float = 10.0) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        await asyncio.sleep(0)  # let queued aborts go out
+        for c in self._conns:
+            c.detach()
+
+    def close_sync(self) -> None:
+        for c in self._conns:
+            c.detach()
 
 
 def _describe_exit(rc: int) -> str:

@@ -41,6 +41,7 @@ import functools
 import math
 import secrets
 from collections import deque
+from collections.abc import Callable
 from typing import Literal
 
 import msgspec
@@ -94,6 +95,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     ring_capacity: int = 32 << 20
     device: str = "auto"
     logprobs_mode: LogprobsMode = "raw"
+    api_servers: int = 1  # API server processes reading the ring (one reader slot each)
 
     def validate(self) -> None:
         checks = (
@@ -107,6 +109,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             ("transport", self.transport, self.transport in ("ring", "vllm", "fastdeploy"), "ring, vllm or fastdeploy"),
             ("device", self.device, self.device in ("auto", "cpu", "python", "cuda"), "auto, cpu, python or cuda"),
             ("logprobs_mode", self.logprobs_mode, self.logprobs_mode in ("raw", "processed"), "raw or processed"),
+            ("api_servers", self.api_servers, 1 <= self.api_servers <= 16, "1..16"),
         )
         for name, value, ok, expected in checks:
             if not ok:
@@ -366,6 +369,11 @@ class EngineCore:
         while len(self._tombstone_order) > 65536:
             self._tombstones.discard(self._tombstone_order.popleft())
         return False
+
+    def handles_of(self, pred: Callable[[int], bool]) -> list[int]:
+        """The handles running or waiting here for which ``pred`` holds."""
+        waiting = [w.request.handle if isinstance(w, Handoff) else w.handle for w in self._waiting]
+        return [h for h in [*self._slot_of, *waiting] if pred(h)]
 
     def _consume_tombstone(self, handle: int) -> bool:
         if handle in self._tombstones:

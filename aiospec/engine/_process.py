@@ -5,6 +5,12 @@ socket) until the next step is due, so admissions and aborts are handled between
 a thread. End of file on the control socket means the server is gone: the engine stops and its
 ring is closed and unlinked. SIGINT is ignored: Ctrl-C reaches the whole process group, and the
 server, not the terminal, decides when its engines stop.
+
+With ``--api-servers N`` the engine also listens on a server socket (``listen``): each API
+server process connects, says ``Hello`` (its index and pid) and gets ``Ready``; it then sends
+admissions, aborts and stats requests like the owner does, and gets its own answers. When an
+API server's connection ends (its process died), the engine aborts the requests whose handles
+carry that server's index and evicts the ring reader slots of its pid, at once.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from aiospec.engine._protocol import (
     Failed,
     FrameBuffer,
     Handoff,
+    Hello,
     Ready,
     Shutdown,
     StatsRequest,
@@ -39,10 +46,30 @@ from aiospec.engine._sinks import Sink, make_sink
 __all__ = ("engine_main",)
 
 _IDLE_WAIT = 0.1  # seconds between heartbeats while there is nothing to decode
+_SERVER_SHIFT = 56  # the API server's index in a handle (aiospec.engine._client.SERVER_SHIFT)
+
+
+class _Peer:
+    """An API server's connection on the server socket."""
+
+    __slots__ = ("buf", "pid", "server", "sock")
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.buf = FrameBuffer()
+        self.server = -1  # until its Hello
+        self.pid = 0
 
 
 class _Loop:
-    def __init__(self, config: EngineConfig, ctl: socket.socket, handoff: socket.socket | None, sink: Sink) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        ctl: socket.socket,
+        handoff: socket.socket | None,
+        sink: Sink,
+        listen: socket.socket | None = None,
+    ) -> None:
         self.config = config
         self.core = EngineCore(config, max_record=sink.max_record)
         self.ctl = ctl
@@ -57,11 +84,27 @@ class _Loop:
         self._poller = select.poll()
         for fd in self._bufs:
             self._poller.register(fd, select.POLLIN)
+        self.listen = listen
+        self._peers: dict[int, _Peer] = {}
+        self.servers_lost = 0
+        self._evict_until = self._evict_next = 0.0
+        if listen is not None:
+            listen.setblocking(False)
+            self._poller.register(listen.fileno(), select.POLLIN)
 
     def send(self, msg: msgspec.Struct) -> None:
         self.ctl.sendall(encode(msg))
 
-    def _on_message(self, body: bytes) -> None:
+    def _reply(self, peer: _Peer | None, msg: msgspec.Struct) -> None:
+        if peer is None:
+            self.send(msg)
+            return
+        try:
+            peer.sock.sendall(encode(msg))
+        except OSError:
+            self._peer_gone(peer)
+
+    def _on_message(self, body: bytes, peer: _Peer | None = None) -> None:
         msg = decode_to_engine(memoryview(body))
         core = self.core
         try:
@@ -72,12 +115,67 @@ class _Loop:
             elif isinstance(msg, Handoff):
                 core.handoff(msg)
             elif isinstance(msg, StatsRequest):
-                self.send(self.stats(msg.id))
-            elif isinstance(msg, Shutdown):
-                self.stop = True
+                self._reply(peer, self.stats(msg.id))
+            elif isinstance(msg, Hello) and peer is not None:
+                peer.server, peer.pid = msg.server, msg.pid
+                self._reply(peer, Ready(pid=os.getpid(), role=self.config.role, transport=self.sink.transport))
+            elif isinstance(msg, Shutdown) and peer is None:
+                self.stop = True  # only the owner stops the engine
         except ValueError as exc:
             # a bad request fails alone; the server logs it
-            self.send(Failed(str(exc)))
+            self._reply(peer, Failed(str(exc)))
+
+    def _accept(self) -> None:
+        assert self.listen is not None
+        while True:
+            try:
+                sock, _ = self.listen.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            sock.setblocking(True)
+            # a server that stops reading must not hold the step loop for long
+            sock.settimeout(5.0)
+            self._peers[sock.fileno()] = _Peer(sock)
+            self._poller.register(sock.fileno(), select.POLLIN)
+
+    def _peer_gone(self, peer: _Peer) -> None:
+        """An API server's connection ended: drop its requests, free its ring reader slots."""
+        fd = peer.sock.fileno()
+        if self._peers.pop(fd, None) is None:
+            return
+        self._poller.unregister(fd)
+        peer.sock.close()
+        self.servers_lost += 1
+        if peer.server >= 0:
+            for h in self.core.handles_of(lambda h: h >> _SERVER_SHIFT == peer.server):
+                self.core.abort(h)
+        # the process may still be exiting when its sockets close: look again for a while
+        self._evict_until = time.monotonic() + 2.0
+        self._evict()
+
+    def _evict(self) -> None:
+        evict = getattr(self.sink, "evict_dead_readers", None)
+        if evict is not None:
+            evict()
+        self._evict_next = time.monotonic() + 0.1
+
+    def _drain_peer(self, peer: _Peer) -> None:
+        try:
+            data = peer.sock.recv(1 << 20)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._peer_gone(peer)
+            return
+        try:
+            bodies = peer.buf.feed(data)
+        except ValueError:
+            self._peer_gone(peer)
+            return
+        for body in bodies:
+            self._on_message(body, peer)
 
     def stats(self, req_id: int) -> EngineStats:
         c = self.core
@@ -99,6 +197,16 @@ class _Loop:
     def _drain(self, timeout: float) -> bool:
         """Handle what arrives within ``timeout``; False once the engine must stop."""
         for fd, _ in self._poller.poll(max(0.0, timeout) * 1000.0):
+            if self.listen is not None:
+                if fd == self.listen.fileno():
+                    self._accept()
+                    continue
+                peer = self._peers.get(fd)
+                if peer is not None:
+                    self._drain_peer(peer)
+                    continue
+            if fd not in self._bufs:
+                continue  # a peer closed earlier in this round
             sock = self.ctl if fd == self.ctl.fileno() else self.handoff
             assert sock is not None
             try:
@@ -143,10 +251,17 @@ class _Loop:
             if not self.core.has_work():
                 next_step = time.monotonic()
                 self.sink.idle()
+            if self._evict_until and now >= self._evict_next:
+                if now > self._evict_until:
+                    self._evict_until = 0.0
+                self._evict()
 
 
-def engine_main(config_bytes: bytes, ctl: socket.socket, handoff: socket.socket | None = None) -> None:
-    """Entry point of a spawned engine process."""
+def engine_main(
+    config_bytes: bytes, ctl: socket.socket, handoff: socket.socket | None = None, listen: socket.socket | None = None
+) -> None:
+    """Entry point of a spawned engine process; ``listen``: the server socket API server
+    processes connect to (``--api-servers``)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     ctl.setblocking(True)
     sink: Sink | None = None
@@ -154,7 +269,7 @@ def engine_main(config_bytes: bytes, ctl: socket.socket, handoff: socket.socket 
         config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)
         config.validate()
         sink = make_sink(config)
-        loop = _Loop(config, ctl, handoff, sink)
+        loop = _Loop(config, ctl, handoff, sink, listen)
         loop.send(Ready(pid=os.getpid(), role=config.role, transport=sink.transport))
         loop.run()
     except (BrokenPipeError, ConnectionResetError):
@@ -169,3 +284,5 @@ def engine_main(config_bytes: bytes, ctl: socket.socket, handoff: socket.socket 
         ctl.close()
         if handoff is not None:
             handoff.close()
+        if listen is not None:
+            listen.close()

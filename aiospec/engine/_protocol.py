@@ -17,6 +17,7 @@ __all__ = (
     "Failed",
     "FrameBuffer",
     "Handoff",
+    "Hello",
     "Ready",
     "Shutdown",
     "StatsRequest",
@@ -63,6 +64,14 @@ class Abort(msgspec.Struct, tag="abort", array_like=True, gc=False):
     handle: int
 
 
+class Hello(msgspec.Struct, tag="hello", array_like=True, gc=False):
+    """The first message of an API server on the engine's server socket (``--api-servers``):
+    its index (the handle bits it owns) and its pid. The engine answers ``Ready``."""
+
+    server: int
+    pid: int
+
+
 class Shutdown(msgspec.Struct, tag="shutdown", array_like=True, gc=False):
     pass
 
@@ -106,7 +115,7 @@ class Failed(msgspec.Struct, tag="failed", array_like=True, gc=False):
     message: str
 
 
-ToEngine = Admit | Abort | Shutdown | StatsRequest | Handoff
+ToEngine = Admit | Abort | Shutdown | StatsRequest | Handoff | Hello
 ToServer = Ready | EngineStats | Failed
 
 _encoder = msgspec.msgpack.Encoder()

@@ -90,7 +90,9 @@ class RingSink:
     def __init__(self, config: EngineConfig) -> None:
         ops = importlib.import_module("aiospec.ops")
         capacity, max_record = ring_geometry(config)
-        self.ring = shm.Ring.create(capacity=capacity, max_readers=8, max_record=max_record)
+        # one reader per API server (--api-servers, at most 16 here) and room for tools
+        readers = min(shm.layout.MAX_READERS, max(8, config.api_servers + 4))
+        self.ring = shm.Ring.create(capacity=capacity, max_readers=readers, max_record=max_record)
         self.transport = self.ring.name
         self.max_record: int | None = self.ring.max_record
         self.device = _pick_device(config.device)
@@ -142,6 +144,10 @@ class RingSink:
             out.sent += 1
         t.cuda.current_stream().synchronize()  # the step's own sync point; then wake readers
         self.producer.notify()
+
+    def evict_dead_readers(self) -> None:
+        """Free the reader slots of processes that are gone (an API server that died)."""
+        self.ring.evict_dead_readers()
 
     def idle(self) -> None:
         now = time.monotonic()

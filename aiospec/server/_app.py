@@ -323,6 +323,7 @@ class Handlers:
                 "finished": {f"{e}:{r}": n for (e, r), n in m.finished.items()},
                 "requests": {f"{e}:{s}": n for (e, s), n in m.requests.items()},
                 "loop_lag": m.loop_lag.summary(),
+                "servers": None if m.share is None else m.share.servers(),  # --api-servers: each process
                 "hub": None if hs is None else msgspec.to_builtins(hs),
                 "engines": engines,
             }
@@ -352,9 +353,15 @@ class Handlers:
         """Start the loop-lag ticker and the engines, serve, then stop both."""
         st = self.state
         st.metrics.loop_lag.start()
+        cpu: _Metric = ("process_cpu_seconds_total", "counter", "CPU time of the server process.", 0.0, None)
+        st.metrics.start_share(  # several server processes: each shares its figures (_metrics.py)
+            st.settings.metrics_dir, st.settings.server_index,
+            lambda: [*self._hub_metrics(), (*cpu[:3], time.process_time(), None)],
+        )  # fmt: skip
         try:
             await st.link.start()
         except BaseException:
+            await st.metrics.stop_share()
             await st.metrics.loop_lag.stop()
             await st.link.stop()
             raise
@@ -368,6 +375,7 @@ class Handlers:
         try:
             yield
         finally:
+            await st.metrics.stop_share()
             await st.metrics.loop_lag.stop()
             await st.link.stop()
 

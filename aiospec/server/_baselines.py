@@ -40,10 +40,16 @@ class BaselineApiSide:
                 restore_msg_limits(self._raised)
 
 
-async def open_api_side(cfg: EngineConfig, *, raise_msg_limits: bool = False) -> BaselineApiSide:
+async def open_api_side(cfg: EngineConfig, *, raise_msg_limits: bool = False, address: str = "") -> BaselineApiSide:
+    """The API side of ``cfg.transport``; ``address`` (vllm, one of several API servers): the
+    PULL address to bind, chosen by the parent process (its engine PUSHes to every server's)."""
     if cfg.transport == "vllm":
         from aiospec.baselines import VllmStyleHub
 
+        if address:
+            vhub = VllmStyleHub(address)
+            await vhub.__aenter__()
+            return BaselineApiSide(vhub, address)
         tmpdir = tempfile.mkdtemp(prefix="aiospec-vllm-")
         address = "ipc://" + os.path.join(tmpdir, "outputs.sock")
         vhub = VllmStyleHub(address)

@@ -65,6 +65,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "(%(default)s)",
     )
     g.add_argument(
+        "--api-servers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="API server processes sharing the port (SO_REUSEPORT), each reading the rings for its own "
+        "requests, 1..16 (%(default)s)",
+    )
+    g.add_argument(
         "--loop-budget-ms",
         type=float,
         default=2.0,
@@ -119,6 +127,10 @@ def _settings(a: argparse.Namespace) -> Any:
         raise ValueError(f"--loop-budget-ms = {a.loop_budget_ms!r}: expected 0.05..1000")
     if not 0.5 <= a.producer_timeout <= 3600:
         raise ValueError(f"--producer-timeout = {a.producer_timeout!r}: expected 0.5..3600 seconds")
+    if not 1 <= a.api_servers <= 16:
+        raise ValueError(f"--api-servers = {a.api_servers!r}: expected 1..16")
+    if a.api_servers > 1 and a.token_path == "fastdeploy":
+        raise ValueError(f"--api-servers = {a.api_servers}: several API servers take --token-path ring or vllm")
     return ServerSettings(
         model=a.model,
         engine=eng,
@@ -139,8 +151,18 @@ def _engine_argv(a: argparse.Namespace) -> list[str]:
             "--token-path", a.token_path, "--device", a.device, "--max-model-len", str(a.max_model_len),
             "--default-max-tokens", str(a.default_max_tokens), "--loop-budget-ms", str(a.loop_budget_ms),
             "--producer-timeout", str(a.producer_timeout), "--max-logprobs", str(a.max_logprobs),
-            "--logprobs-mode", a.logprobs_mode]  # fmt: skip
+            "--logprobs-mode", a.logprobs_mode, "--api-servers", str(a.api_servers)]  # fmt: skip
     return argv + (["--pd"] if a.pd else []) + (["--raise-msg-limits"] if a.raise_msg_limits else [])
+
+
+def _http_argv(a: argparse.Namespace) -> list[str]:
+    """The access, limits and supervision flags of ``a`` again (keys travel in the environment)."""
+    return ["--log-level", a.log_level, "--public-paths", a.public_paths, "--allowed-origins", a.allowed_origins or "",
+            "--max-request-line", str(a.max_request_line), "--max-header-bytes", str(a.max_header_bytes),
+            "--max-headers", str(a.max_headers), "--max-head-bytes", str(a.max_head_bytes),
+            "--header-timeout", str(a.header_timeout), "--body-timeout", str(a.body_timeout),
+            "--keep-alive-timeout", str(a.keep_alive_timeout), "--max-connections", str(a.max_connections),
+            "--max-restarts", str(a.max_restarts), "--restart-backoff", str(a.restart_backoff)]  # fmt: skip
 
 
 def _limits(a: argparse.Namespace) -> Any:
@@ -180,10 +202,11 @@ def _exposure_warning(host: str, keys: tuple[str, ...]) -> str | None:
     )
 
 
-def _bind(host: str, port: int) -> socket.socket:
-    """The listening socket, bound before anything says the server is there."""
+def _bind(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
+    """The listening socket, bound before anything says the server is there (``reuse_port``:
+    the first of the ``SO_REUSEPORT`` group of ``--api-servers``)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    return socket.create_server((host, port), family=family, backlog=4096, reuse_port=False)
+    return socket.create_server((host, port), family=family, backlog=4096, reuse_port=reuse_port)
 
 
 def _serve(a: argparse.Namespace) -> int:
@@ -208,11 +231,18 @@ def _serve(a: argparse.Namespace) -> int:
     settings.max_restarts = a.max_restarts
     settings.restart_backoff = a.restart_backoff
     settings.allowed_origins = tuple(o.strip() for o in (a.allowed_origins or "").split(",") if o.strip())
+    settings.api_servers = a.api_servers
+    if a.server_index >= 0:  # one of the --api-servers processes, started by the parent
+        settings.server_index = a.server_index
+        settings.engine_sockets = tuple(a.engine_socket or ())
+        settings.metrics_dir = a.metrics_dir
+        settings.baseline_address = a.baseline_address
+    parent = a.api_servers > 1 and a.server_index < 0
     if a.fd >= 0:
         sock = socket.socket(fileno=a.fd)
     else:
         try:
-            sock = _bind(a.host, a.port)
+            sock = _bind(a.host, a.port, reuse_port=parent)
         except OSError as exc:
             print(
                 f"aiospec serve: cannot listen on {a.host}:{a.port}: {os.strerror(exc.errno) if exc.errno else exc}",
@@ -236,6 +266,20 @@ def _serve(a: argparse.Namespace) -> int:
             shown = f"[{host}]" if ":" in host else host
             print(f"aiospec: serving {settings.model} on http://{shown}:{port}/v1", file=sys.stderr)
 
+    if parent:
+        from aiospec.server._launch import _child_env
+        from aiospec.server._multi import run_servers, sibling_sockets
+
+        try:
+            socks = sibling_sockets(sock, a.api_servers)
+        except (ValueError, OSError) as exc:
+            print(f"aiospec serve: {exc}", file=sys.stderr)
+            return 1
+        env = _child_env({"AIOSPEC_API_KEY": ",".join(keys)})
+        return run_servers(
+            settings, a.api_servers, socks, _engine_argv(a) + _http_argv(a), env=env, on_ready=on_ready,
+            watch_fd=a.watch_fd, log_level=a.log_level,
+        )  # fmt: skip
     return serve(
         settings, sock=sock, on_ready=on_ready, watch_fd=a.watch_fd, log_level=a.log_level,
         limits=limits, keep_alive_timeout=a.keep_alive_timeout,
@@ -362,6 +406,11 @@ def register(sub: Any) -> None:
     p.add_argument("--fd", type=int, default=-1, help=argparse.SUPPRESS)  # inherited listening socket
     p.add_argument("--ready-fd", type=int, default=-1, help=argparse.SUPPRESS)
     p.add_argument("--watch-fd", type=int, default=-1, help=argparse.SUPPRESS)
+    # one of the --api-servers processes: started by the parent with these
+    p.add_argument("--server-index", type=int, default=-1, help=argparse.SUPPRESS)
+    p.add_argument("--engine-socket", action="append", help=argparse.SUPPRESS)
+    p.add_argument("--metrics-dir", default="", help=argparse.SUPPRESS)
+    p.add_argument("--baseline-address", default="", help=argparse.SUPPRESS)
     _add_engine_args(p)
     _add_http_args(p)
     p.set_defaults(func=_serve)

@@ -20,6 +20,8 @@ def run_demo(a: argparse.Namespace, engine_argv: list[str]) -> int:
     console = Console(stderr=False)
     server = ServerProcess(engine_argv, port=a.port)
     mode = "PD (prefill + decode engines, two rings)" if a.pd else "one engine, one ring"
+    if a.api_servers > 1:
+        mode += f", {a.api_servers} API server processes"
     with console.status(f"starting the engine and the server ({mode})..."):
         try:
             url = server.start()

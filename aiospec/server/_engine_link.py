@@ -20,6 +20,7 @@ import msgspec
 from aiospec._hub import Hub
 from aiospec._stream import RequestStream
 from aiospec.engine import Admit, EngineConfig, EngineGroup, EngineStats, HandleAllocator, default_vocabulary
+from aiospec.engine._client import SERVER_SHIFT, RemoteEngines
 from aiospec.engine._vocab import Vocabulary
 from aiospec.openai import TokenIdStrings
 
@@ -60,6 +61,14 @@ class ServerSettings(msgspec.Struct, kw_only=True):
     api_keys: tuple[str, ...] = ()
     public_paths: tuple[str, ...] = ("/health", "/metrics")
     allowed_origins: tuple[str, ...] = ()  # CORS: none unless configured
+    # one of several API server processes (--api-servers): the parent process runs the engines;
+    # this one connects to their server sockets, owns the handles whose bits 56.. are its index
+    # and routes only those (docs/server.md, "Several API server processes")
+    api_servers: int = 1
+    server_index: int = 0
+    engine_sockets: tuple[str, ...] = ()
+    baseline_address: str = ""  # --token-path vllm: the PULL address this server binds
+    metrics_dir: str = ""  # where every server process shares its metrics (_metrics.MetricsShare)
 
 
 class TokenSource(Protocol):
@@ -86,8 +95,8 @@ class EngineLink:
         self.settings = settings
         self.vocab: Vocabulary = default_vocabulary()
         self.token_id_strings = TokenIdStrings()  # the token strings of return_tokens_as_token_ids
-        self.handles = HandleAllocator()
-        self.engines: EngineGroup | None = None
+        self.handles = HandleAllocator(settings.server_index)
+        self.engines: EngineGroup | RemoteEngines | None = None
         self.source: Any = None
         self._baseline: Any = None
         self.started_at = 0.0
@@ -102,6 +111,17 @@ class EngineLink:
     def token_path(self) -> str:
         return self.settings.engine.transport
 
+    @property
+    def remote(self) -> bool:
+        """One of several API server processes: the engines belong to the parent process."""
+        return bool(self.settings.engine_sockets)
+
+    def _engines(self, cfg: EngineConfig) -> EngineGroup | RemoteEngines:
+        s = self.settings
+        if self.remote:
+            return RemoteEngines(cfg, list(s.engine_sockets), server=s.server_index, pd=s.pd)
+        return EngineGroup(cfg, pd=s.pd)
+
     async def start(self) -> None:
         """Start the engines and the token path, then supervise them."""
         self.state = "starting"
@@ -113,10 +133,13 @@ class EngineLink:
         cfg = self.settings.engine
         try:
             if cfg.transport == "ring":
-                self.engines = EngineGroup(cfg, pd=self.settings.pd)
+                self.engines = self._engines(cfg)
                 names = await self.engines.start(self.settings.start_timeout)
                 hub = Hub(
-                    names, producer_timeout=self.settings.producer_timeout, yield_every=self.settings.hub_yield_every
+                    names,
+                    producer_timeout=self.settings.producer_timeout,
+                    yield_every=self.settings.hub_yield_every,
+                    partition=(SERVER_SHIFT, self.settings.server_index) if self.remote else None,
                 )
                 await hub.__aenter__()
                 self.source = hub
@@ -124,9 +147,12 @@ class EngineLink:
             else:
                 # the API side of a baseline binds first; the engine connects to its address
                 mod = importlib.import_module("aiospec.server._baselines")
-                self._baseline = await mod.open_api_side(cfg, raise_msg_limits=self.settings.raise_msg_limits)
-                cfg = msgspec.structs.replace(cfg, transport_address=self._baseline.address)
-                self.engines = EngineGroup(cfg, pd=self.settings.pd)
+                self._baseline = await mod.open_api_side(
+                    cfg, raise_msg_limits=self.settings.raise_msg_limits, address=self.settings.baseline_address
+                )
+                if not self.remote:
+                    cfg = msgspec.structs.replace(cfg, transport_address=self._baseline.address)
+                self.engines = self._engines(cfg)
                 await self.engines.start(self.settings.start_timeout)
                 self.source = self._baseline.source
         except BaseException:
@@ -204,7 +230,7 @@ class EngineLink:
             log.error("engine stopped (%s); %s", "; ".join(group.exits()),
                       f"rings removed: {', '.join(rings)}" if rings else "no ring")  # fmt: skip
             while True:
-                if attempts >= s.max_restarts or self._baseline_path:
+                if (attempts >= s.max_restarts and not self.remote) or self._baseline_path:
                     self.state = "failed"
                     msg = (
                         f"the engine is down and {attempts} restart(s) failed (--max-restarts {s.max_restarts})"
@@ -215,7 +241,10 @@ class EngineLink:
                     if self.on_fatal is not None:
                         self.on_fatal(msg)
                     return
-                delay = min(s.restart_backoff_max, s.restart_backoff * 2**attempts)
+                # the parent process restarts a remote server's engines (with its own backoff)
+                # and ends this server if it gives up: look again soon, without a limit
+                cap = min(1.0, s.restart_backoff_max) if self.remote else s.restart_backoff_max
+                delay = min(cap, s.restart_backoff * 2**attempts)
                 attempts += 1
                 log.warning("restarting the engine in %.2g s (restart %d of at most %d)", delay, attempts,
                             s.max_restarts)  # fmt: skip

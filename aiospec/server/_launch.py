@@ -31,6 +31,17 @@ def _child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def _api_servers(args: Sequence[str]) -> int:
+    n = 1
+    for i, arg in enumerate(args):
+        value = args[i + 1] if arg == "--api-servers" and i + 1 < len(args) else None
+        if arg.startswith("--api-servers="):
+            value = arg.split("=", 1)[1]
+        if value is not None and value.isdigit():
+            n = int(value)
+    return n
+
+
 class ServerProcess:
     """``aiospec serve ARGS`` in a child process on 127.0.0.1 (a free port by default);
     ``env`` adds to the child's environment (``AIOSPEC_API_KEY``, say, kept off its command line)."""
@@ -63,7 +74,8 @@ class ServerProcess:
 
     def start(self, timeout: float = 120.0) -> str:
         """Start the server and wait until it serves; returns its base URL."""
-        sock = socket.create_server((self.host, self.port), backlog=4096)
+        # --api-servers N: the parent adds N - 1 sockets to this one's SO_REUSEPORT group
+        sock = socket.create_server((self.host, self.port), backlog=4096, reuse_port=_api_servers(self.args) > 1)
         self.port = sock.getsockname()[1]
         ready_r, ready_w = os.pipe()
         watch_r, watch_w = os.pipe()

@@ -1,4 +1,12 @@
-"""Server counters, histograms, the event-loop lag ticker and Prometheus text rendering."""
+"""Server counters, histograms, the event-loop lag ticker and Prometheus text rendering.
+
+With several API server processes (``--api-servers``) every process shares its metrics through
+``MetricsShare``: a snapshot file of its own in one private directory, rewritten every 0.25 s,
+that the others read when they answer ``/metrics`` or ``/stats``, so any process reports the
+whole server (the same idea as ``prometheus_client``'s multiprocess mode, with the names and
+the rendering of one process kept: counters and histograms are summed over every process that
+ever ran, gauges over the live ones; the engines' figures are the engines', not summed).
+"""
 
 from __future__ import annotations
 
@@ -6,12 +14,18 @@ import asyncio
 import bisect
 import contextlib
 import gc
+import os
 import time
 from collections import defaultdict, deque
+from collections.abc import Callable
+from typing import Any
 
+import msgspec
 import numpy as np
 
-__all__ = ("Histogram", "LoopLag", "Metrics")
+__all__ = ("Histogram", "LoopLag", "Metrics", "MetricsShare")
+
+Extra = tuple[str, str, str, float, "dict[str, str] | None"]  # name, type, help, value, labels
 
 
 class Histogram:
@@ -29,6 +43,20 @@ class Histogram:
         self._counts[bisect.bisect_left(self._bounds, v)] += 1
         self.count += 1
         self.sum += v
+
+    def state(self) -> list[Any]:
+        return [list(self._counts), self.count, self.sum]
+
+    def merged(self, states: list[list[Any]]) -> Histogram:
+        """This histogram plus others' ``state()`` (same bounds)."""
+        h = Histogram(self._bounds)
+        h._counts, h.count, h.sum = list(self._counts), self.count, self.sum
+        for counts, count, total in states:
+            if len(counts) == len(h._counts):
+                h._counts = [a + b for a, b in zip(h._counts, counts, strict=True)]
+                h.count += count
+                h.sum += total
+        return h
 
     def render(self, name: str, help_: str) -> list[str]:
         out = [f"# HELP {name} {help_}", f"# TYPE {name} histogram"]
@@ -74,6 +102,7 @@ class LoopLag:
         self._n = 0
         self._task: asyncio.Task[None] | None = None
         self._thresholds = (700, 10, 10)
+        self.on_reset: Callable[[], None] | None = None  # tells the other server processes
 
     def start(self) -> None:
         if self.manage_gc:
@@ -112,8 +141,11 @@ class LoopLag:
                 gc.collect(gen)
                 self.gc_pause.observe(time.perf_counter() - now)
 
-    def reset(self) -> None:
+    def reset(self, *, everywhere: bool = True) -> None:
+        """Start the percentiles afresh (in every server process, unless ``everywhere`` is off)."""
         self._n = 0
+        if everywhere and self.on_reset is not None:
+            self.on_reset()
 
     def summary(self) -> dict[str, float]:
         n = min(self._n, self._samples.shape[0])
@@ -138,6 +170,45 @@ class Metrics:
         self.loop_lag = LoopLag()
         self._rate: deque[tuple[float, int]] = deque(maxlen=64)
         self.started = time.monotonic()
+        self.share: MetricsShare | None = None
+        self._lag_cache: tuple[float, dict[str, float], int] | None = None
+        self.extra: list[Extra] = []  # the merged extras of a whole-server copy (MetricsShare.merged)
+
+    def start_share(self, directory: str, index: int, local_extra: Callable[[], list[Extra]]) -> None:
+        """Share this process's metrics with the other API server processes (``--api-servers``)."""
+        if directory:
+            MetricsShare(directory, index, self, local_extra).start()
+
+    async def stop_share(self) -> None:
+        if self.share is not None:
+            await self.share.stop()
+
+    def _lag_summary(self) -> dict[str, float]:
+        # percentiles over up to 65,536 samples take about a millisecond: once a second at most
+        now = time.monotonic()
+        if self._lag_cache is None or now - self._lag_cache[0] > 1.0 or self.loop_lag._n < self._lag_cache[2]:
+            self._lag_cache = (now, self.loop_lag.summary(), self.loop_lag._n)
+        return self._lag_cache[1]
+
+    def snapshot(self, extra: list[Extra]) -> dict[str, Any]:
+        """This process's figures, for the other processes (``MetricsShare``)."""
+        return {
+            "pid": os.getpid(),
+            "time": time.time(),
+            "requests": [[e, st, n] for (e, st), n in self.requests.items()],
+            "finished": [[e, r, n] for (e, r), n in self.finished.items()],
+            "streams_open": self.streams_open,
+            "requests_running": self.requests_running,
+            "tokens": self.tokens,
+            "aborted": self.aborted,
+            "tokens_per_second": self.tokens_per_second(),
+            "ttft": self.ttft.state(),
+            "loop_lag": self.loop_lag.hist.state(),
+            "gc_pause": self.loop_lag.gc_pause.state(),
+            "loop_lag_summary": self._lag_summary(),
+            "cpu_seconds": time.process_time(),
+            "extra": [list(x) for x in extra],
+        }
 
     def request_done(self, endpoint: str, status: int) -> None:
         self.requests[(endpoint, status)] += 1
@@ -159,7 +230,18 @@ class Metrics:
         return (self.tokens - n0) / (now - t0) if now > t0 else 0.0
 
     def render(self, extra: list[tuple[str, str, str, float, dict[str, str] | None]]) -> str:
-        """Prometheus text format; ``extra`` = (name, type, help, value, labels) gauges/counters."""
+        """Prometheus text format; ``extra`` = (name, type, help, value, labels) gauges/counters.
+
+        With a ``share`` the figures are the whole server's: this process's plus the other
+        server processes' latest snapshots (``MetricsShare.merge``)."""
+        if self.share is not None:
+            return self.share.merged(extra).render_local(extra=None)
+        return self.render_local(extra)
+
+    def render_local(self, extra: list[Extra] | None) -> str:
+        """``render`` of these figures alone (``extra`` None: ``self.extra``)."""
+        if extra is None:
+            extra = self.extra
         lines: list[str] = []
 
         def metric(name: str, kind: str, help_: str, samples: list[tuple[dict[str, str] | None, float]]) -> None:
@@ -204,3 +286,162 @@ class Metrics:
         lines += self.loop_lag.gc_pause.render("aiospec_gc_pause_seconds", "Scheduled garbage collection pauses.")
         lines.append("")
         return "\n".join(lines)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+class MetricsShare:
+    """One API server process's side of the shared metrics directory (``--api-servers``).
+
+    Every ``interval`` seconds (and whenever it answers ``/metrics``) the process writes its
+    snapshot (``Metrics.snapshot``) to ``server-<index>.msgpack`` (a new file renamed over the
+    old, so readers never see half of one) and looks for a new loop-lag reset epoch (written
+    by whichever process was asked ``/stats/reset``).
+    """
+
+    def __init__(
+        self,
+        directory: str,
+        index: int,
+        metrics: Metrics,
+        local_extra: Callable[[], list[Extra]],
+        interval: float = 0.25,
+    ) -> None:
+        self.directory = directory
+        self.index = index
+        self.metrics = metrics
+        self.local_extra = local_extra
+        self.interval = interval
+        self._path = os.path.join(directory, f"server-{index}.msgpack")
+        self._reset_path = os.path.join(directory, "reset")
+        self._reset_seen = self._reset_epoch()
+        self._task: asyncio.Task[None] | None = None
+        metrics.loop_lag.on_reset = self._broadcast_reset
+        metrics.share = self
+
+    def start(self) -> None:
+        self.write()
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="aiospec-metrics-share")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        with contextlib.suppress(OSError):
+            self.write()  # the counters of a process that stopped still count
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            epoch = self._reset_epoch()
+            if epoch != self._reset_seen:
+                self._reset_seen = epoch
+                self.metrics.loop_lag.reset(everywhere=False)
+            with contextlib.suppress(OSError):
+                self.write()
+
+    def _reset_epoch(self) -> int:
+        try:
+            return os.stat(self._reset_path).st_mtime_ns
+        except OSError:
+            return 0
+
+    def _broadcast_reset(self) -> None:
+        with contextlib.suppress(OSError):
+            with open(self._reset_path, "a") as f:
+                f.write(f"{os.getpid()}\n")
+            self._reset_seen = self._reset_epoch()
+
+    def write(self, extra: list[Extra] | None = None) -> dict[str, Any]:
+        snap = self.metrics.snapshot(self.local_extra() if extra is None else extra)
+        snap["index"] = self.index
+        tmp = f"{self._path}.{os.getpid()}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(msgspec.msgpack.encode(snap))
+        os.replace(tmp, self._path)
+        return snap
+
+    def peers(self) -> list[dict[str, Any]]:
+        """The latest snapshots of the other server processes, each with ``alive``."""
+        out = []
+        try:
+            names = sorted(os.listdir(self.directory))
+        except OSError:
+            return []
+        for name in names:
+            if not (name.startswith("server-") and name.endswith(".msgpack")) or name == os.path.basename(self._path):
+                continue
+            try:
+                with open(os.path.join(self.directory, name), "rb") as f:
+                    snap: dict[str, Any] = msgspec.msgpack.decode(f.read())
+            except (OSError, msgspec.DecodeError):
+                continue
+            snap["alive"] = _alive(int(snap.get("pid", 0)))
+            out.append(snap)
+        return out
+
+    def servers(self) -> list[dict[str, Any]]:
+        """Per server process: index, pid, alive, CPU seconds, tokens, loop-lag summary."""
+        own = self.metrics.snapshot([])
+        own["index"], own["alive"] = self.index, True
+        rows = [own, *self.peers()]
+        keys = ("index", "pid", "alive", "cpu_seconds", "tokens", "streams_open", "loop_lag_summary")
+        return sorted(({k: r.get(k) for k in keys} for r in rows), key=lambda r: int(r["index"] or 0))
+
+    def merged(self, extra: list[Extra]) -> Metrics:
+        """A ``Metrics`` holding the whole server's figures: this process's (``extra`` its
+        extras now) plus every other process's snapshot."""
+        self.write([x for x in extra if not x[0].startswith("aiospec_engine_")])
+        m = self.metrics
+        peers = self.peers()
+        live = [p for p in peers if p["alive"]]
+        out = Metrics()
+        out.requests = defaultdict(int, m.requests)
+        out.finished = defaultdict(int, m.finished)
+        for p in peers:
+            for e, st, n in p["requests"]:
+                out.requests[(e, int(st))] += n
+            for e, r, n in p["finished"]:
+                out.finished[(e, r)] += n
+        out.tokens = m.tokens + sum(int(p["tokens"]) for p in peers)
+        out.aborted = m.aborted + sum(int(p["aborted"]) for p in peers)
+        out.streams_open = m.streams_open + sum(int(p["streams_open"]) for p in live)
+        out.requests_running = m.requests_running + sum(int(p["requests_running"]) for p in live)
+        rate = m.tokens_per_second() + sum(float(p["tokens_per_second"]) for p in live)
+        out.tokens_per_second = lambda window=10.0: rate  # type: ignore[method-assign]
+        out.ttft = m.ttft.merged([p["ttft"] for p in peers])
+        out.loop_lag.hist = m.loop_lag.hist.merged([p["loop_lag"] for p in peers])
+        out.loop_lag.gc_pause = m.loop_lag.gc_pause.merged([p["gc_pause"] for p in peers])
+        # extras: the engines' as this process sees them; ring lags per server; the rest summed
+        sums: dict[tuple[str, tuple[tuple[str, str], ...]], list[Any]] = {}
+        merged: list[Extra] = []
+        rows: list[tuple[int, bool, list[Any]]] = [(self.index, True, list(x)) for x in extra]
+        rows += [(int(p["index"]), bool(p["alive"]), x) for p in peers for x in p["extra"]]
+        for index, alive, (name, kind, help_, value, labels) in rows:
+            if name.startswith("aiospec_engine_"):
+                if index == self.index:
+                    merged.append((name, kind, help_, value, labels))
+                continue
+            if kind == "gauge" and not alive:
+                continue
+            if name == "aiospec_ring_lag_bytes":
+                merged.append((name, kind, help_, value, {**(labels or {}), "server": str(index)}))
+                continue
+            key = (name, tuple(sorted((labels or {}).items())))
+            if key in sums:
+                sums[key][3] += value
+            else:
+                sums[key] = [name, kind, help_, value, labels]
+        merged += [(n, k, h, v, lab) for n, k, h, v, lab in sums.values()]
+        out.extra = merged
+        return out
