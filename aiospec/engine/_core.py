@@ -48,6 +48,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     transport_address: str = ""
     ring_capacity: int = 32 << 20
     device: str = "auto"
+    # the ring's segment name (default: random); one that a bridge on the engine's host reads
+    ring_name: str = ""
 
     def validate(self) -> None:
         checks = (

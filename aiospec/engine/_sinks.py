@@ -88,7 +88,9 @@ class RingSink:
         capacity = config.ring_capacity
         while capacity // 4 < worst:
             capacity *= 2
-        self.ring = shm.Ring.create(capacity=capacity, max_readers=8, max_record=capacity // 4)
+        self.ring = shm.Ring.create(
+            config.ring_name or None, capacity=capacity, max_readers=8, max_record=capacity // 4
+        )
         self.transport = self.ring.name
         self.device = _pick_device(config.device)
         try:
