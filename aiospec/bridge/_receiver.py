@@ -293,7 +293,9 @@ class BridgeReceiver:
         silent = now - self._last_heard
         if self._state == "up" and silent > self.link_timeout:
             self._state = "down"
-            self.link_error = LinkDown(f"bridge receiver {self.endpoint_bound}: no word from the near end for {silent:.1f} s")
+            self.link_error = LinkDown(
+                f"bridge receiver {self.endpoint_bound}: no word from the near end for {silent:.1f} s"
+            )
             log.error("%s; the ring's heartbeat stops", self.link_error)
         if self._state == "down" and self.give_up is not None and silent > self.give_up:
             return f"the link to the near end was down for {silent:.1f} s (give_up {self.give_up} s)"

@@ -344,7 +344,10 @@ class BridgeSender:
         if self._state != "up":
             if self.give_up is not None and now - self._down_since > self.give_up:
                 return f"the link was down for {now - self._down_since:.1f} s (give_up {self.give_up} s)"
-            if self._state == "connecting" and now - self._down_since > self.link_timeout and self.link_error is None:
+            news = self.link_error is None or (
+                self.handshake_error is not None and self.handshake_error not in str(self.link_error)
+            )
+            if self._state == "connecting" and now - self._down_since > self.link_timeout and news:
                 hint = f": {self.handshake_error}" if self.handshake_error else ""
                 self.link_error = LinkDown(
                     f"bridge sender {self.endpoint}: no answer from the far end for "
