@@ -88,6 +88,7 @@ def _stop_on_signals(stop: Any) -> None:
 
 def _send(a: argparse.Namespace) -> int:
     _setup(a)
+    import shm
     from aiospec.bridge import BridgeConfigError, BridgeSender, CurveKeys
 
     curve = None
@@ -104,7 +105,7 @@ def _send(a: argparse.Namespace) -> int:
             drop_after=a.drop_after,
             wait_ring=a.wait_ring,
         )
-    except (BridgeConfigError, FileNotFoundError) as exc:
+    except (BridgeConfigError, FileNotFoundError, shm.BadSegment) as exc:
         print(f"aiospec bridge send: {exc}", file=sys.stderr)
         return 2
     _stop_on_signals(sender.request_stop)
@@ -160,11 +161,10 @@ def _recv(a: argparse.Namespace) -> int:
         recv.stop()
         target.close()
     st = recv.stats()
-    print(f"aiospec bridge recv: ended ({st.state}); {st.frames} frames, {st.lost} lost", flush=True)
     if recv.failure is not None:
         print(f"aiospec bridge recv: failed: {recv.failure}", file=sys.stderr)
         return 1
-    print(f"aiospec bridge recv: ended: {recv.result}", flush=True)
+    print(f"aiospec bridge recv: ended: {recv.result}; {st.frames} frames, {st.lost} lost", flush=True)
     return 0 if recv.result is not None and "upstream producer is gone" in recv.result else 1
 
 

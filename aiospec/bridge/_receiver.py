@@ -287,7 +287,7 @@ class BridgeReceiver:
                 self._state = "done"
                 self.result = why
                 linger_until = now + min(1.0, self.link_timeout)
-        return "stopped"
+        return self.result or "stopped"
 
     def _timers(self, now: float) -> str | None:
         silent = now - self._last_heard

@@ -586,7 +586,11 @@ def _attach(name: str, wait: float) -> shm.Ring:
                 raise FileNotFoundError(
                     f"ring = {name!r}: no such segment in {shm.SHM_DIR} (waited {wait} s)"
                 ) from None
-            time.sleep(0.02)
+        except shm.BadSegment:
+            # a segment being created has no magic yet: wait for its creator to finish
+            if time.monotonic() >= deadline:
+                raise
+        time.sleep(0.02)
 
 
 def _map_control(ring: shm.Ring) -> Any:

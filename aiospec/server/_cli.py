@@ -33,6 +33,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         help="--pd: the prefill engine creates its ring under this name (for `aiospec bridge send --ring NAME`)",
     )
     g.add_argument(
+        "--handoff-steps",
+        type=int,
+        default=0,
+        help="--pd: the decode engine starts a handed-off request this many of its steps later, as a real "
+        "pair's KV cache transfer would (%(default)s)",
+    )
+    g.add_argument(
         "--prefill-via-ring",
         default="",
         metavar="NAME",
@@ -109,6 +116,7 @@ def _settings(a: argparse.Namespace) -> Any:
         transport=a.token_path,
         device=a.device,
         ring_name=a.prefill_ring,
+        handoff_steps=a.handoff_steps,
     )
     eng.validate()
     for flag, value in (("--prefill-ring", a.prefill_ring), ("--prefill-via-ring", a.prefill_via_ring)):
