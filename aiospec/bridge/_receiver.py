@@ -259,7 +259,8 @@ class BridgeReceiver:
                 wait = idle_backoff  # the target had no room: look again soon
                 idle_backoff = min(idle_backoff * 2, 0.01)
             else:
-                wait = max(0.0, min(self._credit_due, self._beat_due) - now)
+                due = self._beat_due if self._peer is None else min(self._credit_due, self._beat_due)
+                wait = max(0.0, due - now)
                 wait = min(wait, self.heartbeat)
             if poller.poll(wait * 1000.0):
                 idle_backoff = 0.0005

@@ -306,7 +306,10 @@ class BridgeSender:
             progress |= self._read_ring(now)
             if progress:
                 continue
-            wait = max(0.0, min(self._hello_due, self._beat_due, self._check_due) - now)
+            due = min(self._beat_due, self._check_due)
+            if self._state != "up":
+                due = min(due, self._hello_due)
+            wait = max(0.0, due - now)
             wait = min(wait, self.heartbeat)
             if self._blocked_until > now:
                 wait = min(wait, self._blocked_until - now)
