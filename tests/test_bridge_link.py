@@ -117,7 +117,7 @@ def test_a_receiver_survives_corrupt_messages_and_serves_on() -> None:
         wait_for(lambda: sender is not None and sender.state == "up", "the link")
         near.write(b"fine")
         assert drain(reader, 1) == [b"fine"]
-        assert recv.stats().frames == 1
+        wait_for(lambda: recv.stats().frames == 1, "the receiver to count the frame")
     finally:
         if sender is not None:
             sender.close()
