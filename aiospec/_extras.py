@@ -16,6 +16,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "server": _SERVER,
     "demo": (*_SERVER, "rich", "matplotlib"),  # aiospec[server] and its own
     "bench": ("zmq", "sysv_ipc"),
+    "bridge": ("zmq",),
 }
 
 

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 # Modules that define ``register(subparsers)``; each added parser sets ``func`` to a callable
 # taking the parsed namespace and returning an exit status. Imported lazily per module so
 # ``aiospec inspect`` never pays for the HTTP stack.
-_COMMAND_MODULES = ("aiospec._ringtools", "aiospec.server._cli")
+_COMMAND_MODULES = ("aiospec._ringtools", "aiospec.server._cli", "aiospec.bridge._cli")
 
 _DESCRIPTION = (
     "aiospec: tokens and log-probabilities of LLM decoding (speculative decoding included), "

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 
 # Each package whose ``__all__`` the reference documents (docs/api.rst has one section each).
-PUBLIC = ("shm", "aiospec", "aiospec.ops", "aiospec.openai", "aiospec.integrations.fastdeploy")
+PUBLIC = ("shm", "aiospec", "aiospec.ops", "aiospec.openai", "aiospec.integrations.fastdeploy", "aiospec.bridge")
 
 
 @pytest.fixture(scope="module")

@@ -224,7 +224,13 @@ def _aiospec_commands() -> dict[str, argparse.ArgumentParser]:
 
 
 def _options(p: argparse.ArgumentParser) -> dict[str, object]:
-    return {s: a.default for a in p._actions for s in a.option_strings if a.help is not argparse.SUPPRESS}
+    out = {s: a.default for a in p._actions for s in a.option_strings if a.help is not argparse.SUPPRESS}
+    for a in p._actions:  # a command with subcommands of its own (`aiospec bridge send`): theirs too
+        if isinstance(a, argparse._SubParsersAction):
+            for sub in a.choices.values():
+                for k, v in _options(sub).items():
+                    out.setdefault(k, v)
+    return out
 
 
 def _script_options(script: Path) -> dict[str, str]:

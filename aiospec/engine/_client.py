@@ -293,7 +293,13 @@ class EngineGroup:
         if self.pd:
             roles = [
                 ("prefill", msgspec.structs.replace(self.config, role="prefill", producer=self.config.producer)),
-                ("decode", msgspec.structs.replace(self.config, role="decode", producer=self.config.producer + 1)),
+                # a ring name is the prefill engine's (a bridge may read it): the decode engine's is its own
+                (
+                    "decode",
+                    msgspec.structs.replace(
+                        self.config, role="decode", producer=self.config.producer + 1, ring_name=""
+                    ),
+                ),
             ]
         else:
             roles = [("both", msgspec.structs.replace(self.config, role="both"))]

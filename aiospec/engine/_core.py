@@ -96,6 +96,12 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     device: str = "auto"
     logprobs_mode: LogprobsMode = "raw"
     api_servers: int = 1  # API server processes reading the ring (one reader slot each)
+    # the ring's segment name (default: random); one that a bridge on the engine's host reads
+    ring_name: str = ""
+    # PD decode engine: a handed-off request is scheduled this many steps after it arrived (a
+    # real pair's KV cache transfer), so that a prefill ring read through a bridge delivers the
+    # request's first token before the decode engine's tokens
+    handoff_steps: int = 0
 
     def validate(self) -> None:
         checks = (
@@ -106,6 +112,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             ("max_top_logprobs", self.max_top_logprobs, 1 <= self.max_top_logprobs <= 64, "1..64"),
             ("role", self.role, self.role in ("both", "prefill", "decode"), "both, prefill or decode"),
             ("producer", self.producer, 0 <= self.producer < 1 << 32, "0..2**32-1"),
+            ("handoff_steps", self.handoff_steps, 0 <= self.handoff_steps <= 10000, "0..10000"),
             ("transport", self.transport, self.transport in ("ring", "vllm", "fastdeploy"), "ring, vllm or fastdeploy"),
             ("device", self.device, self.device in ("auto", "cpu", "python", "cuda"), "auto, cpu, python or cuda"),
             ("logprobs_mode", self.logprobs_mode, self.logprobs_mode in ("raw", "processed"), "raw or processed"),
@@ -245,6 +252,8 @@ class EngineCore:
         self._slot_of: dict[int, int] = {}
         self._waiting: deque[Admit | Handoff] = deque()
         self._waiting_handles: set[int] = set()
+        self._handoff_ready: dict[int, int] = {}  # handle -> the tick a handoff may start (handoff_steps)
+        self._ticks = 0  # step() calls, with or without running requests
         # handles aborted before they arrived (PD: the abort can overtake the handoff)
         self._tombstones: set[int] = set()
         self._tombstone_order: deque[int] = deque()
@@ -346,6 +355,8 @@ class EngineCore:
             )
         self._waiting.append(h)
         self._waiting_handles.add(h.request.handle)
+        if self.config.handoff_steps:
+            self._handoff_ready[h.request.handle] = self._ticks + self.config.handoff_steps
         self.admitted += 1
         return True
 
@@ -359,6 +370,7 @@ class EngineCore:
             return True
         if handle in self._waiting_handles:
             self._waiting_handles.discard(handle)
+            self._handoff_ready.pop(handle, None)
             self._waiting = deque(
                 w for w in self._waiting if (w.request.handle if isinstance(w, Handoff) else w.handle) != handle
             )
@@ -391,7 +403,12 @@ class EngineCore:
     def _fill_slots(self) -> None:
         v = len(self.vocab)
         while self._waiting and self._free:
-            item = self._waiting.popleft()
+            item = self._waiting[0]
+            if self._handoff_ready and isinstance(item, Handoff):
+                if self._handoff_ready.get(item.request.handle, 0) > self._ticks:
+                    break  # its KV cache is still on the way (first come, first served)
+                self._handoff_ready.pop(item.request.handle, None)
+            self._waiting.popleft()
             req = item.request if isinstance(item, Handoff) else item
             self._waiting_handles.discard(req.handle)
             slot = self._free.pop()
@@ -434,6 +451,7 @@ class EngineCore:
 
     def step(self) -> StepOutput | None:
         """Decode one step for every running request; None when there is nothing to do."""
+        self._ticks += 1
         self._fill_slots()
         rows = np.flatnonzero(self._active)
         b = rows.size

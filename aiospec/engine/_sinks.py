@@ -92,7 +92,9 @@ class RingSink:
         capacity, max_record = ring_geometry(config)
         # one reader per API server (--api-servers, at most 16 here) and room for tools
         readers = min(shm.layout.MAX_READERS, max(8, config.api_servers + 4))
-        self.ring = shm.Ring.create(capacity=capacity, max_readers=readers, max_record=max_record)
+        self.ring = shm.Ring.create(
+            config.ring_name or None, capacity=capacity, max_readers=readers, max_record=max_record
+        )
         self.transport = self.ring.name
         self.max_record: int | None = self.ring.max_record
         self.device = _pick_device(config.device)

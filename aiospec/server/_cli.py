@@ -27,6 +27,25 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="model seed (%(default)s)")
     g.add_argument("--pd", action="store_true", help="prefill/decode disaggregation: two engines, two rings")
     g.add_argument(
+        "--prefill-ring",
+        default="",
+        metavar="NAME",
+        help="--pd: the prefill engine creates its ring under this name (for `aiospec bridge send --ring NAME`)",
+    )
+    g.add_argument(
+        "--handoff-steps",
+        type=int,
+        default=0,
+        help="--pd: the decode engine starts a handed-off request this many of its steps later, as a real "
+        "pair's KV cache transfer would (%(default)s)",
+    )
+    g.add_argument(
+        "--prefill-via-ring",
+        default="",
+        metavar="NAME",
+        help="--pd: read the prefill engine's frames from this ring, the far ring of `aiospec bridge recv`",
+    )
+    g.add_argument(
         "--token-path",
         choices=("ring", "vllm", "fastdeploy"),
         default="ring",
@@ -121,8 +140,13 @@ def _settings(a: argparse.Namespace) -> Any:
         device=a.device,
         max_top_logprobs=a.max_logprobs,
         logprobs_mode=a.logprobs_mode,
+        ring_name=a.prefill_ring,
+        handoff_steps=a.handoff_steps,
     )
     eng.validate()
+    for flag, value in (("--prefill-ring", a.prefill_ring), ("--prefill-via-ring", a.prefill_via_ring)):
+        if value and (not a.pd or a.token_path != "ring"):
+            raise ValueError(f"{flag} = {value!r}: expected only with --pd and --token-path ring")
     if not 0.05 <= a.loop_budget_ms <= 1000:
         raise ValueError(f"--loop-budget-ms = {a.loop_budget_ms!r}: expected 0.05..1000")
     if not 0.5 <= a.producer_timeout <= 3600:
@@ -135,6 +159,7 @@ def _settings(a: argparse.Namespace) -> Any:
         model=a.model,
         engine=eng,
         pd=a.pd,
+        prefill_via_ring=a.prefill_via_ring,
         max_model_len=a.max_model_len,
         default_max_tokens=a.default_max_tokens,
         max_logprobs=a.max_logprobs,

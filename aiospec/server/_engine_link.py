@@ -35,6 +35,9 @@ class ServerSettings(msgspec.Struct, kw_only=True):
     model: str = "aiospec-toy"
     engine: EngineConfig = msgspec.field(default_factory=EngineConfig)
     pd: bool = False
+    # PD with the prefill engine behind a bridge: the Hub reads the prefill engine's frames from
+    # this ring (the far ring of `aiospec bridge recv`) instead of the ring the engine reports
+    prefill_via_ring: str = ""
     max_model_len: int = 8192
     default_max_tokens: int = 256
     max_logprobs: int = 20  # the most top_logprobs / logprobs / prompt_logprobs a request may ask
@@ -135,6 +138,10 @@ class EngineLink:
             if cfg.transport == "ring":
                 self.engines = self._engines(cfg)
                 names = await self.engines.start(self.settings.start_timeout)
+                if self.settings.prefill_via_ring:
+                    log.info("the prefill engine's ring %s is read through ring %s", names[0],
+                             self.settings.prefill_via_ring)  # fmt: skip
+                    names = [self.settings.prefill_via_ring, *names[1:]]
                 hub = Hub(
                     names,
                     producer_timeout=self.settings.producer_timeout,

@@ -1,0 +1,460 @@
+"""The far end of a bridge: frames from the link into a target (a ring there, usually).
+
+The receiver grants credit: the near end may send entries (frames, loss counts, the end of
+the upstream producer) only while their sequence numbers are below ``credit_seq`` and their
+cumulative payload bytes below ``credit_bytes``. Credit is what the receiver can hold beyond
+what it delivered (``window_frames`` / ``window_bytes``), so a target that takes nothing (a
+full ring) stops the credit and, through it, the near end's reading of its own ring: the
+producer there sees back-pressure, and nothing is dropped in between. Entries are taken in
+sequence order only; a gap asks the near end to send again from the first missing entry, a
+duplicate is ignored, and the acknowledgement (``ack``) names the first entry not yet
+delivered, so the near end keeps every entry until its target has it.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import secrets
+import threading
+import time
+from typing import Any
+
+from aiospec.bridge import _protocol as P
+from aiospec.bridge._errors import BridgeConfigError, LinkDown, ProtocolError
+from aiospec.bridge._link import CurveKeys, apply_curve, check_endpoint, start_authenticator
+from aiospec.bridge._targets import FrameTarget
+
+__all__ = ("BridgeReceiver", "ReceiverStats")
+
+log = logging.getLogger("aiospec.bridge")
+
+
+@dataclasses.dataclass(frozen=True)
+class ReceiverStats:
+    """Counters of a ``BridgeReceiver``.
+
+    Attributes:
+        state: ``waiting`` (no near end yet), ``up``, ``down`` (the near end is silent past the
+            link timeout), ``done`` (the upstream producer ended, or the link was given up).
+        frames: frames delivered to the target.
+        bytes: payload bytes delivered.
+        lost: frames reported lost upstream (added to the target's ``frames_lost``).
+        queued: entries taken from the link, not yet delivered (the target had no room).
+        duplicates: entries received twice (after a resend) and ignored.
+        gaps: times an entry was missing and a resend was asked for.
+        protocol_errors: messages that failed validation and were dropped.
+        sessions: HELLOs answered (connections and reconnections of near ends).
+        full_waits: times the target had no room for the next frame.
+    """
+
+    state: str
+    frames: int
+    bytes: int
+    lost: int
+    queued: int
+    duplicates: int
+    gaps: int
+    protocol_errors: int
+    sessions: int
+    full_waits: int
+
+
+class _Entry:
+    __slots__ = ("current", "data", "kind", "value")
+
+    def __init__(self, kind: int, data: Any, value: Any, current: bool) -> None:
+        self.kind = kind
+        self.data = data  # DATA: the zmq.Frame that owns the payload
+        self.value = value  # DATA: the payload view; LOST: the count; GONE: the reason
+        self.current = current  # from the current near session (counted in ``ack``)
+
+
+class BridgeReceiver:
+    """The far end: binds ``endpoint`` and delivers what a ``BridgeSender`` forwards into ``target``.
+
+    Run it with ``run()`` (blocking, in this thread) or ``start()`` (a thread of its own), end it
+    with ``stop()``. It ends by itself when the upstream producer is gone (the target's
+    ``gone()``: a ``RingTarget`` closes its ring) or when the near end stayed silent for
+    ``give_up`` seconds (the same, with that reason).
+
+    Args:
+        endpoint: where to bind: ``tcp://HOST:PORT`` (port 0: any free port, see
+            ``endpoint_bound``), ``ipc://PATH``. A non-loopback address needs ``curve``.
+        target: where frames go (``RingTarget``, ``CallbackTarget``).
+        curve: CurveZMQ keys (this end's secret and the allowed near ends' public keys).
+        window_frames: entries the receiver may hold beyond what it delivered (its credit).
+        window_bytes: payload bytes likewise; at least ``target.max_payload``. Default
+            ``max(16 MiB, 2 * target.max_payload)``.
+        heartbeat: seconds between credit messages when nothing else is sent (the near end's
+            sign of life of this end), and between ring heartbeats.
+        link_timeout: seconds of silence from the near end after which the link is down: the
+            target's heartbeat stops (a reader with a ``producer_timeout`` sees the producer
+            stalled), ``link_error`` is set and logged.
+        give_up: seconds of silence after which the receiver ends (``target.gone()``); None:
+            never (the target stays stalled until the near end is back).
+
+    Raises:
+        BridgeConfigError: a bad endpoint (non-loopback without keys), key files, or sizes.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        target: FrameTarget,
+        *,
+        curve: CurveKeys | None = None,
+        window_frames: int = 256,
+        window_bytes: int | None = None,
+        heartbeat: float = 0.1,
+        link_timeout: float = 2.0,
+        give_up: float | None = 30.0,
+    ) -> None:
+        check_endpoint(endpoint, curve, "far", "bind")
+        if window_bytes is None:
+            window_bytes = max(16 << 20, 2 * target.max_payload)
+        if not 1 <= window_frames <= 1 << 20:
+            raise BridgeConfigError(f"window_frames = {window_frames!r}: expected 1..1048576")
+        if window_bytes < target.max_payload:
+            raise BridgeConfigError(
+                f"window_bytes = {window_bytes!r}: expected at least the target's max_payload {target.max_payload}"
+            )
+        if not 0 < heartbeat < link_timeout:
+            raise BridgeConfigError(
+                f"heartbeat = {heartbeat!r}, link_timeout = {link_timeout!r}: expected 0 < heartbeat < link_timeout"
+            )
+        if give_up is not None and give_up < link_timeout:
+            raise BridgeConfigError(f"give_up = {give_up!r}: expected None or at least link_timeout {link_timeout}")
+        self.endpoint = endpoint
+        self.target = target
+        self.curve = curve
+        self.window_frames = window_frames
+        self.window_bytes = window_bytes
+        self.heartbeat = heartbeat
+        self.link_timeout = link_timeout
+        self.give_up = give_up
+        self.session = secrets.randbits(63) | 1  # this receiver's life, told to near ends
+        self.link_error: LinkDown | None = None
+        self.endpoint_bound: str | None = None
+        self.result: str | None = None  # why ``run()`` ended
+        self._state = "waiting"
+        self._stop = threading.Event()
+        self._bound = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._failure: BaseException | None = None
+        # link state (the receiver's thread only)
+        self._peer: bytes | None = None
+        self._near_session = 0
+        self._expected = 1  # the next sequence number taken
+        self._cum = 0  # cumulative payload bytes taken, this near session
+        self._queue: collections.deque[_Entry] = collections.deque()
+        self._queued_bytes = 0
+        self._queued_current = 0
+        self._nacked = 0  # the ``expected`` a resend was last asked for
+        self._last_heard = 0.0
+        self._upstream_age = 0.0
+        self._last_credit: tuple[int, int, int] | None = None
+        self._welcome = False  # a HELLO awaits its answer
+        self._credit_due = 0.0
+        self._reset_due = 0.0
+        self._beat_due = 0.0
+        self._counts = dict.fromkeys(
+            ("frames", "bytes", "lost", "duplicates", "gaps", "protocol_errors", "sessions", "full_waits"), 0
+        )
+
+    # -- public surface --------------------------------------------------------------------
+
+    @property
+    def state(self) -> str:
+        """``waiting``, ``up``, ``down`` or ``done`` (see ``ReceiverStats``)."""
+        return self._state
+
+    def stats(self) -> ReceiverStats:
+        """A snapshot of the counters."""
+        return ReceiverStats(state=self._state, queued=len(self._queue), **self._counts)
+
+    def start(self, timeout: float = 10.0) -> BridgeReceiver:
+        """Run in a daemon thread; returns once the endpoint is bound (``endpoint_bound``).
+
+        Raises:
+            BridgeError: binding failed (the cause is chained), or it took over ``timeout`` s.
+        """
+        self._thread = threading.Thread(target=self._run_captured, name="aiospec-bridge-recv", daemon=True)
+        self._thread.start()
+        if not self._bound.wait(timeout) or self._failure is not None:
+            from aiospec.bridge._errors import BridgeError
+
+            raise BridgeError(f"bridge receiver: could not bind {self.endpoint}") from self._failure
+        return self
+
+    def request_stop(self) -> None:
+        """Ask the loop to end within one heartbeat; returns at once (safe in a signal handler)."""
+        self._stop.set()
+
+    def stop(self) -> None:
+        """Ask the loop to end (within one heartbeat) and wait for its thread, if any."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait for the thread ``start()`` began; True once it ended (``result`` says why)."""
+        assert self._thread is not None
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    @property
+    def failure(self) -> BaseException | None:
+        """What ended the thread ``start()`` began, if it was an exception."""
+        return self._failure
+
+    def _run_captured(self) -> None:
+        try:
+            self.run()
+        except BaseException as exc:
+            self._failure = exc
+            self._bound.set()
+            log.exception("bridge receiver failed")
+
+    def run(self) -> str:
+        """Receive and deliver until the end; returns why it ended."""
+        import zmq
+
+        ctx = zmq.Context()
+        auth = start_authenticator(ctx, self.curve) if self.curve is not None else None
+        sock = ctx.socket(zmq.ROUTER)
+        try:
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+            sock.setsockopt(zmq.LINGER, 1000)
+            # ZeroMQ's queues only ever hold what the credit allows, plus a few control messages
+            sock.setsockopt(zmq.RCVHWM, 2 * self.window_frames + 1024)
+            sock.setsockopt(zmq.SNDHWM, 1024)
+            if self.curve is not None:
+                apply_curve(sock, self.curve, "far")
+            sock.bind(self.endpoint)
+            self.endpoint_bound = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            self._bound.set()
+            self.result = self._loop(sock, zmq)
+            return self.result
+        finally:
+            sock.close()
+            if auth is not None:
+                auth.stop()
+            ctx.term()
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def _loop(self, sock: Any, zmq: Any) -> str:
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        now = time.monotonic()
+        self._beat_due = now
+        idle_backoff = 0.0005
+        linger_until = 0.0
+        while not self._stop.is_set():
+            now = time.monotonic()
+            if self._queue:
+                wait = idle_backoff  # the target had no room: look again soon
+                idle_backoff = min(idle_backoff * 2, 0.01)
+            else:
+                due = self._beat_due if self._peer is None else min(self._credit_due, self._beat_due)
+                wait = max(0.0, due - now)
+                wait = min(wait, self.heartbeat)
+            if poller.poll(wait * 1000.0):
+                idle_backoff = 0.0005
+                for _ in range(1024):
+                    try:
+                        parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self._on_message(sock, zmq, parts)
+            if self._state == "done":
+                # the end is delivered: answer a little longer, so that the near end hears
+                # the acknowledgement of it even if one credit message went astray
+                self._send_credit(sock, zmq, time.monotonic(), force=False)
+                if time.monotonic() >= linger_until:
+                    return self.result or "done"
+                continue
+            why = self._deliver()
+            now = time.monotonic()
+            if why is None:
+                why = self._timers(now)
+                if why is not None:
+                    self.target.gone(why)
+            self._send_credit(sock, zmq, now, force=why is not None)
+            if why is not None:
+                self._state = "done"
+                self.result = why
+                linger_until = now + min(1.0, self.link_timeout)
+        return self.result or "stopped"
+
+    def _timers(self, now: float) -> str | None:
+        silent = now - self._last_heard
+        if self._state == "up" and silent > self.link_timeout:
+            self._state = "down"
+            self.link_error = LinkDown(
+                f"bridge receiver {self.endpoint_bound}: no word from the near end for {silent:.1f} s"
+            )
+            log.error("%s; the ring's heartbeat stops", self.link_error)
+        if self._state == "down" and self.give_up is not None and silent > self.give_up:
+            return f"the link to the near end was down for {silent:.1f} s (give_up {self.give_up} s)"
+        if now >= self._beat_due:
+            self._beat_due = now + self.heartbeat
+            # the ring beats for its upstream producer: only while the link and it are alive
+            if self._state == "waiting" or (self._state == "up" and self._upstream_age <= self.link_timeout):
+                self.target.beat()
+        return None
+
+    def _on_message(self, sock: Any, zmq: Any, parts: list[Any]) -> None:
+        if len(parts) < 2:
+            self._counts["protocol_errors"] += 1
+            return
+        peer = parts[0].bytes
+        try:
+            msg = P.decode([p.buffer for p in parts[1:]], max_payload=self.target.max_payload)
+        except ProtocolError as exc:
+            self._counts["protocol_errors"] += 1
+            log.warning("bridge receiver: dropped a message: %s", exc)
+            return
+        if isinstance(msg, P.Hello):
+            if self._state != "done":
+                self._on_hello(peer, msg)
+            elif msg.near_session == self._near_session:
+                self._peer, self._welcome = peer, True  # it reconnected: tell it what it missed
+            return
+        if peer != self._peer:
+            # a sender this receiver has not welcomed (it restarted, or this receiver did)
+            now = time.monotonic()
+            if now >= self._reset_due:
+                self._reset_due = now + self.heartbeat
+                self._send(sock, zmq, peer, P.RESET)
+            return
+        self._last_heard = time.monotonic()
+        if self._state == "down":
+            self._state = "up"
+            log.warning("bridge receiver: the near end is back")
+        if isinstance(msg, P.Beat):
+            if msg.near_session == self._near_session:
+                self._upstream_age = msg.upstream_age_ms / 1e3
+            return
+        assert isinstance(msg, (P.Data, P.Lost, P.Gone))
+        if self._state == "done":
+            return  # nothing follows the upstream producer's end
+        seq = msg.seq
+        if seq < self._expected:
+            self._counts["duplicates"] += 1
+            return
+        if seq > self._expected:
+            if self._nacked != self._expected:
+                self._nacked = self._expected
+                self._counts["gaps"] += 1
+                self._credit_due = 0.0
+            return
+        if isinstance(msg, P.Data):
+            n = msg.payload.nbytes
+            if self._queued_bytes + n > self.window_bytes + self.target.max_payload:
+                self._counts["protocol_errors"] += 1
+                log.warning("bridge receiver: DATA seq %d beyond the credit granted; dropped", seq)
+                return
+            entry = _Entry(P.DATA, parts[2], msg.payload, True)
+            self._cum += n
+            self._queued_bytes += n
+        elif isinstance(msg, P.Lost):
+            entry = _Entry(P.LOST, None, msg.frames, True)
+        else:
+            entry = _Entry(P.GONE, None, msg.reason, True)
+        self._queue.append(entry)
+        self._queued_current += 1
+        self._expected += 1
+
+    def _on_hello(self, peer: bytes, msg: P.Hello) -> None:
+        self._counts["sessions"] += 1
+        self._last_heard = time.monotonic()
+        if msg.max_payload > self.target.max_payload:
+            log.error(
+                "bridge receiver: the near ring's max_payload %d exceeds the target's %d: its large frames "
+                "cannot be delivered (the near end refuses to start)",
+                msg.max_payload,
+                self.target.max_payload,
+            )
+        same = msg.near_session == self._near_session and self._peer is not None
+        if same and msg.next_seq <= self._expected:
+            pass  # a reconnection: resume where this end stands
+        else:
+            # a new near end (or one that lost state): start at the oldest entry it holds;
+            # entries of the earlier sender still queued are delivered, but no longer acked
+            for e in self._queue:
+                e.current = False
+            self._queued_current = 0
+            self._near_session = msg.near_session
+            self._expected = msg.next_seq
+            self._cum = msg.cum_bytes
+        self._peer = peer
+        self._nacked = 0
+        self._upstream_age = 0.0
+        self._state = "up"
+        self.link_error = None
+        self._welcome = True
+        self._credit_due = 0.0
+
+    def _deliver(self) -> str | None:
+        q, target, counts = self._queue, self.target, self._counts
+        while q:
+            e = q[0]
+            if e.kind == P.DATA:
+                if not target.put(e.value):
+                    counts["full_waits"] += 1
+                    return None
+                n = e.value.nbytes
+                counts["frames"] += 1
+                counts["bytes"] += n
+                self._queued_bytes -= n
+            elif e.kind == P.LOST:
+                target.lost(e.value)
+                counts["lost"] += e.value
+            q.popleft()
+            if e.current:
+                self._queued_current -= 1
+            if e.kind == P.GONE:
+                target.gone(f"the upstream producer is gone: {e.value}")
+                return f"the upstream producer is gone: {e.value}"
+        return None
+
+    def _send_credit(self, sock: Any, zmq: Any, now: float, *, force: bool) -> None:
+        if self._peer is None:
+            return
+        credit = self._credit()
+        changed = credit != self._last_credit
+        if not (force or self._welcome or now >= self._credit_due or changed):
+            return
+        flags = 0
+        if self._welcome:
+            flags |= P.WELCOME
+            self._welcome = False
+        if self._nacked == self._expected:
+            flags |= P.RESEND
+        if self._send(sock, zmq, self._peer, flags):
+            self._last_credit = credit
+            self._credit_due = now + self.heartbeat
+
+    def _credit(self) -> tuple[int, int, int]:
+        ack = self._expected - self._queued_current
+        credit_seq = self._expected + max(0, self.window_frames - len(self._queue))
+        credit_bytes = self._cum + max(0, self.window_bytes - self._queued_bytes)
+        return ack, credit_seq, credit_bytes
+
+    def _send(self, sock: Any, zmq: Any, peer: bytes, flags: int) -> bool:
+        ack, credit_seq, credit_bytes = self._credit()
+        expected = self._expected if flags & P.RESET == 0 else ack
+        msg = P.encode_credit(self.session, ack, expected, credit_seq, credit_bytes, self.target.max_payload, flags)
+        try:
+            sock.send_multipart([peer, msg], zmq.NOBLOCK)
+        except zmq.Again:
+            return False  # credit is a state, not an event: the next one carries it
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EHOSTUNREACH:
+                raise
+            return False  # the near end's connection is gone
+        return True

@@ -1,0 +1,632 @@
+"""The near end of a bridge: a reader of a local ring that forwards its frames over the link.
+
+The sender is an ordinary reader of its ring (one reader slot). It reads only while it holds
+credit from the far end; out of credit it stops reading, so the ring fills and the producer
+sees back-pressure under its own rules (it waits, then fails or counts ``frames_lost``). Each
+entry it sends (a frame, a loss count, the producer's end) carries a sequence number and stays
+in the sender's memory until the far end acknowledges that its target has it; after a
+reconnection (or when the far end asks) the sender sends again from the first entry the far
+end lacks. What the sender holds is bounded by the far end's credit window plus one read batch.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import logging
+import mmap
+import os
+import secrets
+import threading
+import time
+from typing import Any
+
+import shm
+from aiospec.bridge import _protocol as P
+from aiospec.bridge._errors import BridgeConfigError, BridgeError, LinkDown, ProtocolError
+from aiospec.bridge._link import CurveKeys, apply_curve, check_endpoint
+from shm import layout as L
+
+__all__ = ("BridgeSender", "SenderStats")
+
+log = logging.getLogger("aiospec.bridge")
+
+# ZeroMQ's constants as plain ints (pyzmq's IntFlag arithmetic costs microseconds per send);
+# libzmq's values, stable since 2.x
+_NOBLOCK, _NOBLOCK_MORE, _EVENTS, _POLLIN = 1, 1 | 2, 15, 1
+
+
+@dataclasses.dataclass(frozen=True)
+class SenderStats:
+    """Counters of a ``BridgeSender``.
+
+    Attributes:
+        state: ``connecting`` (no answer from the far end yet), ``up``, ``down`` (the far end
+            is silent past the link timeout; the sender keeps trying), ``done``.
+        frames: frames read from the local ring.
+        bytes: their payload bytes.
+        sent: entries sent (first sends and resends).
+        resent: entries sent again (after a reconnection or a gap the far end reported).
+        held: entries kept until the far end acknowledges them.
+        acked: entries the far end acknowledged.
+        dropped: frames read and discarded while the link was down past ``drop_after``
+            (announced to the far end, whose ring counts them in ``frames_lost``).
+        upstream_lost: frames the local producer reported lost, forwarded likewise.
+        credit_stalls: times the sender stopped reading for want of credit.
+        sessions: times the far end welcomed this sender (the first connection and each
+            reconnection).
+        protocol_errors: messages from the link that failed validation and were dropped.
+    """
+
+    state: str
+    frames: int
+    bytes: int
+    sent: int
+    resent: int
+    held: int
+    acked: int
+    dropped: int
+    upstream_lost: int
+    credit_stalls: int
+    sessions: int
+    protocol_errors: int
+
+
+class _Entry:
+    __slots__ = ("cum_end", "kind", "nbytes", "seq", "value")
+
+    def __init__(self, seq: int, kind: int, value: Any, nbytes: int, cum_end: int) -> None:
+        self.seq = seq
+        self.kind = kind
+        self.value = value  # DATA: the payload (bytes); LOST: the count; GONE: the reason
+        self.nbytes = nbytes  # payload bytes (0 but for DATA)
+        self.cum_end = cum_end  # cumulative payload bytes up to and including this entry
+
+
+class BridgeSender:
+    """The near end: reads ``ring`` and forwards its frames to a ``BridgeReceiver`` at ``endpoint``.
+
+    Run it with ``run()`` (blocking) or ``start()`` (a thread of its own); end it with ``stop()``.
+    It ends by itself once the ring's producer is gone (closed, or its process exited) and the
+    far end acknowledged everything, or when the link stayed down for ``give_up`` seconds.
+
+    Args:
+        ring: the local ring's name (attached, waiting up to ``wait_ring`` seconds for it to
+            appear) or an ``shm.Ring`` handle.
+        endpoint: the far end's ``tcp://HOST:PORT`` or ``ipc://PATH``. A non-loopback address
+            needs ``curve``.
+        curve: CurveZMQ keys (this end's secret, the far end's public key).
+        heartbeat: seconds between this end's heartbeats (and HELLOs while connecting).
+        link_timeout: seconds of silence from the far end after which the link is down
+            (``link_error`` set and logged; the sender keeps trying to reconnect).
+        give_up: seconds the link may stay down before the sender ends; None: never.
+        drop_after: seconds the link may stay down before the sender reads on and discards
+            frames (counted and announced to the far end, whose ring reports them as lost), so
+            the local producer is no longer held back; None (the default): never discard, the
+            local ring fills and the producer's own rules apply.
+        wait_ring: seconds to wait for a ring given by name to exist.
+        spin, recheck: the reader's (``shm.Ring.reader()``).
+        max_batch: the most frames read from the ring at once.
+
+    Raises:
+        BridgeConfigError: a bad endpoint (non-loopback without keys) or key files.
+        FileNotFoundError: no ring of that name appeared within ``wait_ring``.
+    """
+
+    def __init__(
+        self,
+        ring: str | shm.Ring,
+        endpoint: str,
+        *,
+        curve: CurveKeys | None = None,
+        heartbeat: float = 0.1,
+        link_timeout: float = 2.0,
+        give_up: float | None = None,
+        drop_after: float | None = None,
+        wait_ring: float = 0.0,
+        spin: float = 50e-6,
+        recheck: float = 0.05,
+        max_batch: int = 64,
+    ) -> None:
+        check_endpoint(endpoint, curve, "near", "connect")
+        if not 0 < heartbeat < link_timeout:
+            raise BridgeConfigError(
+                f"heartbeat = {heartbeat!r}, link_timeout = {link_timeout!r}: expected 0 < heartbeat < link_timeout"
+            )
+        for name, value in (("give_up", give_up), ("drop_after", drop_after)):
+            if value is not None and value < 0:
+                raise BridgeConfigError(f"{name} = {value!r}: expected None or a number of seconds >= 0")
+        if not 1 <= max_batch <= 4096:
+            raise BridgeConfigError(f"max_batch = {max_batch!r}: expected 1..4096")
+        self.endpoint = endpoint
+        self.curve = curve
+        self.heartbeat = heartbeat
+        self.link_timeout = link_timeout
+        self.give_up = give_up
+        self.drop_after = drop_after
+        self.max_batch = max_batch
+        self._own_ring = isinstance(ring, str)
+        self.ring = _attach(ring, wait_ring) if isinstance(ring, str) else ring
+        self._spin, self._recheck = spin, recheck
+        self.reader = self.ring.reader(spin=spin, recheck=recheck)
+        self._control = _map_control(self.ring)
+        self.session = secrets.randbits(63) | 1
+        self.link_error: BridgeError | None = None
+        self.handshake_error: str | None = None
+        self._state = "connecting"
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._failure: BaseException | None = None
+        self.result: str | None = None
+        # link state (the sender's thread only)
+        self._entries: collections.deque[_Entry] = collections.deque()
+        self._next_seq = 1  # the next entry's sequence number
+        self._send_seq = 1  # the next entry to send
+        self._cum = 0  # cumulative payload bytes of every entry made
+        self._far_session = 0
+        self._credit_seq = 0
+        self._credit_bytes = 0
+        self._expected = 1
+        self._last_heard = 0.0
+        self._last_sent = 0.0
+        self._down_since = time.monotonic()
+        self._hello_due = 0.0
+        self._beat_due = 0.0
+        self._check_due = 0.0
+        self._blocked_until = 0.0
+        self._gone_queued = False
+        self._frames_base = self.ring.stats().frames_written
+        self._counts = dict.fromkeys(
+            ("frames", "bytes", "sent", "resent", "acked", "dropped", "upstream_lost", "credit_stalls", "sessions",
+             "protocol_errors"),
+            0,
+        )  # fmt: skip
+        self._credit_stalled = False
+
+    # -- public surface --------------------------------------------------------------------
+
+    @property
+    def state(self) -> str:
+        """``connecting``, ``up``, ``down`` or ``done`` (see ``SenderStats``)."""
+        return self._state
+
+    def stats(self) -> SenderStats:
+        """A snapshot of the counters."""
+        return SenderStats(state=self._state, held=len(self._entries), **self._counts)
+
+    def start(self) -> BridgeSender:
+        """Run in a daemon thread; ``join()`` waits for it, ``result`` says why it ended."""
+        self._thread = threading.Thread(target=self._run_captured, name="aiospec-bridge-send", daemon=True)
+        self._thread.start()
+        return self
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait for the thread ``start()`` began; True once it ended."""
+        assert self._thread is not None
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def request_stop(self) -> None:
+        """Ask the loop to end within one heartbeat; returns at once (safe in a signal handler)."""
+        self._stop.set()
+
+    @property
+    def failure(self) -> BaseException | None:
+        """What ended the thread ``start()`` began, if it was an exception."""
+        return self._failure
+
+    def stop(self) -> None:
+        """Ask the loop to end (within one heartbeat) and wait for its thread, if any."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def close(self) -> None:
+        """Stop, then give back the reader slot (and the ring handle this sender attached)."""
+        self.stop()
+        self.reader.close()
+        with contextlib.suppress(BufferError):
+            self._control.close()
+        if self._own_ring:
+            self.ring.close()
+
+    def _run_captured(self) -> None:
+        try:
+            self.result = self.run()
+        except BaseException as exc:
+            self._failure = exc
+            self.result = f"failed: {exc}"
+            log.exception("bridge sender failed")
+
+    def run(self) -> str:
+        """Read and forward until the end; returns why it ended.
+
+        Raises:
+            BridgeConfigError: the far end's target cannot hold this ring's largest frames.
+        """
+        import zmq
+
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        monitor = None
+        try:
+            sock.setsockopt(zmq.IMMEDIATE, 1)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 1 << 16)
+            sock.setsockopt(zmq.RCVHWM, 1 << 16)
+            sock.setsockopt(zmq.RECONNECT_IVL, 50)
+            sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+            # the same identity after a reconnection: the far end knows this sender again
+            sock.setsockopt(zmq.ROUTING_ID, b"A" + self.session.to_bytes(8, "little"))
+            if self.curve is not None:
+                apply_curve(sock, self.curve, "near")
+                monitor = sock.get_monitor_socket(
+                    zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+                    | zmq.EVENT_HANDSHAKE_SUCCEEDED
+                )
+            sock.connect(self.endpoint)
+            result = self._loop(sock, monitor, zmq)
+            self._state = "done"
+            return result
+        finally:
+            if monitor is not None:
+                sock.disable_monitor()
+                monitor.close()
+            sock.close()
+            ctx.term()
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def _loop(self, sock: Any, monitor: Any, zmq: Any) -> str:
+        reader = self.reader
+        link_only = zmq.Poller()
+        link_only.register(sock, zmq.POLLIN)
+        with_bell = zmq.Poller()
+        with_bell.register(sock, zmq.POLLIN)
+        with_bell.register(reader.fileno(), zmq.POLLIN)
+        if monitor is not None:
+            link_only.register(monitor, zmq.POLLIN)
+            with_bell.register(monitor, zmq.POLLIN)
+        while not self._stop.is_set():
+            self._drain_link(sock, zmq)
+            if monitor is not None:
+                self._drain_monitor(monitor, zmq)
+            if self._failure is not None:
+                raise self._failure
+            now = time.monotonic()
+            why = self._timers(sock, zmq, now)
+            if why is not None:
+                return why
+            progress = self._send_entries(sock, zmq, now)
+            if self._ended():
+                return f"the ring's producer is gone and the far end has every frame ({self._counts['acked']} entries)"
+            progress |= self._read_ring(now)
+            if progress:
+                continue
+            due = min(self._beat_due, self._check_due)
+            if self._state != "up":
+                due = min(due, self._hello_due)
+            wait = max(0.0, due - now)
+            wait = min(wait, self.heartbeat)
+            if self._blocked_until > now:
+                wait = min(wait, self._blocked_until - now)
+            wants_frames = self._can_read()
+            if wants_frames:
+                # spin briefly for latency, then sleep on the bell and the link together
+                spin_until = time.monotonic() + self._spin
+                while time.monotonic() < spin_until:
+                    if reader.pending() or sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                        break
+                else:
+                    if reader.sleep_begin():
+                        try:
+                            with_bell.poll(wait * 1000.0)
+                        finally:
+                            reader.sleep_end()
+            else:
+                link_only.poll(wait * 1000.0)
+                if not self._gone_queued:
+                    # held back by the far end: alive, not dead (a producer's reader_timeout
+                    # must not take back-pressure for death): refresh the slot's heartbeat
+                    reader.sleep_begin()
+                    reader.sleep_end()
+        return "stopped"
+
+    def _ended(self) -> bool:
+        return self._gone_queued and not self._entries
+
+    def _timers(self, sock: Any, zmq: Any, now: float) -> str | None:
+        if self._state == "up" and now - self._last_heard > self.link_timeout:
+            self._state = "down"
+            self._down_since = now
+            hint = f" ({self.handshake_error})" if self.handshake_error else ""
+            self.link_error = LinkDown(
+                f"bridge sender {self.endpoint}: no word from the far end for {now - self._last_heard:.1f} s{hint}; "
+                f"{len(self._entries)} entries held, resent on reconnection"
+            )
+            log.error("%s", self.link_error)
+        if self._state != "up":
+            if self.give_up is not None and now - self._down_since > self.give_up:
+                return f"the link was down for {now - self._down_since:.1f} s (give_up {self.give_up} s)"
+            news = self.link_error is None or (
+                self.handshake_error is not None and self.handshake_error not in str(self.link_error)
+            )
+            if self._state == "connecting" and now - self._down_since > self.link_timeout and news:
+                hint = f": {self.handshake_error}" if self.handshake_error else ""
+                self.link_error = LinkDown(
+                    f"bridge sender {self.endpoint}: no answer from the far end for "
+                    f"{now - self._down_since:.1f} s{hint}"
+                )
+                log.error("%s", self.link_error)
+            if now >= self._hello_due:
+                self._hello_due = now + self.heartbeat
+                # the far end starts (or resumes) at the oldest entry held here
+                oldest = self._entries[0] if self._entries else None
+                next_seq = oldest.seq if oldest is not None else self._next_seq
+                cum = oldest.cum_end - oldest.nbytes if oldest is not None else self._cum
+                self._send(sock, zmq, [P.encode_hello(self.session, next_seq, cum, self.ring.max_payload)])
+        elif now >= self._beat_due:
+            self._beat_due = now + self.heartbeat
+            self._send(sock, zmq, [P.encode_beat(self.session, self._upstream_age_ms())])
+        if now >= self._check_due:
+            self._check_due = now + self._recheck
+            self._check_producer()
+        return None
+
+    def _upstream_age_ms(self) -> int:
+        hb = self._control[L.OFF_HEARTBEAT_NS // 8]
+        return int(max(0, time.monotonic_ns() - hb) // 1_000_000)
+
+    def _check_producer(self) -> None:
+        if self._gone_queued or self.reader.pending():
+            return
+        try:
+            self.reader.check_producer()
+        except shm.ProducerStalled:
+            pass  # its heartbeat's age reaches the far end with this end's heartbeats
+        except shm.ProducerGone as exc:
+            if not exc.presumed:
+                self._append(P.GONE, str(exc), 0)
+                self._gone_queued = True
+
+    def _drain_link(self, sock: Any, zmq: Any) -> None:
+        # look before receiving: a zmq.Again per loop iteration costs more than the look
+        if not sock.getsockopt(_EVENTS) & _POLLIN:
+            return
+        for _ in range(256):
+            try:
+                parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                msg = P.decode([p.buffer for p in parts], max_payload=0)
+                if not isinstance(msg, P.Credit):
+                    raise ProtocolError(f"{type(msg).__name__} from the far end: expected CREDIT")
+                self._on_credit(msg)
+            except ProtocolError as exc:
+                self._counts["protocol_errors"] += 1
+                log.warning("bridge sender: dropped a message: %s", exc)
+
+    def _drain_monitor(self, monitor: Any, zmq: Any) -> None:
+        from zmq.utils.monitor import recv_monitor_message
+
+        while True:
+            try:
+                ev = recv_monitor_message(monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            event = ev["event"]
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.handshake_error = None
+            elif event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                self.handshake_error = f"the far end refused this end's CurveZMQ key (status {ev['value']})"
+            else:
+                self.handshake_error = "the CurveZMQ handshake failed (is --curve-server-key the far end's key?)"
+
+    def _on_credit(self, c: P.Credit) -> None:
+        now = time.monotonic()
+        if c.flags & P.RESET:
+            if self._state == "up":
+                log.warning("bridge sender: the far end does not know this sender (it restarted): HELLO again")
+                self._state = "connecting"
+                self._down_since = now
+            self._hello_due = 0.0
+            return
+        welcome = bool(c.flags & P.WELCOME)
+        if not welcome and (c.far_session != self._far_session or self._state != "up"):
+            return  # a credit of an earlier connection: wait for the WELCOME
+        oldest = self._entries[0].seq if self._entries else self._next_seq
+        if c.expected > self._next_seq or c.ack < min(oldest, c.expected) or (welcome and c.expected < oldest):
+            raise ProtocolError(
+                f"CREDIT ack {c.ack}, expected {c.expected}: this end holds entries {oldest}..{self._next_seq - 1}"
+            )
+        if welcome:
+            if c.max_payload < self.ring.max_payload:
+                self._failure = BridgeConfigError(
+                    f"the far end's target takes payloads of at most {c.max_payload} bytes, but ring "
+                    f"{self.ring.name} carries up to {self.ring.max_payload}: expected a far ring with "
+                    f"max_record of at least {self.ring.max_record}"
+                )
+                return
+            if self._far_session and c.far_session != self._far_session:
+                log.warning(
+                    "bridge sender: the far end restarted; %d unacknowledged entries go to its new target",
+                    len(self._entries),
+                )
+            self._far_session = c.far_session
+            self._counts["sessions"] += 1
+            if self._state != "up":
+                log.warning("bridge sender: link up (%s)", self.endpoint)
+            self._state = "up"
+            self.link_error = None
+        self._last_heard = now
+        # acknowledged entries are the far target's: forget them
+        entries = self._entries
+        while entries and entries[0].seq < c.ack:
+            entries.popleft()
+            self._counts["acked"] += 1
+        self._credit_seq, self._credit_bytes, self._expected = c.credit_seq, c.credit_bytes, c.expected
+        lost_in_flight = c.expected < self._send_seq and now - self._last_sent > 2 * self.heartbeat + 0.05
+        if welcome or c.flags & P.RESEND or lost_in_flight:
+            if self._send_seq > c.expected:
+                self._counts["resent"] += self._send_seq - c.expected
+            self._send_seq = c.expected
+
+    def _send(self, sock: Any, zmq: Any, parts: list[Any]) -> bool:
+        try:
+            # copied into ZeroMQ's message: pyzmq's zero-copy send frees each buffer through
+            # its garbage-collection thread, one more thread wake-up per frame
+            last = len(parts) - 1
+            for i, part in enumerate(parts):
+                sock.send(part, _NOBLOCK_MORE if i < last else _NOBLOCK)
+        except zmq.Again:
+            self._blocked_until = time.monotonic() + 0.001
+            return False
+        return True
+
+    def _send_entries(self, sock: Any, zmq: Any, now: float) -> bool:
+        if self._state != "up" or now < self._blocked_until:
+            return False
+        entries = self._entries
+        if not entries:
+            return False
+        first = entries[0].seq
+        sent = 0
+        while self._send_seq < self._next_seq and self._send_seq < self._credit_seq:
+            e = entries[self._send_seq - first]
+            if e.cum_end > self._credit_bytes:
+                break
+            if e.kind == P.DATA:
+                parts: list[Any] = [P.encode_data(e.seq, len(e.value)), e.value]
+            elif e.kind == P.LOST:
+                parts = [P.encode_lost(e.seq, e.value)]
+            else:
+                parts = P.encode_gone(e.seq, e.value)
+            if not self._send(sock, zmq, parts):
+                break
+            self._send_seq += 1
+            sent += 1
+        if sent:
+            self._counts["sent"] += sent
+            self._last_sent = now
+            self._beat_due = now + self.heartbeat
+        return sent > 0
+
+    def _can_read(self) -> bool:
+        if self._gone_queued:
+            return False
+        if self._state != "up":
+            return self._dropping()
+        if self._send_seq < self._next_seq:
+            return False  # entries wait for credit or the socket: read no more
+        ok = self._next_seq < self._credit_seq and self._cum < self._credit_bytes
+        if not ok and not self._credit_stalled:
+            self._counts["credit_stalls"] += 1
+        self._credit_stalled = not ok
+        return ok
+
+    def _dropping(self) -> bool:
+        return self.drop_after is not None and time.monotonic() - self._down_since > self.drop_after
+
+    def _read_ring(self, now: float) -> bool:
+        if not self._can_read():
+            return False
+        reader = self.reader
+        dropping = self._state != "up"
+        n = self.max_batch if dropping else min(self.max_batch, self._credit_seq - self._next_seq)
+        try:
+            views = reader.poll(n)
+        except shm.ReaderEvicted as exc:
+            self._retake(exc)
+            return True
+        except shm.CorruptFrame as exc:
+            # the frame is unreadable here: the far end hears of one lost frame, reading goes on
+            log.error("bridge sender: %s", exc)
+            self._lost(1)
+            return True
+        if views:
+            if dropping:
+                self._counts["dropped"] += len(views)
+                self._lost(len(views))
+            else:
+                total = 0
+                for mv in views:
+                    data = bytes(mv)
+                    total += len(data)
+                    self._append(P.DATA, data, len(data))
+                self._counts["bytes"] += total
+            self._counts["frames"] += len(views)
+            reader.release()
+        lost = reader.new_losses()
+        if lost:
+            self._counts["upstream_lost"] += lost
+            self._lost(lost)
+        return bool(views or lost)
+
+    def _lost(self, count: int) -> None:
+        last = self._entries[-1] if self._entries else None
+        if last is not None and last.kind == P.LOST and last.seq >= self._send_seq:
+            last.value += count  # not sent yet: one entry says it all
+        else:
+            self._append(P.LOST, count, 0)
+
+    def _retake(self, exc: shm.ReaderEvicted) -> None:
+        # the producer evicted this reader (a reader_timeout shorter than the stall): what it
+        # wrote meanwhile is counted from the ring's frames_written, at least one frame
+        log.error("bridge sender: %s; taking a new reader slot", exc)
+        self.reader.close()
+        self.reader = self.ring.reader(spin=self._spin, recheck=self._recheck)
+        written = self.ring.stats().frames_written
+        missed = max(1, written - self._frames_base - self._counts["frames"] - self._counts["upstream_lost"])
+        self._frames_base = written - self._counts["frames"] - self._counts["upstream_lost"]
+        self._lost(missed)
+
+    def _append(self, kind: int, value: Any, nbytes: int) -> None:
+        self._cum += nbytes
+        self._entries.append(_Entry(self._next_seq, kind, value, nbytes, self._cum))
+        self._next_seq += 1
+
+
+def _attach(name: str, wait: float) -> shm.Ring:
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            return shm.Ring.attach(name)
+        except FileNotFoundError:
+            if time.monotonic() >= deadline:
+                raise FileNotFoundError(
+                    f"ring = {name!r}: no such segment in {shm.SHM_DIR} (waited {wait} s)"
+                ) from None
+        except shm.BadSegment:
+            # a segment being created has no magic yet: wait for its creator to finish
+            if time.monotonic() >= deadline:
+                raise
+        time.sleep(0.02)
+
+
+def _map_control(ring: shm.Ring) -> Any:
+    """The ring's control page, read-only, as u64 words: the producer heartbeat is read from it."""
+    fd = os.open(ring.path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        mm = mmap.mmap(fd, L.CONTROL_SIZE, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
+    return _Words(mm)
+
+
+class _Words:
+    __slots__ = ("_mm", "_q")
+
+    def __init__(self, mm: mmap.mmap) -> None:
+        self._mm = mm
+        self._q = memoryview(mm).cast("Q")
+
+    def __getitem__(self, i: int) -> int:
+        return int(self._q[i])
+
+    def close(self) -> None:
+        self._q.release()
+        self._mm.close()

@@ -1,0 +1,371 @@
+#!/usr/bin/env python3
+"""Frames across a bridge over loopback TCP, against the direct ring and msgspec over ZeroMQ.
+
+Three paths carry the same frames (a payload of the frame size whose first 16 bytes the
+producer overwrites with a sequence number and ``time.perf_counter_ns()``, a system-wide
+monotonic clock on Linux, just before it publishes the frame):
+
+- ``direct``: producer process -> ring -> reader process (``wait()`` + ``read()``, which copies
+  each payload out, as the Hub does);
+- ``bridge``: producer -> ring -> ``BridgeSender`` process -> ZeroMQ over loopback TCP ->
+  ``BridgeReceiver`` process -> a second ring -> reader process, every process separate as on
+  two hosts (the reader reads the far ring exactly as in ``direct``);
+- ``zmq_msgspec``: the vLLM-style path: the producer encodes each step as a msgspec struct
+  (sequence number, stamp, payload bytes) and PUSHes it over loopback TCP; the reader PULLs and
+  decodes it.
+
+Two modes per path and frame size, each in fresh processes:
+
+- ``throughput``: the producer publishes as fast as the path lets it for ``--duration`` s
+  (a ring producer waits for room: back-pressure; ZeroMQ blocks at its high-water mark); the
+  reader counts frames between the first and the last it received.
+- ``latency``: the producer publishes one frame every ``--pace-us`` (twice that at 64 KiB), the
+  reader takes publish-to-read latency of ``--latency-frames`` frames (p50, p99).
+
+Prints one JSON document (``--json FILE`` writes it too) with the machine, the settings, the
+results, and the targets: the bridge adds at most 100 us to the direct ring's p50 latency, and
+keeps at least 80% of its frames/s, at 64 KiB frames (each ``met`` or ``not met``). On a shared
+2-core machine the four processes of the bridge path share two cores: read the figures as that.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import struct
+import sys
+import time
+from contextlib import suppress
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+try:
+    import shm
+except ImportError:  # run from a checkout: scripts/ is not on the path, the repository root is
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    import shm
+
+import msgspec
+
+PATHS = ("direct", "bridge", "zmq_msgspec")
+MODES = ("throughput", "latency")
+STAMP = struct.Struct("<QQ")
+STOP = (1 << 64) - 1
+KIB = 1024
+
+
+class Step(msgspec.Struct, array_like=True, gc=False):
+    seq: int
+    sent_ns: int
+    payload: bytes
+
+
+def _capacity(size: int) -> int:
+    # 32 frames in flight, at least 1 MiB, a power of two (as scripts/bench_ring.py)
+    cap = 1 << 20
+    while cap < 32 * (size + 64):
+        cap *= 2
+    return cap
+
+
+# -- processes -------------------------------------------------------------------------------
+
+
+def _produce(conn: Connection, path: str, size: int, mode: str, args: dict[str, Any]) -> None:
+    buf = bytearray(os.urandom(size))
+    if path == "zmq_msgspec":
+        import zmq
+
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.SNDHWM, 32)  # the same frames in flight as the rings' budget
+        sock.connect(args["endpoint"])
+        enc = msgspec.msgpack.Encoder()
+
+        def publish(seq: int) -> None:
+            now = time.perf_counter_ns()
+            STAMP.pack_into(buf, 0, seq, now)
+            sock.send(enc.encode(Step(seq, now, bytes(buf))), copy=False)
+
+        ring = None
+    else:
+        ring = shm.Ring.create(capacity=_capacity(size))
+
+        def publish(seq: int) -> None:
+            STAMP.pack_into(buf, 0, seq, time.perf_counter_ns())
+            ring.write(buf, timeout=None)
+
+    conn.send(ring.name if ring is not None else "zmq")
+    conn.recv()  # go
+    seq = 0
+    if mode == "throughput":
+        end = time.monotonic() + args["duration"]
+        while time.monotonic() < end:
+            publish(seq)
+            seq += 1
+    else:
+        pace = args["pace_ns"]
+        nxt = time.perf_counter_ns()
+        for seq in range(args["latency_frames"]):
+            while time.perf_counter_ns() < nxt:
+                pass
+            publish(seq)
+            nxt += pace
+            # sleep most of the gap (a spinning producer would steal the reader's core)
+            left = nxt - time.perf_counter_ns() - 200_000
+            if left > 0:
+                time.sleep(left / 1e9)
+    publish(STOP)
+    conn.send(seq)
+    conn.recv()  # the reader got STOP
+    if ring is not None:
+        ring.close()
+    else:
+        sock.close(linger=1000)
+        ctx.term()
+
+
+def _read(conn: Connection, path: str, ring_name: str | None, endpoint: str | None) -> None:
+    lat: list[int] = []
+    count = 0
+    first = last = 0
+    if path == "zmq_msgspec":
+        import zmq
+
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.PULL)
+        sock.setsockopt(zmq.RCVHWM, 32)
+        port = sock.bind_to_random_port("tcp://127.0.0.1")
+        conn.send(f"tcp://127.0.0.1:{port}")
+        dec = msgspec.msgpack.Decoder(Step)
+        while True:
+            step = dec.decode(sock.recv(copy=False).buffer)
+            now = time.perf_counter_ns()
+            if step.seq == STOP:
+                break
+            lat.append(now - step.sent_ns)
+            count += 1
+            first = first or now
+            last = now
+        sock.close()
+        ctx.term()
+    else:
+        assert ring_name is not None
+        ring = shm.Ring.attach(ring_name)
+        reader = ring.reader(spin=50e-6)
+        conn.send("ready")
+        done = False
+        while not done:
+            reader.wait(1.0)
+            for data in reader.read():
+                now = time.perf_counter_ns()
+                seq, sent = STAMP.unpack_from(data)
+                if seq == STOP:
+                    done = True
+                    break
+                lat.append(now - sent)
+                count += 1
+                first = first or now
+                last = now
+        reader.close()
+        ring.close()
+    conn.send((count, (last - first) / 1e9, lat))
+
+
+def _send(conn: Connection, ring_name: str, endpoint: str) -> None:
+    from aiospec.bridge import BridgeSender
+
+    sender = BridgeSender(ring_name, endpoint).start()
+    while sender.state != "up":
+        time.sleep(0.005)
+    conn.send("up")
+    sender.join()
+    sender.close()
+
+
+def _recv(conn: Connection, size: int) -> None:
+    from aiospec.bridge import BridgeReceiver, RingTarget
+
+    target = RingTarget(None, capacity=_capacity(size))
+    recv = BridgeReceiver("tcp://127.0.0.1:0", target).start()
+    conn.send((target.name, recv.endpoint_bound))
+    recv.join()
+    target.close()
+
+
+# -- one run -----------------------------------------------------------------------------------
+
+
+def _spawn(ctx: Any, target: Any, *args: Any) -> tuple[Any, Connection]:
+    ours, theirs = ctx.Pipe()
+    p = ctx.Process(target=target, args=(theirs, *args), daemon=True)
+    p.start()
+    return p, ours
+
+
+def _get(conn: Connection, what: str, timeout: float = 60.0) -> Any:
+    if not conn.poll(timeout):
+        raise RuntimeError(f"timed out waiting for {what}")
+    return conn.recv()
+
+
+def run_one(path: str, size: int, mode: str, args: dict[str, Any]) -> dict[str, Any]:
+    ctx = mp.get_context("spawn")
+    procs = []
+    try:
+        if path == "zmq_msgspec":
+            rp, rc = _spawn(ctx, _read, path, None, None)
+            procs.append(rp)
+            endpoint = _get(rc, "the reader")
+            pp, pc = _spawn(ctx, _produce, path, size, mode, {**args, "endpoint": endpoint})
+            procs.append(pp)
+            _get(pc, "the producer")
+        elif path == "direct":
+            pp, pc = _spawn(ctx, _produce, path, size, mode, args)
+            procs.append(pp)
+            name = _get(pc, "the producer")
+            rp, rc = _spawn(ctx, _read, path, name, None)
+            procs.append(rp)
+            _get(rc, "the reader")
+        else:
+            fp, fc = _spawn(ctx, _recv, size)
+            procs.append(fp)
+            far_name, endpoint = _get(fc, "the far end")
+            rp, rc = _spawn(ctx, _read, path, far_name, None)
+            procs.append(rp)
+            _get(rc, "the reader")
+            pp, pc = _spawn(ctx, _produce, path, size, mode, args)
+            procs.append(pp)
+            name = _get(pc, "the producer")
+            sp, sc = _spawn(ctx, _send, name, endpoint)
+            procs.append(sp)
+            _get(sc, "the link")
+        time.sleep(0.2)  # let every process settle into its wait
+        pc.send("go")
+        sent = _get(pc, "the producer's end", timeout=args["duration"] + 120)
+        count, span, lat = _get(rc, "the reader's result", timeout=120)
+        pc.send("done")
+        for p in procs:
+            p.join(30)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(10)
+    out: dict[str, Any] = {"frames": count}
+    if mode == "throughput":
+        out["sent"] = sent
+        out["frames_per_s"] = round((count - 1) / span, 1) if span > 0 else None
+        out["gbytes_per_s"] = round(out["frames_per_s"] * size / 1e9, 3) if out["frames_per_s"] else None
+    else:
+        a = np.array(lat, dtype=np.float64) / 1e3
+        out["latency_us"] = {
+            "p50": round(float(np.percentile(a, 50)), 1),
+            "p99": round(float(np.percentile(a, 99)), 1),
+            "mean": round(float(a.mean()), 1),
+        }
+    return out
+
+
+def machine_info() -> dict[str, Any]:
+    model = ""
+    with suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    import zmq
+
+    return {
+        "cpu_count": os.cpu_count(),
+        "cpus_usable": len(os.sched_getaffinity(0)),
+        "cpu_model": model,
+        "loadavg_at_start": list(os.getloadavg()),
+        "python": platform.python_version(),
+        "pyzmq": zmq.__version__,
+        "libzmq": zmq.zmq_version(),
+        "kernel": platform.release(),
+        "clock": "time.perf_counter_ns (CLOCK_MONOTONIC, system-wide)",
+    }
+
+
+def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
+    r = results.get(str(64 * KIB), {})
+
+    def val(path: str, mode: str, *keys: str) -> float | None:
+        node: Any = r.get(path, {}).get(mode, {})
+        for k in keys:
+            node = node.get(k) if isinstance(node, dict) else None
+        return node if isinstance(node, (int, float)) else None
+
+    out = []
+    d50, b50 = val("direct", "latency", "latency_us", "p50"), val("bridge", "latency", "latency_us", "p50")
+    added = None if d50 is None or b50 is None else round(b50 - d50, 1)
+    out.append({
+        "target": "the bridge adds at most 100 us to the direct ring's p50 latency at 64 KiB frames",
+        "added_p50_us": added,
+        "outcome": "not measured" if added is None else ("met" if added <= 100 else "not met"),
+    })  # fmt: skip
+    dt, bt = val("direct", "throughput", "frames_per_s"), val("bridge", "throughput", "frames_per_s")
+    ratio = None if not dt or bt is None else round(bt / dt, 3)
+    out.append({
+        "target": "the bridge keeps at least 80% of the direct ring's frames/s at 64 KiB frames",
+        "bridge_over_direct": ratio,
+        "outcome": "not measured" if ratio is None else ("met" if ratio >= 0.8 else "not met"),
+    })  # fmt: skip
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", type=int, nargs="+", default=[512, 64 * KIB], help="frame sizes in bytes")
+    ap.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS))
+    ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    ap.add_argument("--duration", type=float, default=2.0, help="seconds of each throughput run (%(default)s)")
+    ap.add_argument("--latency-frames", type=int, default=1000, help="frames of each latency run (%(default)s)")
+    ap.add_argument("--pace-us", type=float, default=1000.0, help="latency: us between frames (%(default)s)")
+    ap.add_argument("--json", metavar="FILE", help="also write the JSON document here")
+    a = ap.parse_args(argv)
+    if any(s < STAMP.size for s in a.sizes):
+        ap.error(f"--sizes: every size must be at least {STAMP.size} bytes (the stamp)")
+    info = machine_info()
+    results: dict[str, Any] = {}
+    for size in a.sizes:
+        pace_ns = int(a.pace_us * 1e3 * (2 if size >= 64 * KIB else 1))
+        args = {"duration": a.duration, "latency_frames": a.latency_frames, "pace_ns": pace_ns}
+        for mode in a.modes:
+            for path in a.paths:
+                res = run_one(path, size, mode, args)
+                results.setdefault(str(size), {}).setdefault(path, {})[mode] = res
+                print(f"{size} B {path} {mode}: {res}", file=sys.stderr, flush=True)
+    doc = {
+        "benchmark": "bench_bridge",
+        "machine": info,
+        "settings": {
+            "sizes": a.sizes,
+            "duration_s": a.duration,
+            "latency_frames": a.latency_frames,
+            "pace_us": a.pace_us,
+            "ring_capacity": {str(s): _capacity(s) for s in a.sizes},
+            "bridge": "BridgeSender / BridgeReceiver defaults (window 256 frames, 16 MiB), loopback TCP",
+            "zmq_msgspec_hwm": 32,
+        },
+        "results": results,
+        "targets": targets(results),
+        "loadavg_at_end": list(os.getloadavg()),
+    }
+    text = json.dumps(doc, indent=2)
+    print(text)
+    if a.json:
+        Path(a.json).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

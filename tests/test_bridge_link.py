@@ -1,0 +1,257 @@
+"""The bridge's link: message validation, the loopback rule, CurveZMQ keys and refusals."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from _bridgehelpers import ROOT, drain
+from _ringhelpers import shm_tracker_fixture, wait_for  # noqa: F401
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import shm
+from aiospec.bridge import (
+    BridgeConfigError,
+    BridgeReceiver,
+    BridgeSender,
+    CurveKeys,
+    ProtocolError,
+    RingTarget,
+    is_loopback,
+    keygen,
+)
+from aiospec.bridge import _protocol as P
+
+zmq = pytest.importorskip("zmq")
+
+FAST = {"heartbeat": 0.05, "link_timeout": 0.5}
+
+
+# -- messages ------------------------------------------------------------------------------
+
+
+def _mv(*parts: bytes) -> list[memoryview]:
+    return [memoryview(p) for p in parts]
+
+
+def test_messages_round_trip() -> None:
+    assert P.decode(_mv(P.encode_hello(5, 1, 0, 100)), max_payload=0) == P.Hello(5, 1, 0, 100)
+    c = P.decode(_mv(P.encode_credit(9, 3, 4, 10, 1 << 20, 8176, P.WELCOME)), max_payload=0)
+    assert c == P.Credit(9, 3, 4, 10, 1 << 20, 8176, P.WELCOME)
+    d = P.decode(_mv(P.encode_data(7, 3), b"abc"), max_payload=3)
+    assert isinstance(d, P.Data) and d.seq == 7 and bytes(d.payload) == b"abc"
+    assert P.decode(_mv(P.encode_lost(8, 12)), max_payload=0) == P.Lost(8, 12)
+    assert P.decode(_mv(*P.encode_gone(9, "closed")), max_payload=0) == P.Gone(9, "closed")
+    assert P.decode(_mv(P.encode_beat(5, 12)), max_payload=0) == P.Beat(5, 12)
+
+
+@pytest.mark.parametrize(
+    ("parts", "message"),
+    [
+        ([], r"^empty message$"),
+        ([b"ASB"], r"^header of 3 bytes: expected at least 8$"),
+        ([b"XXXX\x01\x00\x03\x00" + bytes(16)], r"^magic b'XXXX': expected b'ASBR'$"),
+        ([b"ASBR\x02\x00\x03\x00" + bytes(16)], r"^version 2: expected 1$"),
+        ([b"ASBR\x01\x00\x09\x00"], r"^message type 9: expected 1\.\.6$"),
+        ([P.encode_data(1, 3)[:-1], b"abc"], r"^type 3: header of 23 bytes, expected 24$"),
+        ([P.encode_data(1, 3)], r"^type 3: 1 parts, expected 2$"),
+        ([P.encode_data(1, 4), b"abc"], r"^DATA seq 1: length field 4 but 3 payload bytes$"),
+        ([P.encode_data(1, 5), b"abcde"], r"^DATA seq 1: payload of 5 bytes exceeds max_payload 4$"),
+        ([P.encode_data(0, 1), b"a"], r"^DATA: sequence number 0: expected 1\.\.2\*\*64-2$"),
+        ([P.encode_credit(1, 5, 4, 9, 0, 0, 0)], r"^CREDIT ack 5, expected 4, credit_seq 9: expected 1 <= ack"),
+        ([P.encode_credit(1, 1, 1, 1, 0, 0, 64)], r"^CREDIT flags 0x40: unknown bits$"),
+        ([P.encode_gone(1, "x")[0], b"\xff"], r"^GONE seq 1: reason is not UTF-8 \(invalid start byte\)$"),
+    ],
+)
+def test_malformed_messages_are_protocol_errors(parts: list[bytes], message: str) -> None:
+    with pytest.raises(ProtocolError, match=message):
+        P.decode(_mv(*parts), max_payload=4)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.binary(max_size=80), max_size=3), st.integers(0, 5))
+def test_any_bytes_decode_or_raise_protocol_error(parts: list[bytes], prefix: int) -> None:
+    # a valid prefix makes the decoder go past the first checks
+    if parts and prefix:
+        heads = [P.encode_hello(1, 1, 0, 0), P.encode_credit(1, 1, 1, 1, 0, 0, 0), P.encode_data(1, 2)]
+        head = heads[prefix % len(heads)]
+        parts[0] = head[: len(parts[0]) % (len(head) + 1)] + parts[0]
+    with contextlib.suppress(ProtocolError):
+        P.decode(_mv(*parts), max_payload=64)
+
+
+def test_a_receiver_survives_corrupt_messages_and_serves_on() -> None:
+    near = shm.Ring.create(capacity=1 << 16)
+    target = RingTarget(None, capacity=1 << 16)
+    far = shm.Ring.attach(target.name)
+    reader = far.reader()
+    recv = BridgeReceiver("tcp://127.0.0.1:0", target, **FAST).start()  # type: ignore[arg-type]
+    ctx = zmq.Context()
+    rogue = ctx.socket(zmq.DEALER)
+    sender = None
+    try:
+        assert recv.endpoint_bound is not None
+        rogue.connect(recv.endpoint_bound)
+        bad = [
+            [b"garbage"],
+            [b"ASBR\x01\x00\x03\x00" + bytes(16), b"x"],  # DATA claiming 0 bytes, carrying 1
+            [P.encode_data(1, 1 << 30), b"x"],  # a huge length
+            [P.encode_hello(1, 0, 0, 0)],  # sequence number 0
+        ]
+        for parts in bad:
+            rogue.send_multipart(parts)
+        wait_for(lambda: recv.stats().protocol_errors == len(bad), "the receiver to count the bad messages")
+        # a DATA from a sender it never welcomed: not delivered, the sender is told to say HELLO
+        rogue.send_multipart([P.encode_data(1, 1), b"x"])
+        assert rogue.poll(5000)
+        reset = P.decode([p.buffer for p in rogue.recv_multipart(copy=False)], max_payload=0)
+        assert isinstance(reset, P.Credit) and reset.flags == P.RESET
+        sender = BridgeSender(near.name, recv.endpoint_bound, **FAST).start()  # type: ignore[arg-type]
+        wait_for(lambda: sender is not None and sender.state == "up", "the link")
+        near.write(b"fine")
+        assert drain(reader, 1) == [b"fine"]
+        wait_for(lambda: recv.stats().frames == 1, "the receiver to count the frame")
+    finally:
+        if sender is not None:
+            sender.close()
+        rogue.close(0)
+        ctx.term()
+        recv.stop()
+        far.close()
+        target.close()
+        near.close()
+
+
+# -- loopback rule and keys ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "loopback"),
+    [
+        ("tcp://127.0.0.1:5555", True),
+        ("tcp://127.3.4.5:1", True),
+        ("tcp://[::1]:5555", True),
+        ("tcp://localhost:5555", True),
+        ("tcp://lo:5555", True),
+        ("ipc:///tmp/x", True),
+        ("tcp://*:5555", False),
+        ("tcp://0.0.0.0:5555", False),
+        ("tcp://10.0.0.1:5555", False),
+        ("tcp://eth0:5555", False),
+        ("tcp://127.0.0.1;10.0.0.1:5555", False),
+        ("tcp://prefill-host:5555", False),
+        ("udp://127.0.0.1:5555", False),
+    ],
+)
+def test_is_loopback(endpoint: str, loopback: bool) -> None:
+    assert is_loopback(endpoint) is loopback
+
+
+def test_a_link_off_loopback_without_keys_is_refused() -> None:
+    with (
+        shm.Ring.create(capacity=1 << 16) as near,
+        pytest.raises(
+            BridgeConfigError,
+            match=r"^connect = 'tcp://10\.0\.0\.1:5555' is not a loopback address: a bridge between hosts needs "
+            r"CurveZMQ \(authentication and encryption\): pass --curve-secret and --curve-server-key",
+        ),
+    ):
+        BridgeSender(near.name, "tcp://10.0.0.1:5555")
+    target = RingTarget(None, capacity=1 << 16)
+    try:
+        with pytest.raises(
+            BridgeConfigError, match=r"^bind = 'tcp://\*:5555' is not a loopback address: .*curve-clients"
+        ):
+            BridgeReceiver("tcp://*:5555", target)
+        with pytest.raises(BridgeConfigError, match=r"^bind = 'udp://x:1': expected tcp://HOST:PORT"):
+            BridgeReceiver("udp://x:1", target)
+    finally:
+        target.close()
+
+
+def _keys(tmp_path: Path) -> dict[str, str]:
+    out = {}
+    for name in ("far", "near", "stranger"):
+        public, secret = keygen(str(tmp_path / "keys"), name)
+        out[name], out[name + "_secret"] = public, secret
+    clients = tmp_path / "clients"
+    clients.mkdir()
+    shutil.copy(out["near"], clients / "near.key")
+    out["clients"] = str(clients)
+    return out
+
+
+def test_keygen_writes_a_private_secret_and_refuses_to_overwrite(tmp_path: Path) -> None:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "aiospec.cli", "bridge", "keygen", str(tmp_path), "--name", "host-a"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr
+    secret = tmp_path / "host-a.key_secret"
+    assert stat.S_IMODE(secret.stat().st_mode) == 0o600 and (tmp_path / "host-a.key").exists()
+    again = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=60, check=False)
+    assert again.returncode == 2
+    assert again.stderr == f"aiospec bridge keygen: {tmp_path}/host-a.key exists: refusing to overwrite a key\n"
+
+
+def test_a_secret_key_others_can_read_is_refused(tmp_path: Path) -> None:
+    k = _keys(tmp_path)
+    os.chmod(k["near_secret"], 0o644)
+    curve = CurveKeys(k["near_secret"], server_key_file=k["far"])
+    near = shm.Ring.create(capacity=1 << 16)
+    try:
+        with pytest.raises(BridgeConfigError, match=r"lets other users read it: expected 0600 \(chmod 600 "):
+            BridgeSender(near.name, "tcp://10.0.0.1:1", curve=curve)
+    finally:
+        near.close()
+
+
+def _curve_pair(tmp_path: Path, near_secret: str) -> tuple[shm.Ring, RingTarget, BridgeReceiver, BridgeSender]:
+    k = _keys(tmp_path)
+    near = shm.Ring.create(capacity=1 << 16)
+    target = RingTarget(None, capacity=1 << 16)
+    curve_far = CurveKeys(k["far_secret"], clients_dir=k["clients"])
+    recv = BridgeReceiver("tcp://127.0.0.1:0", target, curve=curve_far, **FAST).start()  # type: ignore[arg-type]
+    assert recv.endpoint_bound is not None
+    curve_near = CurveKeys(k[near_secret], server_key_file=k["far"])
+    sender = BridgeSender(near.name, recv.endpoint_bound, curve=curve_near, **FAST).start()  # type: ignore[arg-type]
+    return near, target, recv, sender
+
+
+def test_curve_keys_carry_frames(tmp_path: Path) -> None:
+    near, target, recv, sender = _curve_pair(tmp_path, "near_secret")
+    far = shm.Ring.attach(target.name)
+    try:
+        reader = far.reader()
+        wait_for(lambda: sender.state == "up", "the link")
+        near.write(b"secret step")
+        assert drain(reader, 1) == [b"secret step"]
+    finally:
+        sender.close()
+        recv.stop()
+        far.close()
+        target.close()
+        near.close()
+
+
+def test_a_near_end_with_a_key_the_far_end_does_not_know_is_refused(tmp_path: Path) -> None:
+    near, target, recv, sender = _curve_pair(tmp_path, "stranger_secret")
+    try:
+        near.write(b"never")
+        wait_for(lambda: sender.link_error is not None, "the sender to report", timeout=20)
+        assert sender.state == "connecting"
+        assert str(sender.link_error).startswith(f"bridge sender {recv.endpoint_bound}: no answer from the far end")
+        assert str(sender.link_error).endswith(": the far end refused this end's CurveZMQ key (status 400)")
+        assert recv.stats().sessions == 0 and recv.stats().frames == 0
+        assert target.ring.stats().frames_written == 0
+    finally:
+        sender.close()
+        recv.stop()
+        target.close()
+        near.close()
