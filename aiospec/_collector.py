@@ -201,10 +201,16 @@ class Collector:
 
     __slots__ = (
         "handle", "rings", "_segs", "_pinned", "_first", "_state", "_error", "_waiter", "_wake_queued", "_forget",
-        "_side", "_draft_first",
+        "_side", "_draft_first", "_held",
     )  # fmt: skip
 
-    def __init__(self, handle: int, rings: frozenset[str] | None, forget: Callable[[Collector], None]) -> None:
+    def __init__(
+        self,
+        handle: int,
+        rings: frozenset[str] | None,
+        forget: Callable[[Collector], None],
+        await_first: bool = False,
+    ) -> None:
         self.handle = handle
         self.rings = rings  # rings whose failure ends this stream (None: every ring)
         # pending records: chunks first, then segments of shared sources; step, columns and
@@ -219,6 +225,10 @@ class Collector:
         self._forget = forget
         self._side: dict[int, list[_Chunk]] = {}  # pending prompt and draft pieces, by kind
         self._draft_first = False  # the pending drafts began to wait before the target tokens
+        # await_first: target and draft records that come before the FIRST_TOKEN record wait
+        # here (PD: the prefill ring, which carries the first token, may be read after the
+        # decode ring has its next tokens); replayed in arrival order after it
+        self._held: list[tuple[Any, ...]] | None = [] if await_first else None
 
     # -- state -------------------------------------------------------------------------------
 
@@ -256,6 +266,9 @@ class Collector:
 
         Only an ``OPEN`` collector is in the router's table, so this hot path checks no state.
         """
+        if self._held is not None:
+            self._held.append((0, src, r0, r1, a, b, weight))
+            return False
         segs = self._segs
         if not segs or segs[-1][0] is not src:  # a source is pinned once (``_pin``, inlined: hot)
             pinned = self._pinned + weight
@@ -272,6 +285,15 @@ class Collector:
     def put_flagged(self, src: Any, r: int, a: int, b: int, flags: int, weight: int) -> bool:
         """Merge record ``r`` of ``src``, which carries ``flags`` (it may end the request: then
         the state becomes ``FINISHED`` or ``FAILED``, which only an ``OPEN`` collector may)."""
+        held = self._held
+        if held is not None:
+            if not flags & (L.FLAG_FIRST_TOKEN | ERROR_FLAGS):
+                held.append((1, src, r, a, b, flags, weight))
+                return False
+            self._held = None
+            wake = self.put_flagged(src, r, a, b, flags, weight)
+            # an error ends the request at once: what waited for the first token is dropped
+            return (not flags & ERROR_FLAGS and self._replay(held)) or wake
         if b > a or not flags & ERROR_FLAGS:  # an error with no token adds no delta
             segs = self._segs
             if not segs or segs[-1][0] is not src:
@@ -294,6 +316,9 @@ class Collector:
         ``Kind.DRAFT`` frame, as pending pieces of that kind (copied: they pin no frame)."""
         if b <= a:
             return False
+        if self._held is not None and kind == L.KIND_DRAFT:
+            self._held.append((2, src, r0, r1, a, b, kind))
+            return False
         positions = getattr(src, "positions", None)
         piece = _Chunk([(src, r0, r1, a, b)], int(positions[r0]) if positions is not None else -1)
         pieces = self._side.get(kind)
@@ -307,6 +332,21 @@ class Collector:
             self._wake_queued = True
             return True
         return False
+
+    def _replay(self, held: list[tuple[Any, ...]]) -> bool:
+        """Put the records held before the first token, in their order; those after the one
+        that ended the request are dropped, as the router drops them."""
+        wake = False
+        for op, *args in held:
+            if self._state is not _OPEN:
+                break
+            if op == 0:
+                wake = self.put(*args) or wake
+            elif op == 1:
+                wake = self.put_flagged(*args) or wake
+            else:
+                wake = self.put_side(*args) or wake
+        return wake
 
     def _pin(self, weight: int) -> None:
         if self._pinned + weight > _MAX_PINNED and self._segs:

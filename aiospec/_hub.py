@@ -89,7 +89,8 @@ class Hub:
     the header and sizes are checked either way, and a bad frame counts as lost);
     ``partition = (shift, value)``: route only the records whose ``handle >> shift`` is
     ``value`` (one of several API server processes reading one ring; the others' records are
-    skipped per frame, counted in ``records_skipped``).
+    skipped per frame, counted in ``records_skipped``); ``await_first``: the default of
+    ``open``'s (True for PD, where a request's first token and the rest come by two rings).
 
     The rings are attached on ``async with`` (or ``__aenter__``); ``aclose()`` (or leaving the
     block) ends every open stream with ``HubClosed``. A Hub is entered once.
@@ -106,6 +107,7 @@ class Hub:
         producer_timeout: float | None = None,
         validate_offsets: bool = True,
         partition: tuple[int, int] | None = None,
+        await_first: bool = False,
     ) -> None:
         names = [rings] if isinstance(rings, str) else list(rings)
         if not isinstance(yield_every, int) or yield_every < 1:
@@ -126,6 +128,7 @@ class Hub:
         self._producer_timeout = producer_timeout
         self._validate = validate_offsets
         self._router = Router(partition)
+        self._await_first = bool(await_first)
         self._feeds: dict[str, RingFeed] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._rings: dict[str, RingInfo] = {}  # rings no longer read, as they ended
@@ -204,13 +207,18 @@ class Hub:
 
     # -- streams -------------------------------------------------------------------------------
 
-    def open(self, handle: int, *, rings: Iterable[str] | None = None) -> RequestStream:
+    def open(
+        self, handle: int, *, rings: Iterable[str] | None = None, await_first: bool | None = None
+    ) -> RequestStream:
         """Open the stream of request ``handle``; call it before the engine admits the request.
 
         ``rings``: the rings this request's records come from; their failure ends the stream
-        (default: any ring of the hub). Raises ``ValueError`` when the handle is open already,
-        is not an int in 0..2**64-1, or ``rings`` names a ring that is not attached, and
-        ``AiospecError`` outside ``async with``.
+        (default: any ring of the hub). ``await_first`` (default: the hub's): the request's
+        target and draft records that arrive before its ``FIRST_TOKEN`` record wait for it and
+        follow it, in their order (PD: the first token comes from the prefill ring, which may
+        be read after the decode engine's next tokens reached the decode ring). Raises
+        ``ValueError`` when the handle is open already, is not an int in 0..2**64-1, or
+        ``rings`` names a ring that is not attached, and ``AiospecError`` outside ``async with``.
         """
         if self._state != "running":
             raise AiospecError(f"Hub.open: the hub is {self._state} (use 'async with Hub(...)')")
@@ -222,7 +230,8 @@ class Hub:
                 raise ValueError(
                     f"rings = {sorted(deps)!r}: expected names of attached rings, attached: {sorted(self._feeds)!r}"
                 )
-        return RequestStream(self._router.open(handle, deps))
+        first = self._await_first if await_first is None else bool(await_first)
+        return RequestStream(self._router.open(handle, deps, first))
 
     def stats(self) -> HubStats:
         """The Hub's counters and its rings, now."""

@@ -332,11 +332,11 @@ class Router:
         self.records_draft = 0
         self.records_prompt = 0
 
-    def open(self, handle: int, rings: frozenset[str] | None) -> Collector:
+    def open(self, handle: int, rings: frozenset[str] | None, await_first: bool = False) -> Collector:
         handle = check_handle(handle)
         if handle in self.table:
             raise ValueError(f"handle = {handle:#x}: a stream for this request is already open")
-        c = Collector(handle, rings, self._forget)
+        c = Collector(handle, rings, self._forget, await_first)
         self.table[handle] = c
         return c
 

@@ -152,3 +152,51 @@ def test_every_illegal_transition_names_the_state(old: CollectorState, new: Coll
         c._set_state(new)
     assert isinstance(info.value, RuntimeError)
     assert c.state is old
+
+
+def drain(c: Collector) -> tuple[list[int], bool, bool]:
+    """Every token the collector holds, whether the first delta starts the request and whether
+    the last one ends it."""
+    tokens: list[int] = []
+    first = last = False
+    while True:
+        try:
+            d = c.get_nowait()
+        except EndOfStream:
+            return tokens, first, last
+        if d is None:
+            return tokens, first, last
+        first = first or (d.first_token and not tokens)
+        last = d.finished
+        tokens += d.token_list()
+
+
+def test_await_first_holds_what_comes_before_the_first_token() -> None:
+    # PD: the decode ring's tokens (even its finishing record) reached the hub before the
+    # prefill ring's first token; the stream still reads first token, then the rest, in order
+    c = Collector(H, None, Forgets(), await_first=True)
+    f1 = frame([11, 12], 0)
+    c.put(f1, 0, 1, 0, 2, 1)
+    assert not c.ready()
+    flagged(c, Flag.FINISHED, [13])
+    assert not c.ready() and c.state is S.OPEN
+    flagged(c, Flag.FIRST_TOKEN, [10])
+    assert c.state is S.FINISHED
+    assert drain(c) == ([10, 11, 12, 13], True, True)
+
+
+def test_await_first_passes_an_error_at_once() -> None:
+    # an abort before the first token ends the stream at once; nothing waits for a first token
+    c = Collector(H, None, Forgets(), await_first=True)
+    c.put(frame([11], 0), 0, 1, 0, 1, 1)
+    flagged(c, Flag.ABORTED, [])
+    assert c.state is S.FAILED
+    with pytest.raises(RequestAborted):
+        c.get_nowait()
+
+
+def test_without_await_first_records_pass_in_arrival_order() -> None:
+    c = Collector(H, None, Forgets())
+    c.put(frame([11], 0), 0, 1, 0, 1, 1)
+    flagged(c, Flag.FIRST_TOKEN, [10])
+    assert drain(c)[0] == [11, 10]

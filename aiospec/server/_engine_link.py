@@ -147,6 +147,7 @@ class EngineLink:
                     producer_timeout=self.settings.producer_timeout,
                     yield_every=self.settings.hub_yield_every,
                     partition=(SERVER_SHIFT, self.settings.server_index) if self.remote else None,
+                    await_first=self.settings.pd,
                 )
                 await hub.__aenter__()
                 self.source = hub
