@@ -222,6 +222,7 @@ def test_engine_restart_reaches_every_server_and_sigterm_stops_all() -> None:
             return st["engine_state"] == "up" and st["engine_pids"] != [engine]
 
         _wait(new_engine, 60, "a new engine")
+
         # both servers read the new ring: requests on many connections all complete
         def healthy() -> bool:
             try:
