@@ -66,7 +66,7 @@ def register(sub: Any) -> None:
     r.set_defaults(func=_recv)
 
     k = bs.add_parser("keygen", help="write a CurveZMQ key pair: DIR/NAME.key (public), DIR/NAME.key_secret")
-    k.add_argument("directory")
+    k.add_argument("directory", help="where the two key files go (created if missing)")
     k.add_argument("--name", required=True, help="the pair's file name stem, e.g. the host's name")
     k.set_defaults(func=_keygen)
 
