@@ -345,11 +345,12 @@ void scenario_frames(std::mt19937_64& rng, int iters) {
   aiospec_cuda_producer* p = make_producer(seg, 5.0);
   cudaStream_t s;
   CUDA_OK(cudaStreamCreate(&s));
-  const int64_t sizes[] = {0, 1, 19, 99, 989};
+  // 1500 rows: more than one chunk of the exceptions pre-pass (1024 threads)
+  const int64_t sizes[] = {0, 1, 19, 99, 989, 1500};
   const int ks[] = {-1, 0, 5, 20};
   uint64_t frames = 0, pads = 0, bytes = 0;
   for (int it = 0; it < iters; ++it) {
-    const int64_t rows = it < 20 ? sizes[it % 5] : std::uniform_int_distribution<int64_t>(0, 300)(rng);
+    const int64_t rows = it < 24 ? sizes[it % 6] : std::uniform_int_distribution<int64_t>(0, 300)(rng);
     const int64_t W = std::uniform_int_distribution<int64_t>(1, 6)(rng);
     const int kmax = ks[std::uniform_int_distribution<int>(0, 3)(rng)];
     Inputs in = random_inputs(rng, rows, W, kmax, std::uniform_int_distribution<int>(0, 1)(rng));
