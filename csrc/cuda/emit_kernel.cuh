@@ -13,12 +13,12 @@
 //     is contiguous and a warp's stores to host memory coalesce;
 //   * with the sampled_pos encoding (logprobs, 1 <= k <= 255) the layout also needs the
 //     number of exceptions (tokens not found in their top-k), and each block the number
-//     before its rows: a one-block pre-pass on the same stream (`exceptions_kernel`, launched
-//     only for that encoding) evaluates emit.h's aiospec_sampled_pos once per token and
-//     writes the exceptions before each row and the total into device scratch, which every
-//     block reads (the kernel boundary orders it, no block waits for another); each block
-//     evaluates its own tokens again where it writes them, with a block scan that gives each
-//     exception its index;
+//     before its rows: a pre-pass on the same stream (`exceptions_kernel`, launched only for
+//     that encoding) evaluates emit.h's aiospec_sampled_pos once per token and writes each
+//     row's exceptions into device scratch; every block adds them up with the other counts
+//     of its row checks (one load a row; the kernel boundary orders the scratch, no block
+//     waits for another); each block evaluates its own tokens again where it writes them,
+//     with a block scan that gives each exception its index;
 //   * every block checks for space against the slowest reader on its own (the tails are
 //     read from the mapped control page only when the cached lower bound says the ring may
 //     be full; a bounded wait on %globaltimer); a block that runs out of time writes nothing
@@ -209,7 +209,7 @@ __device__ uint64_t scan_min_tail(const RingRef& ring, uint64_t head) {
 }
 
 // Records / tokens / draft ids / exceptions of one row (zero for rows past the first failing
-// one). row_counts leaves e at 0: the exceptions come from exceptions_kernel's prefix.
+// one). row_counts leaves e at 0: the exceptions come from exceptions_kernel's counts.
 struct Triple {
   long long r, t, d, e;
 };
@@ -318,82 +318,57 @@ __device__ __forceinline__ int find_row(const long long* off, int n, long long e
 
 // ---- the sampled_pos pre-pass ----------------------------------------------------------------
 
-constexpr int kPreThreads = 1024;
+constexpr int kPreThreads = 256;
+constexpr int kPreRows = 32;  // rows per block: a warp checks them, the block shares their tokens
+static_assert(kPreRows == 32, "exceptions_kernel scans its rows' counts in one warp");
 
-// Exclusive block-wide prefix sum of one int64 per thread over N threads; *total gets the sum.
-template <int N>
-__device__ __forceinline__ long long block_exclusive_scan_ll(long long v, long long* total) {
-  __shared__ long long warp_incl[N / 32];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  long long inc = v;
-  for (int s = 1; s < 32; s <<= 1) {
-    const long long o = __shfl_up_sync(0xffffffffu, inc, s);
-    if (lane >= s) inc += o;
-  }
-  if (lane == 31) warp_incl[warp] = inc;
-  __syncthreads();
-  long long before = 0, sum = 0;
-  for (int w = 0; w < N / 32; ++w) {
-    if (w < warp) before += warp_incl[w];
-    sum += warp_incl[w];
-  }
-  __syncthreads();
-  *total = sum;
-  return before + inc - v;
-}
-
-// One block, launched before emit_kernel on the same stream when the step uses the sampled_pos
-// encoding: xpre[i] = the exceptions of rows [0, i), xpre[rows] = the step's total. Evaluates
-// aiospec_sampled_pos once per token, token-parallel: rows go kPreThreads at a time, a block
-// scan of their token counts maps each token to its row (a long prompt row is spread over the
-// block like many short rows), a shared counter per row, then a block scan of those. When any
-// row fails its structural checks nothing is written: emit_kernel reaches the same verdict
-// and then never reads xpre (and the inputs may not be safe to follow).
-__global__ void __launch_bounds__(kPreThreads) exceptions_kernel(aiospec_emit_args a, long long* xpre) {
-  __shared__ long long s_off[kPreThreads + 1];
-  __shared__ int s_cnt[kPreThreads];
-  __shared__ int s_bad;
+// Launched before emit_kernel on the same stream when the step uses the sampled_pos encoding:
+// xcnt[i] = the exceptions of row i (aiospec_sampled_pos once per token of the step). A block
+// per kPreRows rows, token-parallel inside it: a scan of the rows' token counts maps each
+// token to its row (a long prompt row is spread over the block like many short rows), a
+// shared counter per row. A row that fails its structural checks gets 0 and is not followed
+// (its inputs may not be safe to read): emit_kernel then reports the error and never uses
+// the counts.
+__global__ void __launch_bounds__(kPreThreads) exceptions_kernel(aiospec_emit_args a, int* xcnt) {
+  __shared__ long long s_off[kPreRows + 1];
+  __shared__ int s_cnt[kPreRows];
   const int tid = threadIdx.x;
-  const int64_t rows = a.rows;
-  if (tid == 0) s_bad = 0;
-  __syncthreads();
-  aiospec_emit_args sa = a;  // the structural checks only, as emit_kernel's step 1
-  sa.token_ids_i64 = 0;
-  sa.draft_ids_i64 = 0;
-  sa.lp_ids_i64 = 0;
-  sa.lp_ranks_i64 = 0;
-  for (int64_t i = tid; i < rows; i += kPreThreads) {
-    aiospec_error e;
-    if (aiospec_check_row(&sa, i, &e) != AIOSPEC_E_OK) atomicExch(&s_bad, 1);
-  }
-  __syncthreads();
-  if (s_bad) return;
-  const uint32_t k = aiospec_frame_k(&a);
-  long long base = 0;
-  for (int64_t c0 = 0; c0 < rows; c0 += kPreThreads) {
-    const int64_t i = c0 + tid;
-    const int n = rows - c0 < kPreThreads ? int(rows - c0) : kPreThreads;
-    long long end = 0;
-    s_off[tid] = block_exclusive_scan_ll<kPreThreads>(i < rows ? (long long)a.num_tokens[i] : 0, &end);
-    if (tid == 0) s_off[kPreThreads] = end;
-    s_cnt[tid] = 0;
-    __syncthreads();
-    for (long long e = tid; e < end; e += kPreThreads) {
-      const int li = find_row(s_off, n, e);
-      const int64_t row = c0 + li;
-      const int64_t j = e - s_off[li];
-      const int64_t lr = int64_t(a.lp_offsets[row]) + j;
-      const uint32_t pos = aiospec_sampled_pos(&a, lr, aiospec_token(&a, row, j),
-                                               aiospec_load_int(a.lp_ranks, a.lp_ranks_i64, lr), k);
-      if (pos == AIOSPEC_SAMPLED_EXCEPTION) atomicAdd(&s_cnt[li], 1);
+  const int64_t c0 = int64_t(blockIdx.x) * kPreRows;
+  const int n = a.rows - c0 < kPreRows ? int(a.rows - c0) : kPreRows;
+  if (tid < 32) {
+    aiospec_emit_args sa = a;  // the structural checks only, as emit_kernel's step 1
+    sa.token_ids_i64 = 0;
+    sa.draft_ids_i64 = 0;
+    sa.lp_ids_i64 = 0;
+    sa.lp_ranks_i64 = 0;
+    long long nt = 0;
+    if (tid < n) {
+      aiospec_error e;
+      if (aiospec_check_row(&sa, c0 + tid, &e) == AIOSPEC_E_OK) nt = a.num_tokens[c0 + tid];
     }
-    __syncthreads();
-    long long chunk = 0;
-    const long long x = block_exclusive_scan_ll<kPreThreads>(s_cnt[tid], &chunk);  // its barriers end the chunk
-    if (i < rows) xpre[i] = base + x;
-    base += chunk;
+    long long inc = nt;
+    for (int s = 1; s < 32; s <<= 1) {
+      const long long o = __shfl_up_sync(0xffffffffu, inc, s);
+      if (tid >= s) inc += o;
+    }
+    s_off[tid] = inc - nt;
+    if (tid == 31) s_off[kPreRows] = inc;
+    s_cnt[tid] = 0;
   }
-  if (tid == 0) xpre[rows] = base;
+  __syncthreads();
+  const uint32_t k = aiospec_frame_k(&a);
+  const long long end = s_off[kPreRows];
+  for (long long e = tid; e < end; e += kPreThreads) {
+    const int li = find_row(s_off, n, e);
+    const int64_t row = c0 + li;
+    const int64_t j = e - s_off[li];
+    const int64_t lr = int64_t(a.lp_offsets[row]) + j;
+    const uint32_t pos = aiospec_sampled_pos(&a, lr, aiospec_token(&a, row, j),
+                                             aiospec_load_int(a.lp_ranks, a.lp_ranks_i64, lr), k);
+    if (pos == AIOSPEC_SAMPLED_EXCEPTION) atomicAdd(&s_cnt[li], 1);
+  }
+  __syncthreads();
+  if (tid < n) xcnt[c0 + tid] = s_cnt[tid];
 }
 
 // One thread: count the failure, publish it to the host if the host took the last one.
@@ -478,7 +453,7 @@ __device__ __forceinline__ void write_frame_words(int tid, const aiospec_frame_l
 // Dynamic shared memory: 4 * (rows_per_block + 1) int64; rows_per_block <= kThreads.
 __global__ void __launch_bounds__(kThreads)
     emit_kernel(aiospec_emit_args a, RingRef ring, State* st, Mapped* m, const uint64_t* step_dev,
-                const long long* xpre, int rows_per_block) {
+                const int* xcnt, int rows_per_block) {
   extern __shared__ long long sh[];
   __shared__ unsigned long long s_key, s_idkey, s_needed;
   __shared__ int s_write, s_last, s_full, s_pad;
@@ -527,15 +502,18 @@ __global__ void __launch_bounds__(kThreads)
   sa.lp_ranks_i64 = 0;
   Triple before{0, 0, 0, 0}, total{0, 0, 0, 0};
   int nt_min = INT32_MAX, nt_max = -1, nd_min = INT32_MAX, nd_max = -1;
+  const uint32_t k = aiospec_frame_k(&a);
+  const int sampled = aiospec_uses_sampled_pos(k, aiospec_has_logprobs(&a));
   for (int64_t i = tid; i < rows; i += kThreads) {
+    const int x = sampled ? xcnt[i] : 0;  // exceptions_kernel's count, issued before the checks
     aiospec_error e;
     if (aiospec_check_row(&sa, i, &e) != AIOSPEC_E_OK) {
       atomicMin(&s_key, (unsigned long long)aiospec_error_order(&e));
       continue;
     }
     const Triple v = row_counts(a, i);
-    total.r += v.r, total.t += v.t, total.d += v.d;
-    if (i < row0) before.r += v.r, before.t += v.t, before.d += v.d;
+    total.r += v.r, total.t += v.t, total.d += v.d, total.e += x;
+    if (i < row0) before.r += v.r, before.t += v.t, before.d += v.d, before.e += x;
     if (v.r) {
       nt_min = min(nt_min, int(v.t)), nt_max = max(nt_max, int(v.t));
       nd_min = min(nd_min, int(v.d)), nd_max = max(nd_max, int(v.d));
@@ -551,8 +529,6 @@ __global__ void __launch_bounds__(kThreads)
   AIOSPEC_PHASE(1);
   const uint64_t skey = s_key;
   const int64_t live = skey == kNoError ? rows : key_row(skey);  // rows [0, live) passed
-  const uint32_t k = aiospec_frame_k(&a);
-  const int sampled = aiospec_uses_sampled_pos(k, aiospec_has_logprobs(&a));
   if (skey != kNoError) {
     // an invalid row: count only the rows before it (their ids are still checked, since an
     // id error in an earlier row comes first in emit.h's order); nothing is written, so the
@@ -564,14 +540,10 @@ __global__ void __launch_bounds__(kThreads)
       if (i < row0) before.r += v.r, before.t += v.t, before.d += v.d;
     }
   }
-  // one block holds every row: its scan below gives the totals
-  const bool sums = !solo;
+  // one block holds every row: its scan below gives the totals, so the block-wide sums are
+  // needed only for the exceptions, which every thread added up on its own
+  const bool sums = !solo || (skey == kNoError && sampled);
   if (sums) block_sum2(before, total);
-  if (skey == kNoError && sampled) {
-    // exceptions_kernel's prefix (same stream, finished before this launch)
-    before.e = xpre[row0];
-    total.e = xpre[rows];
-  }
   AIOSPEC_PHASE(2);
 
   // 2. This block's rows: exclusive prefix sums (rows past `live` are empty).
