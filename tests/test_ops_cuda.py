@@ -201,12 +201,13 @@ def test_frames_byte_identical_to_reference(torch: Any, rows: int, k: int) -> No
 @pytest.mark.parametrize("k", [1, 255, 256])
 def test_sampled_pos_frames_at_the_limits_byte_identical(torch: Any, k: int) -> None:
     # payload version 2: k = 1 and 255 carry the sampled tokens as positions in the top-k (with
-    # exceptions, found by every block for the whole step), k = 256 as token ids; long prompt
-    # rows (up to 3000 positions in one row) spread the exception count over the block
+    # exceptions, counted once for the whole step by the pre-pass), k = 256 as token ids; long
+    # prompt rows (up to 3000 positions in one row) spread the exception count over a block;
+    # 1500 rows: many blocks of the pre-pass and of the kernel
     rng = np.random.default_rng(k)
     cases = [make_step(rng, rows, mode=m, k_max=k + 1, k=k, i64=bool(i % 2), step=i) for i, (rows, m) in enumerate(
         [(19, "normal"), (989, "normal"), (257, "speculative"), (300, "pd_first_token"), (5, "draft"),
-         (77, "prompt")])]  # fmt: skip
+         (77, "prompt"), (1500, "speculative")])]  # fmt: skip
     cases.append(make_step(rng, 2, mode="prompt", k_max=k, width=750, step=len(cases)))
     with shm.Ring.create(capacity=64 << 20, max_record=32 << 20) as ring, ring.reader() as reader:
         prod = Producer(ring, device="cuda", producer=3)

@@ -91,6 +91,7 @@ struct aiospec_cuda_producer {
   bool registered = false;
   RingRef ref{};
   State* st = nullptr;
+  int* xcnt = nullptr;  // exceptions_kernel's count per row: max_rows entries
   Mapped* mh = nullptr;  // host view of the error word
   Mapped* md = nullptr;  // device view
   aiospec_error last{};
@@ -134,8 +135,10 @@ struct aiospec_cuda_producer {
       if (registered) cudaHostUnregister(host_base);
       registered = false;
       if (st != nullptr) cudaFree(st);
+      if (xcnt != nullptr) cudaFree(xcnt);
       if (mh != nullptr) cudaFreeHost(mh);
       st = nullptr;
+      xcnt = nullptr;
       mh = md = nullptr;
     }
     std::lock_guard<std::mutex> lock(mu);
@@ -288,6 +291,9 @@ int aiospec_cuda_producer_create(const char* ring_name, const aiospec_cuda_optio
 
   e = cudaMalloc(&p->st, sizeof(State));
   if (e != cudaSuccess) return fail("cudaMalloc(producer state)", e);
+  // sized for the largest batch once, so an emit never allocates (graph capture, no syncs)
+  e = cudaMalloc(&p->xcnt, sizeof(int) * (size_t(o.max_rows) + 1));
+  if (e != cudaSuccess) return fail("cudaMalloc(exception counts)", e);
   e = cudaHostAlloc(&p->mh, sizeof(Mapped), cudaHostAllocMapped | cudaHostAllocPortable);
   if (e != cudaSuccess) return fail("cudaHostAlloc(error word)", e);
   std::memset(static_cast<void*>(p->mh), 0, sizeof(Mapped));
@@ -355,8 +361,18 @@ cudaError_t aiospec_cuda_emit_ex(aiospec_cuda_producer* p, const aiospec_emit_ar
   if (rpb > kMaxRowsPerBlock) rpb = kMaxRowsPerBlock;
   const long long blocks = args->rows > 0 ? (args->rows + rpb - 1) / rpb : 1;
   const size_t shmem = sizeof(long long) * 4 * size_t(rpb + 1);
+  if (aiospec_uses_sampled_pos(aiospec_frame_k(args), aiospec_has_logprobs(args))) {
+    // the step's exceptions, counted once for all blocks (emit_kernel.cuh)
+    const long long pre_blocks = (args->rows + aiospec::cuda::kPreRows - 1) / aiospec::cuda::kPreRows;
+    if (pre_blocks > 0) {
+      aiospec::cuda::exceptions_kernel<<<unsigned(pre_blocks), aiospec::cuda::kPreThreads, 0, stream>>>(*args,
+                                                                                                       p->xcnt);
+    }
+    const cudaError_t pre = cudaGetLastError();
+    if (pre != cudaSuccess) return pre;
+  }
   aiospec::cuda::emit_kernel<<<unsigned(blocks), aiospec::cuda::kThreads, shmem, stream>>>(*args, p->ref, p->st, p->md,
-                                                                                          step_dev, int(rpb));
+                                                                                          step_dev, p->xcnt, int(rpb));
   cudaError_t status = cudaGetLastError();
   if (status == cudaSuccess && p->opts.host_notify) status = cudaLaunchHostFunc(stream, notify_callback, p);
   if (status == cudaSuccess) ++p->emits;

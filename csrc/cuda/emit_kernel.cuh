@@ -13,11 +13,12 @@
 //     is contiguous and a warp's stores to host memory coalesce;
 //   * with the sampled_pos encoding (logprobs, 1 <= k <= 255) the layout also needs the
 //     number of exceptions (tokens not found in their top-k), and each block the number
-//     before its rows: every block evaluates emit.h's aiospec_sampled_pos for every token of
-//     the step (one pass, token-parallel over chunks of kThreads rows: `count_exceptions`),
-//     i.e. O(T * k) loads per block, the price of never waiting for another block; the
-//     block's own tokens are evaluated again where they are written, with a block scan that
-//     gives each exception its index;
+//     before its rows: a pre-pass on the same stream (`exceptions_kernel`, launched only for
+//     that encoding) evaluates emit.h's aiospec_sampled_pos once per token and writes each
+//     row's exceptions into device scratch; every block adds them up with the other counts
+//     of its row checks (one load a row; the kernel boundary orders the scratch, no block
+//     waits for another); each block evaluates its own tokens again where it writes them,
+//     with a block scan that gives each exception its index;
 //   * every block checks for space against the slowest reader on its own (the tails are
 //     read from the mapped control page only when the cached lower bound says the ring may
 //     be full; a bounded wait on %globaltimer); a block that runs out of time writes nothing
@@ -208,7 +209,7 @@ __device__ uint64_t scan_min_tail(const RingRef& ring, uint64_t head) {
 }
 
 // Records / tokens / draft ids / exceptions of one row (zero for rows past the first failing
-// one). row_counts leaves e at 0: count_exceptions adds the exceptions.
+// one). row_counts leaves e at 0: the exceptions come from exceptions_kernel's counts.
 struct Triple {
   long long r, t, d, e;
 };
@@ -315,37 +316,59 @@ __device__ __forceinline__ int find_row(const long long* off, int n, long long e
   return lo;
 }
 
-// The exceptions of the sampled_pos encoding over every row (all passed their checks): the
-// step's total into total->e and those of rows before row0 into before->e, per thread (the
-// caller sums the block). Token-parallel: rows go kThreads at a time, a block scan of their
-// token counts into s_off (kThreads + 1 entries) maps each token to its row, so a long
-// prompt row is spread over the block like many short rows. Whole block.
-__device__ void count_exceptions(const aiospec_emit_args& a, uint32_t k, int64_t row0, long long* s_off,
-                                 Triple* before, Triple* total) {
+// ---- the sampled_pos pre-pass ----------------------------------------------------------------
+
+constexpr int kPreThreads = 256;
+constexpr int kPreRows = 32;  // rows per block: a warp checks them, the block shares their tokens
+static_assert(kPreRows == 32, "exceptions_kernel scans its rows' counts in one warp");
+
+// Launched before emit_kernel on the same stream when the step uses the sampled_pos encoding:
+// xcnt[i] = the exceptions of row i (aiospec_sampled_pos once per token of the step). A block
+// per kPreRows rows, token-parallel inside it: a scan of the rows' token counts maps each
+// token to its row (a long prompt row is spread over the block like many short rows), a
+// shared counter per row. A row that fails its structural checks gets 0 and is not followed
+// (its inputs may not be safe to read): emit_kernel then reports the error and never uses
+// the counts.
+__global__ void __launch_bounds__(kPreThreads) exceptions_kernel(aiospec_emit_args a, int* xcnt) {
+  __shared__ long long s_off[kPreRows + 1];
+  __shared__ int s_cnt[kPreRows];
   const int tid = threadIdx.x;
-  for (int64_t c0 = 0; c0 < a.rows; c0 += kThreads) {
-    const int64_t i = c0 + tid;
-    const int n = a.rows - c0 < kThreads ? int(a.rows - c0) : kThreads;
-    Triple v{0, i < a.rows ? (long long)a.num_tokens[i] : 0, 0, 0};
-    const Triple ex = block_exclusive_scan(v);
-    s_off[tid] = ex.t;
-    if (tid == kThreads - 1) s_off[kThreads] = ex.t + v.t;
-    __syncthreads();
-    const long long end = s_off[n < kThreads ? n : kThreads];
-    for (long long e = tid; e < end; e += kThreads) {
-      const int li = find_row(s_off, n, e);
-      const int64_t row = c0 + li;
-      const int64_t j = e - s_off[li];
-      const int64_t lr = int64_t(a.lp_offsets[row]) + j;
-      const uint32_t pos = aiospec_sampled_pos(&a, lr, aiospec_token(&a, row, j),
-                                               aiospec_load_int(a.lp_ranks, a.lp_ranks_i64, lr), k);
-      if (pos == AIOSPEC_SAMPLED_EXCEPTION) {
-        total->e += 1;
-        if (row < row0) before->e += 1;
-      }
+  const int64_t c0 = int64_t(blockIdx.x) * kPreRows;
+  const int n = a.rows - c0 < kPreRows ? int(a.rows - c0) : kPreRows;
+  if (tid < 32) {
+    aiospec_emit_args sa = a;  // the structural checks only, as emit_kernel's step 1
+    sa.token_ids_i64 = 0;
+    sa.draft_ids_i64 = 0;
+    sa.lp_ids_i64 = 0;
+    sa.lp_ranks_i64 = 0;
+    long long nt = 0;
+    if (tid < n) {
+      aiospec_error e;
+      if (aiospec_check_row(&sa, c0 + tid, &e) == AIOSPEC_E_OK) nt = a.num_tokens[c0 + tid];
     }
-    __syncthreads();  // s_off is rewritten by the next chunk
+    long long inc = nt;
+    for (int s = 1; s < 32; s <<= 1) {
+      const long long o = __shfl_up_sync(0xffffffffu, inc, s);
+      if (tid >= s) inc += o;
+    }
+    s_off[tid] = inc - nt;
+    if (tid == 31) s_off[kPreRows] = inc;
+    s_cnt[tid] = 0;
   }
+  __syncthreads();
+  const uint32_t k = aiospec_frame_k(&a);
+  const long long end = s_off[kPreRows];
+  for (long long e = tid; e < end; e += kPreThreads) {
+    const int li = find_row(s_off, n, e);
+    const int64_t row = c0 + li;
+    const int64_t j = e - s_off[li];
+    const int64_t lr = int64_t(a.lp_offsets[row]) + j;
+    const uint32_t pos = aiospec_sampled_pos(&a, lr, aiospec_token(&a, row, j),
+                                             aiospec_load_int(a.lp_ranks, a.lp_ranks_i64, lr), k);
+    if (pos == AIOSPEC_SAMPLED_EXCEPTION) atomicAdd(&s_cnt[li], 1);
+  }
+  __syncthreads();
+  if (tid < n) xcnt[c0 + tid] = s_cnt[tid];
 }
 
 // One thread: count the failure, publish it to the host if the host took the last one.
@@ -430,12 +453,11 @@ __device__ __forceinline__ void write_frame_words(int tid, const aiospec_frame_l
 // Dynamic shared memory: 4 * (rows_per_block + 1) int64; rows_per_block <= kThreads.
 __global__ void __launch_bounds__(kThreads)
     emit_kernel(aiospec_emit_args a, RingRef ring, State* st, Mapped* m, const uint64_t* step_dev,
-                int rows_per_block) {
+                const int* xcnt, int rows_per_block) {
   extern __shared__ long long sh[];
   __shared__ unsigned long long s_key, s_idkey, s_needed;
   __shared__ int s_write, s_last, s_full, s_pad;
   __shared__ int s_nt_min, s_nt_max, s_nd_min, s_nd_max;  // counts of the records (uniform?)
-  __shared__ long long s_chunk[kThreads + 1];  // count_exceptions' token offsets
   __shared__ alignas(8) uint8_t s_header[AIOSPEC_HEADER_SPACE];
   AIOSPEC_PHASE(9);
   const int tid = threadIdx.x;
@@ -480,15 +502,18 @@ __global__ void __launch_bounds__(kThreads)
   sa.lp_ranks_i64 = 0;
   Triple before{0, 0, 0, 0}, total{0, 0, 0, 0};
   int nt_min = INT32_MAX, nt_max = -1, nd_min = INT32_MAX, nd_max = -1;
+  const uint32_t k = aiospec_frame_k(&a);
+  const int sampled = aiospec_uses_sampled_pos(k, aiospec_has_logprobs(&a));
   for (int64_t i = tid; i < rows; i += kThreads) {
+    const int x = sampled ? xcnt[i] : 0;  // exceptions_kernel's count, issued before the checks
     aiospec_error e;
     if (aiospec_check_row(&sa, i, &e) != AIOSPEC_E_OK) {
       atomicMin(&s_key, (unsigned long long)aiospec_error_order(&e));
       continue;
     }
     const Triple v = row_counts(a, i);
-    total.r += v.r, total.t += v.t, total.d += v.d;
-    if (i < row0) before.r += v.r, before.t += v.t, before.d += v.d;
+    total.r += v.r, total.t += v.t, total.d += v.d, total.e += x;
+    if (i < row0) before.r += v.r, before.t += v.t, before.d += v.d, before.e += x;
     if (v.r) {
       nt_min = min(nt_min, int(v.t)), nt_max = max(nt_max, int(v.t));
       nd_min = min(nd_min, int(v.d)), nd_max = max(nd_max, int(v.d));
@@ -504,8 +529,6 @@ __global__ void __launch_bounds__(kThreads)
   AIOSPEC_PHASE(1);
   const uint64_t skey = s_key;
   const int64_t live = skey == kNoError ? rows : key_row(skey);  // rows [0, live) passed
-  const uint32_t k = aiospec_frame_k(&a);
-  const int sampled = aiospec_uses_sampled_pos(k, aiospec_has_logprobs(&a));
   if (skey != kNoError) {
     // an invalid row: count only the rows before it (their ids are still checked, since an
     // id error in an earlier row comes first in emit.h's order); nothing is written, so the
@@ -516,11 +539,9 @@ __global__ void __launch_bounds__(kThreads)
       total.r += v.r, total.t += v.t, total.d += v.d;
       if (i < row0) before.r += v.r, before.t += v.t, before.d += v.d;
     }
-  } else if (sampled) {
-    count_exceptions(a, k, row0, s_chunk, &before, &total);
   }
   // one block holds every row: its scan below gives the totals, so the block-wide sums are
-  // needed only for the exceptions, which every thread counted on its own
+  // needed only for the exceptions, which every thread added up on its own
   const bool sums = !solo || (skey == kNoError && sampled);
   if (sums) block_sum2(before, total);
   AIOSPEC_PHASE(2);
@@ -643,7 +664,7 @@ __global__ void __launch_bounds__(kThreads)
   }
   if (sampled) {
     // sampled_pos: each token's column in its top-k, or an exception whose index (its rank
-    // among the step's exceptions) is the exceptions before this block (count_exceptions)
+    // among the step's exceptions) is the exceptions before this block (exceptions_kernel)
     // plus a block scan over this block's tokens, kThreads at a time
     uint8_t* spos = pay + lay.off[AIOSPEC_COL_SAMPLED_POS];
     int32_t* x_ids = reinterpret_cast<int32_t*>(pay + lay.off[AIOSPEC_COL_EXCEPTION_IDS]);

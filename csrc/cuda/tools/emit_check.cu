@@ -345,11 +345,12 @@ void scenario_frames(std::mt19937_64& rng, int iters) {
   aiospec_cuda_producer* p = make_producer(seg, 5.0);
   cudaStream_t s;
   CUDA_OK(cudaStreamCreate(&s));
-  const int64_t sizes[] = {0, 1, 19, 99, 989};
+  // 1500 rows: many blocks of the exceptions pre-pass and of the kernel
+  const int64_t sizes[] = {0, 1, 19, 99, 989, 1500};
   const int ks[] = {-1, 0, 5, 20};
   uint64_t frames = 0, pads = 0, bytes = 0;
   for (int it = 0; it < iters; ++it) {
-    const int64_t rows = it < 20 ? sizes[it % 5] : std::uniform_int_distribution<int64_t>(0, 300)(rng);
+    const int64_t rows = it < 24 ? sizes[it % 6] : std::uniform_int_distribution<int64_t>(0, 300)(rng);
     const int64_t W = std::uniform_int_distribution<int64_t>(1, 6)(rng);
     const int kmax = ks[std::uniform_int_distribution<int>(0, 3)(rng)];
     Inputs in = random_inputs(rng, rows, W, kmax, std::uniform_int_distribution<int>(0, 1)(rng));
@@ -487,6 +488,12 @@ void scenario_full(std::mt19937_64& rng) {
   for (auto& v : in.nt) v = 2;
   for (int64_t i = 0; i <= in.rows; ++i) in.lpo[size_t(i)] = int32_t(2 * i);
   in.N = 2 * in.rows;
+  // the logprob columns follow the new offsets: N rows (exact sizes, for memcheck)
+  in.lpid64.resize(size_t(in.N * in.width), 1);
+  in.lpv.resize(size_t(in.N * in.width), -1.f);
+  in.rank64.resize(size_t(in.N), 1);
+  in.lpid32.assign(in.lpid64.begin(), in.lpid64.end());
+  in.rank32.assign(in.rank64.begin(), in.rank64.end());
   aiospec_emit_args da = in.device_args(0);
   int ok = 0;
   aiospec_error e;

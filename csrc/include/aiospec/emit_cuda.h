@@ -2,7 +2,8 @@
  *
  * A producer maps one ring segment, registers it with CUDA once (cudaHostRegister, mapped)
  * and keeps its state (head, cached slowest tail, counters) in device memory and its error
- * word in mapped host memory. aiospec_cuda_emit enqueues one kernel on a stream and returns:
+ * word in mapped host memory. aiospec_cuda_emit enqueues one kernel on a stream (two with the
+ * sampled_pos encoding: a one-block pass counts the exceptions first) and returns:
  * no host synchronization and no allocation per call, so a step can be captured in a CUDA
  * graph (csrc/cuda/emit_kernel.cuh describes the kernel).
  * Input errors found on the device (counts, offsets, ids; same checks and order as
