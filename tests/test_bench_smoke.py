@@ -66,7 +66,11 @@ def test_bench_e2e_runs_each_path_and_reports_ratios() -> None:
         assert r["tokens_per_s"] >= 0.99 * r["output_tokens"] / r["wall_s"] > 0, r
         assert 1 <= r["tokens_per_chunk"] <= 8, r
         for lat in (r["ttft_ms"], r["itl_ms"]):
-            assert 0 < lat["p50"] <= lat["p99"] and math.isfinite(lat["p99"]), r
+            assert 0 <= lat["p50"] <= lat["p99"] and math.isfinite(lat["p99"]), r
+        assert r["ttft_ms"]["p50"] > 0, r
+        # chunks that reach the client in one read have a gap of 0 (so p50 may be 0 on a busy
+        # machine); the gaps that span an engine step are not
+        assert r["itl_ms"]["p99"] > 0, r
         assert r["server_cpu_s"] > 0, r
         assert r["server_cpu_us_per_token"] == pytest.approx(r["server_cpu_s"] / r["output_tokens"] * 1e6, rel=0.01)
         # the server's 10 ms ticker ran during the load (all zeros means it took no sample)
