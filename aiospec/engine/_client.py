@@ -18,7 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import msgspec
@@ -234,7 +234,44 @@ class _Conn:
         self.sock.close()
 
 
-class EngineGroup:
+class _Engines:
+    """What ``EngineGroup`` and ``RemoteEngines`` do alike over their engine connections
+    (prefill first): the transports, the failures, the admissions, aborts and stats."""
+
+    _conns: list[_Conn]
+    _ids: Iterator[int]
+    _stopped: bool
+
+    @property
+    def transports(self) -> list[str]:
+        """Where the engines' tokens go (ring names for the ring transport), prefill first."""
+        return [c.transport for c in self._conns]
+
+    @property
+    def failures(self) -> list[str]:
+        return [f for c in self._conns for f in c.failures]
+
+    @property
+    def alive(self) -> bool:
+        """Every engine is up: its control socket is open (an engine that exits closes it)."""
+        return bool(self._conns) and not self._stopped and all(not c.closed for c in self._conns)
+
+    def admit(self, req: Admit) -> None:
+        self._conns[0].send(req)
+
+    def abort(self, handle: int) -> None:
+        """Abort everywhere the request may be (under PD it may be on either engine)."""
+        msg = Abort(handle)
+        for c in self._conns:
+            if not c.closed:
+                c.send(msg)
+
+    async def stats(self, timeout: float = 10.0) -> list[EngineStats]:
+        req = next(self._ids)
+        return list(await asyncio.gather(*(c.stats(req, timeout) for c in self._conns)))
+
+
+class EngineGroup(_Engines):
     """The engine process (or PD pair) behind one server. ``listen``: one listening Unix
     socket per engine (prefill first), inherited by each engine (and by each engine started
     again after a failure): API server processes connect there (``RemoteEngines``)."""
@@ -252,22 +289,8 @@ class EngineGroup:
         self._stopped = False
 
     @property
-    def transports(self) -> list[str]:
-        """Where the engines' tokens go (ring names for the ring transport), prefill first."""
-        return [c.transport for c in self._conns]
-
-    @property
     def pids(self) -> list[int]:
         return [c.process.pid for c in self._conns]
-
-    @property
-    def failures(self) -> list[str]:
-        return [f for c in self._conns for f in c.failures]
-
-    @property
-    def alive(self) -> bool:
-        """Every engine is up: its control socket is open (an engine that exits closes it)."""
-        return bool(self._conns) and not self._stopped and all(not c.closed for c in self._conns)
 
     def down(self) -> str | None:
         """Why the group cannot serve now, or None: an engine exited or closed its control
@@ -379,20 +402,6 @@ class EngineGroup:
             os.close(fd)
         c.process.wait()
 
-    def admit(self, req: Admit) -> None:
-        self._conns[0].send(req)
-
-    def abort(self, handle: int) -> None:
-        """Abort everywhere the request may be (under PD it may be on either engine)."""
-        msg = Abort(handle)
-        for c in self._conns:
-            if not c.closed:
-                c.send(msg)
-
-    async def stats(self, timeout: float = 10.0) -> list[EngineStats]:
-        req = next(self._ids)
-        return list(await asyncio.gather(*(c.stats(req, timeout) for c in self._conns)))
-
     async def stop(self, timeout: float = 10.0) -> None:
         """Ask each engine to stop, wait for it (then terminate, then kill), and remove any
         ring segment an engine that died could not unlink."""
@@ -429,7 +438,7 @@ class EngineGroup:
                 _unlink_ring(c.transport)
 
 
-class RemoteEngines:
+class RemoteEngines(_Engines):
     """The engines behind one of several API server processes (``--api-servers``): the
     parent process started them (``EngineGroup(listen=...)``); this server connects to each
     engine's server socket at ``addresses`` (prefill first), says ``Hello`` and waits for
@@ -450,20 +459,8 @@ class RemoteEngines:
         self._stopped = False
 
     @property
-    def transports(self) -> list[str]:
-        return [c.transport for c in self._conns]
-
-    @property
     def pids(self) -> list[int]:
         return [c.pid for c in self._conns]
-
-    @property
-    def failures(self) -> list[str]:
-        return [f for c in self._conns for f in c.failures]
-
-    @property
-    def alive(self) -> bool:
-        return bool(self._conns) and not self._stopped and all(not c.closed for c in self._conns)
 
     def down(self) -> str | None:
         for c in self._conns:
@@ -505,19 +502,6 @@ class RemoteEngines:
             await self.stop()
             raise
         return self.transports
-
-    def admit(self, req: Admit) -> None:
-        self._conns[0].send(req)
-
-    def abort(self, handle: int) -> None:
-        msg = Abort(handle)
-        for c in self._conns:
-            if not c.closed:
-                c.send(msg)
-
-    async def stats(self, timeout: float = 10.0) -> list[EngineStats]:
-        req = next(self._ids)
-        return list(await asyncio.gather(*(c.stats(req, timeout) for c in self._conns)))
 
     async def stop(self, timeout: float = 10.0) -> None:
         if self._stopped:
