@@ -34,11 +34,9 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import platform
 import struct
 import sys
 import time
-from contextlib import suppress
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -274,25 +272,11 @@ def run_one(path: str, size: int, mode: str, args: dict[str, Any]) -> dict[str, 
 
 
 def machine_info() -> dict[str, Any]:
-    model = ""
-    with suppress(OSError), open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
+    """bench_ring's description of the machine, with the ZeroMQ versions."""
     import zmq
+    from bench_ring import machine_info as ring_machine_info
 
-    return {
-        "cpu_count": os.cpu_count(),
-        "cpus_usable": len(os.sched_getaffinity(0)),
-        "cpu_model": model,
-        "loadavg_at_start": list(os.getloadavg()),
-        "python": platform.python_version(),
-        "pyzmq": zmq.__version__,
-        "libzmq": zmq.zmq_version(),
-        "kernel": platform.release(),
-        "clock": "time.perf_counter_ns (CLOCK_MONOTONIC, system-wide)",
-    }
+    return {**ring_machine_info(), "pyzmq": zmq.__version__, "libzmq": zmq.zmq_version()}
 
 
 def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
