@@ -17,7 +17,8 @@
 #   7. "probe": csrc/cuda/tools/emit_probe.cu, the bare probe (an empty kernel; N bytes written
 #      into registered host memory with and without fences and a commit; cudaMemcpyAsync);
 #      "timing": the driver's GPU time per emit (events around each, back to back, graph) and
-#      the kernel's phase clocks (an AIOSPEC_PHASES build);
+#      the kernel's phase clocks (an AIOSPEC_PHASES build); "cold" times, each emit after a
+#      kernel that evicts the L2, as in a decoding step;
 #      "ncu": Nsight Compute on the small and the 256 x 6 x 20 emit (the clocks left alone);
 #   8. "step": scripts/bench_step.py, a decoding loop with a transformers Llama (random
 #      weights) and four output paths, the JSON into $OUT/bench_step.json.
@@ -112,8 +113,10 @@ if has timing; then
     done
   }
   export DRIVER
-  stage timing 120 bash -c "$(declare -f phases); \"$DRIVER\" time 8 && phases"
-  grep '^time\|^phases' "$LOGS/timing.log" > "$OUT/timing.txt"
+  # "cold": each emit after a kernel that overwrites 256 MiB, as a model's forward pass
+  # leaves the caches; with the phase clocks from the AIOSPEC_PHASES build
+  stage timing 180 bash -c "$(declare -f phases); \"$DRIVER\" time 8 && phases && \"$DRIVER\" cold 41 && \"$DRIVER.phases\" cold 41"
+  grep '^time\|^phases\|^cold' "$LOGS/timing.log" > "$OUT/timing.txt"
 fi
 
 if has probe; then
@@ -178,6 +181,8 @@ if has variants; then
   build_variant t512 -DAIOSPEC_THREADS=512 &
   build_variant solo0 -DAIOSPEC_SOLO_BYTES=0 &
   build_variant solo64k -DAIOSPEC_SOLO_BYTES=65536 &
+  build_variant inline0 -DAIOSPEC_INLINE_TOKENS=0 &
+  build_variant inline8k -DAIOSPEC_INLINE_TOKENS=8192 &
   wait
   variants() {
     echo "## default build (fence mode 2, 256 threads), rows per block 4 8 16 32"
@@ -185,6 +190,11 @@ if has variants; then
     for v in f0 f1 t128 t512 solo0 solo64k; do
       echo "## $v"
       "$DRIVER.$v" time 8
+      "$DRIVER.$v" 60 | tail -n 1
+    done
+    for v in inline0 inline8k; do  # the exceptions pre-pass always / up to 8192 tokens inline
+      echo "## $v"
+      "$DRIVER.$v" cold 41
       "$DRIVER.$v" 60 | tail -n 1
     done
     echo "## f3: no fences, a lower bound"

@@ -41,6 +41,15 @@ constexpr long long kMaxBlocks = 264;
 #define AIOSPEC_SOLO_BYTES 16384
 #endif
 constexpr long long kSoloBytes = AIOSPEC_SOLO_BYTES;
+// With the sampled_pos encoding, a step of at most this many tokens (rows x max_tokens, and
+// at most kInlineMaxTokens a row) has its exceptions counted by every block of emit_kernel
+// in its row checks, instead of by exceptions_kernel before it: for small steps the second
+// launch costs more than the redundant count (docs/benchmarks.md).
+#ifndef AIOSPEC_INLINE_TOKENS
+#define AIOSPEC_INLINE_TOKENS 1024
+#endif
+constexpr long long kInlineTokens = AIOSPEC_INLINE_TOKENS;
+constexpr long long kInlineMaxTokens = 8;
 
 // The largest frame these inputs can make (every row a record, every token and draft id
 // live): the bytes of each column's elements plus the header and the padding words.
@@ -361,7 +370,10 @@ cudaError_t aiospec_cuda_emit_ex(aiospec_cuda_producer* p, const aiospec_emit_ar
   if (rpb > kMaxRowsPerBlock) rpb = kMaxRowsPerBlock;
   const long long blocks = args->rows > 0 ? (args->rows + rpb - 1) / rpb : 1;
   const size_t shmem = sizeof(long long) * 4 * size_t(rpb + 1);
-  if (aiospec_uses_sampled_pos(aiospec_frame_k(args), aiospec_has_logprobs(args))) {
+  const bool sampled = aiospec_uses_sampled_pos(aiospec_frame_k(args), aiospec_has_logprobs(args));
+  const bool inline_x = sampled && args->max_tokens <= kInlineMaxTokens &&
+                        args->rows * args->max_tokens <= kInlineTokens;
+  if (sampled && !inline_x) {
     // the step's exceptions, counted once for all blocks (emit_kernel.cuh)
     const long long pre_blocks = (args->rows + aiospec::cuda::kPreRows - 1) / aiospec::cuda::kPreRows;
     if (pre_blocks > 0) {
@@ -372,7 +384,7 @@ cudaError_t aiospec_cuda_emit_ex(aiospec_cuda_producer* p, const aiospec_emit_ar
     if (pre != cudaSuccess) return pre;
   }
   aiospec::cuda::emit_kernel<<<unsigned(blocks), aiospec::cuda::kThreads, shmem, stream>>>(*args, p->ref, p->st, p->md,
-                                                                                          step_dev, p->xcnt, int(rpb));
+                                                                                          step_dev, p->xcnt, int(rpb), int(inline_x));
   cudaError_t status = cudaGetLastError();
   if (status == cudaSuccess && p->opts.host_notify) status = cudaLaunchHostFunc(stream, notify_callback, p);
   if (status == cudaSuccess) ++p->emits;

@@ -13,12 +13,14 @@
 //     is contiguous and a warp's stores to host memory coalesce;
 //   * with the sampled_pos encoding (logprobs, 1 <= k <= 255) the layout also needs the
 //     number of exceptions (tokens not found in their top-k), and each block the number
-//     before its rows: a pre-pass on the same stream (`exceptions_kernel`, launched only for
-//     that encoding) evaluates emit.h's aiospec_sampled_pos once per token and writes each
-//     row's exceptions into device scratch; every block adds them up with the other counts
-//     of its row checks (one load a row; the kernel boundary orders the scratch, no block
-//     waits for another); each block evaluates its own tokens again where it writes them,
-//     with a block scan that gives each exception its index;
+//     before its rows. A small step (at most kInlineTokens tokens, emit_cuda.cu) has them
+//     counted by every block in its row checks (emit.h's aiospec_row_exceptions). A larger
+//     one gets a pre-pass on the same stream (`exceptions_kernel`) that evaluates
+//     aiospec_sampled_pos once per token and writes each row's exceptions into device
+//     scratch; every block adds them up with the other counts of its row checks (one load a
+//     row; the kernel boundary orders the scratch, no block waits for another). Either way
+//     each block evaluates its own tokens again where it writes them, with a block scan that
+//     gives each exception its index;
 //   * every block checks for space against the slowest reader on its own (the tails are
 //     read from the mapped control page only when the cached lower bound says the ring may
 //     be full; a bounded wait on %globaltimer); a block that runs out of time writes nothing
@@ -209,7 +211,8 @@ __device__ uint64_t scan_min_tail(const RingRef& ring, uint64_t head) {
 }
 
 // Records / tokens / draft ids / exceptions of one row (zero for rows past the first failing
-// one). row_counts leaves e at 0: the exceptions come from exceptions_kernel's counts.
+// one). row_counts leaves e at 0: the exceptions are counted apart (inline or by
+// exceptions_kernel).
 struct Triple {
   long long r, t, d, e;
 };
@@ -453,7 +456,7 @@ __device__ __forceinline__ void write_frame_words(int tid, const aiospec_frame_l
 // Dynamic shared memory: 4 * (rows_per_block + 1) int64; rows_per_block <= kThreads.
 __global__ void __launch_bounds__(kThreads)
     emit_kernel(aiospec_emit_args a, RingRef ring, State* st, Mapped* m, const uint64_t* step_dev,
-                const int* xcnt, int rows_per_block) {
+                const int* xcnt, int rows_per_block, int inline_x) {
   extern __shared__ long long sh[];
   __shared__ unsigned long long s_key, s_idkey, s_needed;
   __shared__ int s_write, s_last, s_full, s_pad;
@@ -505,13 +508,15 @@ __global__ void __launch_bounds__(kThreads)
   const uint32_t k = aiospec_frame_k(&a);
   const int sampled = aiospec_uses_sampled_pos(k, aiospec_has_logprobs(&a));
   for (int64_t i = tid; i < rows; i += kThreads) {
-    const int x = sampled ? xcnt[i] : 0;  // exceptions_kernel's count, issued before the checks
+    // exceptions_kernel's count, issued before the checks (or counted here, below)
+    const int xpre = sampled && !inline_x ? xcnt[i] : 0;
     aiospec_error e;
     if (aiospec_check_row(&sa, i, &e) != AIOSPEC_E_OK) {
       atomicMin(&s_key, (unsigned long long)aiospec_error_order(&e));
       continue;
     }
     const Triple v = row_counts(a, i);
+    const long long x = sampled && inline_x ? aiospec_row_exceptions(&a, i, 0, v.t, k) : xpre;
     total.r += v.r, total.t += v.t, total.d += v.d, total.e += x;
     if (i < row0) before.r += v.r, before.t += v.t, before.d += v.d, before.e += x;
     if (v.r) {

@@ -585,7 +585,10 @@ double median(std::vector<float> v) {
 }
 
 // A timing batch: every row `tokens` tokens, no drafts, no flags; k < 0: no logprobs.
-Inputs timing_inputs(std::mt19937_64& rng, int64_t rows, int64_t tokens, int64_t k) {
+// `spread`: the sampled token sits at column 1 + (its index % k) of its top-k with the rank
+// that implies, as top-k sampling hands them over (no exceptions, but a search per token);
+// otherwise it is the top-1 alternative.
+Inputs timing_inputs(std::mt19937_64& rng, int64_t rows, int64_t tokens, int64_t k, bool spread = false) {
   Inputs in = random_inputs(rng, rows, tokens, k < 0 ? -1 : int(k), true);
   for (auto& v : in.nt) v = int32_t(tokens);
   for (auto& v : in.fl) v = 0;
@@ -606,6 +609,15 @@ Inputs timing_inputs(std::mt19937_64& rng, int64_t rows, int64_t tokens, int64_t
         for (int64_t c = 0; c < in.width; ++c) {
           in.lpid64[r + size_t(c)] = c <= 1 ? tok : 1000 + c;
           in.lpv[r + size_t(c)] = c <= 1 ? -0.1f : -0.1f - float(c);
+        }
+        if (spread && k > 1) {
+          const int64_t c = 1 + (i * tokens + j) % k;
+          in.lpid64[r + 1] = 1001;
+          in.lpv[r + 1] = -0.1f;
+          in.lpid64[r + size_t(c)] = tok;
+          in.lpv[r + size_t(c)] = -0.1f - float(c == 1 ? 0 : c);
+          in.lpv[r] = in.lpv[r + size_t(c)];
+          in.rank64[size_t(i * tokens + j)] = c;
         }
       }
     }
@@ -762,9 +774,94 @@ void time_emits(std::mt19937_64& rng, int rpb) {
   CUDA_OK(cudaStreamDestroy(s));
 }
 
+__global__ void flush_l2(uint4* p, size_t n) {
+  for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
+    p[i] = make_uint4(unsigned(i), 1u, 2u, 3u);
+}
+
+// GPU time of one emit that finds the caches as a model's forward pass leaves them: before
+// each emit a kernel overwrites 256 MiB (five times the H200's L2), which also evicts the
+// emit's instructions and inputs. Events around the emit alone; "warm" is the same emit
+// right after another one. Under AIOSPEC_PHASES the kernel's phase clocks, cold.
+void cold_emits(int n) {
+  std::mt19937_64 rng(11);
+  Segment seg(64u << 20, 8u << 20, "cold");
+  seg.slot32(AIOSPEC_RD_STATE) = AIOSPEC_READER_FREE;
+  aiospec_cuda_options o;
+  aiospec_cuda_default_options(&o);
+  o.max_rows = 1024;
+  o.liveness_s = 0;
+  aiospec_cuda_producer* p = nullptr;
+  char err[512];
+  if (aiospec_cuda_producer_create(seg.name.c_str(), &o, &p, err, sizeof err) != 0) {
+    std::fprintf(stderr, "producer_create: %s\n", err);
+    std::exit(2);
+  }
+  const size_t flush_n = (size_t(256) << 20) / sizeof(uint4);
+  uint4* junk = nullptr;
+  CUDA_OK(cudaMalloc(&junk, flush_n * sizeof(uint4)));
+  cudaStream_t s;
+  CUDA_OK(cudaStreamCreate(&s));
+  cudaEvent_t e0, e1;
+  CUDA_OK(cudaEventCreate(&e0));
+  CUDA_OK(cudaEventCreate(&e1));
+  const int64_t configs[][4] = {{64, 1, -1, 0},   {64, 1, 20, 1},  {256, 1, 20, 0}, {256, 1, 20, 1},
+                                {1024, 1, 20, 1}, {256, 6, 20, 1}, {1024, 6, 20, 1}, {1024, 1, -1, 0}};
+  for (const auto& c : configs) {
+    Inputs in = timing_inputs(rng, c[0], c[1], c[2], c[3] != 0);
+    aiospec_emit_args da = in.device_args(0);
+    aiospec_frame_layout lay;
+    aiospec_error e;
+    aiospec_emit_args ha = in.host_args(0);
+    CHECK(aiospec::emit_validate(ha, 8u << 20, &lay, &e) == AIOSPEC_E_OK, "cold inputs invalid");
+    std::vector<float> cold, warm;
+    std::vector<std::vector<double>> ph(10);
+    for (int i = 0; i < n; ++i) {
+      for (int pass = 0; pass < 2; ++pass) {
+        if (pass == 0) flush_l2<<<1024, 256, 0, s>>>(junk, flush_n);
+        CUDA_OK(cudaEventRecord(e0, s));
+        CUDA_OK(aiospec_cuda_emit(p, &da, s));
+        CUDA_OK(cudaEventRecord(e1, s));
+        CUDA_OK(cudaStreamSynchronize(s));
+        float ms;
+        CUDA_OK(cudaEventElapsedTime(&ms, e0, e1));
+        (pass == 0 ? cold : warm).push_back(ms * 1000.f);
+#ifdef AIOSPEC_PHASES
+        if (pass == 0) {
+          unsigned long long ck[16];
+          CUDA_OK(cudaError_t(aiospec_cuda_phases(ck)));
+          for (int q = 0; q <= 8; ++q) ph[size_t(q)].push_back(double(ck[q] - ck[9]));
+        }
+#endif
+      }
+    }
+    CHECK(aiospec_cuda_check(p, &e, nullptr) == 0, "device error while timing: %d", e.code);
+    std::printf("cold rows=%lld tokens=%lld k=%lld spread=%lld frame_bytes=%llu cold_us=%.2f warm_us=%.2f",
+                (long long)c[0], (long long)c[1], (long long)c[2], (long long)c[3],
+                (unsigned long long)lay.frame_size, median(cold), median(warm));
+#ifdef AIOSPEC_PHASES
+    std::printf(" cold_cycles_from_entry");
+    for (int q = 0; q <= 8; ++q) {
+      std::sort(ph[size_t(q)].begin(), ph[size_t(q)].end());
+      std::printf(" p%d=%.0f", q, ph[size_t(q)][ph[size_t(q)].size() / 2]);
+    }
+#endif
+    std::printf("\n");
+  }
+  CUDA_OK(cudaFree(junk));
+  CUDA_OK(cudaEventDestroy(e0));
+  CUDA_OK(cudaEventDestroy(e1));
+  aiospec_cuda_producer_destroy(p);
+  CUDA_OK(cudaStreamDestroy(s));
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
+  if (argc >= 2 && std::strcmp(argv[1], "cold") == 0) {
+    cold_emits(argc > 2 ? std::atoi(argv[2]) : 41);
+    return 0;
+  }
   if (argc == 6 && std::strcmp(argv[1], "one") == 0) {
     // one R T K N: N emits of one timing batch, nothing timed (for Nsight Compute)
     one_config(std::atoll(argv[2]), std::atoll(argv[3]), std::atoll(argv[4]), std::atoi(argv[5]));
