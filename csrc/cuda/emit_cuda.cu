@@ -8,6 +8,7 @@
 // while the host thread waits on that kernel.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -50,6 +51,13 @@ constexpr long long kSoloBytes = AIOSPEC_SOLO_BYTES;
 #endif
 constexpr long long kInlineTokens = AIOSPEC_INLINE_TOKENS;
 constexpr long long kInlineMaxTokens = 8;
+// The blocks of a frame exchange their counts (emit_kernel.cuh) instead of each checking and
+// counting every row; 0 builds the kernel path where no block waits for another, for
+// measurement (docs/benchmarks.md) and for devices without cooperative launches.
+#ifndef AIOSPEC_EXCHANGE
+#define AIOSPEC_EXCHANGE 1
+#endif
+constexpr bool kExchange = AIOSPEC_EXCHANGE != 0;
 
 // The largest frame these inputs can make (every row a record, every token and draft id
 // live): the bytes of each column's elements plus the header and the padding words.
@@ -101,6 +109,9 @@ struct aiospec_cuda_producer {
   RingRef ref{};
   State* st = nullptr;
   int* xcnt = nullptr;  // exceptions_kernel's count per row: max_rows entries
+  aiospec::cuda::Part* part = nullptr;  // the exchange: kMaxBlocks blocks' counts
+  long long max_blocks = 0;  // the most blocks resident at once (cooperative launch), <= kMaxBlocks
+  bool exchange = false;  // multi-block frames through the exchange (cooperative launches work)
   Mapped* mh = nullptr;  // host view of the error word
   Mapped* md = nullptr;  // device view
   aiospec_error last{};
@@ -145,6 +156,8 @@ struct aiospec_cuda_producer {
       registered = false;
       if (st != nullptr) cudaFree(st);
       if (xcnt != nullptr) cudaFree(xcnt);
+      if (part != nullptr) cudaFree(part);
+      part = nullptr;
       if (mh != nullptr) cudaFreeHost(mh);
       st = nullptr;
       xcnt = nullptr;
@@ -303,6 +316,26 @@ int aiospec_cuda_producer_create(const char* ring_name, const aiospec_cuda_optio
   // sized for the largest batch once, so an emit never allocates (graph capture, no syncs)
   e = cudaMalloc(&p->xcnt, sizeof(int) * (size_t(o.max_rows) + 1));
   if (e != cudaSuccess) return fail("cudaMalloc(exception counts)", e);
+  e = cudaMalloc(&p->part, sizeof(aiospec::cuda::Part) * size_t(kMaxBlocks));
+  if (e != cudaSuccess) return fail("cudaMalloc(block counts)", e);
+  {
+    // the exchange waits for every block of a frame, so all of them must be resident at once:
+    // the launch is cooperative (it waits for room rather than deadlock), with at most as many
+    // blocks as the device holds; without cooperative launches the kernel takes the path where
+    // no block waits for another
+    int coop = 0, sms = 0, per_sm = 0;
+    cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, o.device);
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, o.device);
+    const size_t shmem_max = sizeof(long long) * 4 * size_t(kMaxRowsPerBlock + 1);
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, aiospec::cuda::emit_kernel, aiospec::cuda::kThreads,
+                                                      shmem_max) != cudaSuccess) {
+      per_sm = 0;
+      cudaGetLastError();
+    }
+    p->max_blocks = std::min<long long>(kMaxBlocks, (long long)per_sm * sms);
+    p->exchange = kExchange && coop != 0 && p->max_blocks >= 2;
+    if (!p->exchange) p->max_blocks = kMaxBlocks;
+  }
   e = cudaHostAlloc(&p->mh, sizeof(Mapped), cudaHostAllocMapped | cudaHostAllocPortable);
   if (e != cudaSuccess) return fail("cudaHostAlloc(error word)", e);
   std::memset(static_cast<void*>(p->mh), 0, sizeof(Mapped));
@@ -365,15 +398,21 @@ cudaError_t aiospec_cuda_emit_ex(aiospec_cuda_producer* p, const aiospec_emit_ar
   DeviceGuard guard(p->opts.device);
   if (guard.status() != cudaSuccess) return guard.status();
   long long rpb = p->opts.rows_per_block;
-  if ((args->rows + rpb - 1) / rpb > kMaxBlocks) rpb = (args->rows + kMaxBlocks - 1) / kMaxBlocks;
+  const long long max_blocks = p->max_blocks;
+  if ((args->rows + rpb - 1) / rpb > max_blocks) rpb = (args->rows + max_blocks - 1) / max_blocks;
   if (args->rows <= kMaxRowsPerBlock && frame_bound(args) <= kSoloBytes) rpb = args->rows > 0 ? args->rows : 1;
   if (rpb > kMaxRowsPerBlock) rpb = kMaxRowsPerBlock;
   const long long blocks = args->rows > 0 ? (args->rows + rpb - 1) / rpb : 1;
   const size_t shmem = sizeof(long long) * 4 * size_t(rpb + 1);
   const bool sampled = aiospec_uses_sampled_pos(aiospec_frame_k(args), aiospec_has_logprobs(args));
-  const bool inline_x = sampled && args->max_tokens <= kInlineMaxTokens &&
+  // One block always takes the exchange path (with nothing to exchange). Several take it for
+  // the sampled_pos encoding, where each block counting every token's exceptions (or the
+  // pre-pass) costs more than the exchange's wait; without it every block checking every row
+  // is cheaper than the wait (docs/benchmarks.md).
+  const bool exchange = blocks == 1 || (sampled && p->exchange && blocks <= p->max_blocks);
+  const bool inline_x = sampled && !exchange && args->max_tokens <= kInlineMaxTokens &&
                         args->rows * args->max_tokens <= kInlineTokens;
-  if (sampled && !inline_x) {
+  if (sampled && !exchange && !inline_x) {
     // the step's exceptions, counted once for all blocks (emit_kernel.cuh)
     const long long pre_blocks = (args->rows + aiospec::cuda::kPreRows - 1) / aiospec::cuda::kPreRows;
     if (pre_blocks > 0) {
@@ -383,9 +422,25 @@ cudaError_t aiospec_cuda_emit_ex(aiospec_cuda_producer* p, const aiospec_emit_ar
     const cudaError_t pre = cudaGetLastError();
     if (pre != cudaSuccess) return pre;
   }
-  aiospec::cuda::emit_kernel<<<unsigned(blocks), aiospec::cuda::kThreads, shmem, stream>>>(*args, p->ref, p->st, p->md,
-                                                                                          step_dev, p->xcnt, int(rpb), int(inline_x));
-  cudaError_t status = cudaGetLastError();
+  cudaError_t status;
+  if (exchange && blocks > 1) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(unsigned(blocks));
+    cfg.blockDim = dim3(unsigned(aiospec::cuda::kThreads));
+    cfg.dynamicSmemBytes = shmem;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeCooperative;
+    attr[0].val.cooperative = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    status = cudaLaunchKernelEx(&cfg, aiospec::cuda::emit_kernel, *args, p->ref, p->st, p->md, step_dev,
+                                static_cast<const int*>(p->xcnt), p->part, int(rpb), 0, 1);
+  } else {
+    aiospec::cuda::emit_kernel<<<unsigned(blocks), aiospec::cuda::kThreads, shmem, stream>>>(
+        *args, p->ref, p->st, p->md, step_dev, p->xcnt, p->part, int(rpb), int(inline_x), int(exchange));
+    status = cudaGetLastError();
+  }
   if (status == cudaSuccess && p->opts.host_notify) status = cudaLaunchHostFunc(stream, notify_callback, p);
   if (status == cudaSuccess) ++p->emits;
   return status;

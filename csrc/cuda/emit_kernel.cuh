@@ -2,24 +2,33 @@
 // CUDA C++ only, private to csrc/cuda/emit_cuda.cu (the launcher) beside it; the build cache
 // key (aiospec/ops/_build.py) covers the headers next to each source as well as include/.
 //
-// One launch per frame, a block per `rows_per_block` rows. Nothing passes between blocks
-// before the end, so no block ever waits for another:
-//   * every block runs emit.h's structural row checks (counts, flags, handles, logprob
+// One launch per frame, a block per `rows_per_block` rows, in one of two ways:
+//   * the exchange (`exchange`: one block, or several with the sampled_pos encoding, launched
+//     cooperatively so that all are resident): each block checks its own rows (emit.h's
+//     structural checks, a thread a row), counts its records, tokens, draft ids and its own
+//     tokens' exceptions (8 lanes a token, sampled_pos_group8, the positions kept in shared
+//     memory for the columns), publishes the counts in device scratch, waits until every
+//     block has (a release/acquire counter), then reads them all: the totals, the counts
+//     before its rows and the smallest error key. One block exchanges nothing.
+//   * otherwise (frames of several blocks without sampled_pos, or a device without
+//     cooperative launches) nothing passes between blocks before the end, and no block ever
+//     waits for another: every block runs emit.h's structural row checks (counts, flags, handles, logprob
 //     offsets, positions: aiospec_check_row with the id checks switched off) and sums the
 //     records, tokens and draft ids over all rows, with the smallest and largest count of
 //     the records (payload version 2 omits the offset columns when the counts are uniform),
 //     which gives every block the same layout and the same frame position (from the head in
-//     device memory); it then prefix-sums its own rows, so each block's slice of every column
-//     is contiguous and a warp's stores to host memory coalesce;
-//   * with the sampled_pos encoding (logprobs, 1 <= k <= 255) the layout also needs the
+//     device memory).
+//     With the sampled_pos encoding (logprobs, 1 <= k <= 255) the layout also needs the
 //     number of exceptions (tokens not found in their top-k), and each block the number
 //     before its rows. A small step (at most kInlineTokens tokens, emit_cuda.cu) has them
 //     counted by every block in its row checks (emit.h's aiospec_row_exceptions). A larger
 //     one gets a pre-pass on the same stream (`exceptions_kernel`) that evaluates
 //     aiospec_sampled_pos once per token and writes each row's exceptions into device
 //     scratch; every block adds them up with the other counts of its row checks (one load a
-//     row; the kernel boundary orders the scratch, no block waits for another). Either way
-//     each block evaluates its own tokens again where it writes them, with a block scan that
+//     row; the kernel boundary orders the scratch, no block waits for another).
+// Then, either way:
+//   * each block prefix-sums its own rows, so its slice of every column is contiguous and a
+//     warp's stores to host memory coalesce; with sampled_pos a block scan over its tokens
 //     gives each exception its index;
 //   * every block checks for space against the slowest reader on its own (the tails are
 //     read from the mapped control page only when the cached lower bound says the ring may
@@ -88,6 +97,7 @@ namespace aiospec {
 namespace cuda {
 
 constexpr int kThreads = AIOSPEC_THREADS;
+constexpr int kPosCache = 4096;  // the exchange path keeps up to this many tokens' sampled_pos
 constexpr uint64_t kNoError = ~0ull;
 constexpr uint64_t kFrameSizeKey = ~0ull - 1;  // aiospec_error_order of E_FRAME_SIZE
 
@@ -118,6 +128,14 @@ struct State {
   unsigned int blocks_done;  // threadfence reduction
   unsigned int full;  // a block ran out of time waiting for space
   unsigned int pad_done;  // block 0 committed a PAD frame
+  unsigned int arrived;  // blocks that published their partial counts (the exchange)
+};
+
+// One block's counts over its own rows, published for the others (the exchange path).
+struct alignas(64) Part {
+  long long r, t, d, e;  // records, tokens, draft ids, exceptions
+  int nt_min, nt_max, nd_min, nd_max;  // token / draft counts of the records
+  unsigned long long key;  // smallest structural error key (kNoError: none)
 };
 
 // The error word in mapped (pinned) host memory. The device publishes an error only when
@@ -140,6 +158,11 @@ __device__ __forceinline__ void st_u8(uint8_t* p, uint8_t v) { *reinterpret_cast
 
 __device__ __forceinline__ void st_release_sys_u64(uint8_t* p, uint64_t v) {
   asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ uint32_t ld_acquire_gpu_u32(const unsigned int* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
 }
 __device__ __forceinline__ uint32_t ld_acquire_sys_u32(const uint8_t* p) {
   uint32_t v;
@@ -319,6 +342,39 @@ __device__ __forceinline__ int find_row(const long long* off, int n, long long e
   return lo;
 }
 
+// emit.h's aiospec_sampled_pos with 8 lanes a token: lane `sub` of a group takes columns
+// sub, sub + 8, ... of the top-k, so a group reads a row's values and ids in one coalesced
+// round trip (for k <= 32) where one thread makes k / 4. The same function: the number of
+// values at or above the sampled logprob against the rank, then the first column with the
+// same id and bits. Every lane of the warp calls it (ballots); `active` says whether this
+// lane's group has a token.
+__device__ __forceinline__ uint32_t sampled_pos_group8(const aiospec_emit_args& a, bool active, int64_t lr, int64_t tok,
+                                                       int64_t rank, uint32_t k) {
+  const unsigned lane = threadIdx.x & 31, sub = lane & 7, g0 = lane & ~7u;
+  const float* vals = a.lp_values + (active ? aiospec_lp_values_row(&a, lr) : 0);
+  const int64_t base = active ? aiospec_lp_ids_row(&a, lr) + 1 : 0;
+  const float lp = active ? vals[0] : 0.f;
+  const uint32_t bits = aiospec_float_bits(lp);
+  int64_t count = 0;
+  uint32_t first = AIOSPEC_SAMPLED_EXCEPTION;
+#pragma unroll 4
+  for (uint32_t j0 = 0; j0 < k; j0 += 8) {
+    const uint32_t j = j0 + sub;
+    bool ge = false, m = false;
+    if (active && j < k) {
+      const float v = vals[1 + j];
+      const int64_t id = aiospec_load_int(a.lp_ids, a.lp_ids_i64, base + j);
+      ge = v >= lp;
+      m = id == tok && aiospec_float_bits(v) == bits;
+    }
+    const unsigned bg = (__ballot_sync(0xffffffffu, ge) >> g0) & 0xFFu;
+    const unsigned bm = (__ballot_sync(0xffffffffu, m) >> g0) & 0xFFu;
+    count += __popc(bg);
+    if (first == AIOSPEC_SAMPLED_EXCEPTION && bm != 0) first = j0 + uint32_t(__ffs(int(bm)) - 1);
+  }
+  return count == rank ? first : AIOSPEC_SAMPLED_EXCEPTION;
+}
+
 // ---- the sampled_pos pre-pass ----------------------------------------------------------------
 
 constexpr int kPreThreads = 256;
@@ -456,12 +512,13 @@ __device__ __forceinline__ void write_frame_words(int tid, const aiospec_frame_l
 // Dynamic shared memory: 4 * (rows_per_block + 1) int64; rows_per_block <= kThreads.
 __global__ void __launch_bounds__(kThreads)
     emit_kernel(aiospec_emit_args a, RingRef ring, State* st, Mapped* m, const uint64_t* step_dev,
-                const int* xcnt, int rows_per_block, int inline_x) {
+                const int* xcnt, Part* part, int rows_per_block, int inline_x, int exchange) {
   extern __shared__ long long sh[];
   __shared__ unsigned long long s_key, s_idkey, s_needed;
   __shared__ int s_write, s_last, s_full, s_pad;
   __shared__ int s_nt_min, s_nt_max, s_nd_min, s_nd_max;  // counts of the records (uniform?)
   __shared__ alignas(8) uint8_t s_header[AIOSPEC_HEADER_SPACE];
+  __shared__ uint8_t s_p[kPosCache];  // the exchange path: sampled_pos of this block's tokens
   AIOSPEC_PHASE(9);
   const int tid = threadIdx.x;
   const int rpb = rows_per_block;
@@ -473,7 +530,11 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t row0 = int64_t(blockIdx.x) * rpb;
   const int64_t row_end = row0 + rpb < rows ? row0 + rpb : rows;
   const int n = row_end > row0 ? int(row_end - row0) : 0;
-  for (int64_t i = tid; i < rows; i += kThreads) prefetch_row(a, i);
+  if (exchange) {
+    if (tid < n) prefetch_row(a, row0 + tid);  // a block reads only its own rows
+  } else {
+    for (int64_t i = tid; i < rows; i += kThreads) prefetch_row(a, i);
+  }
   // issued now, used after the row checks: their latency hides behind that work
   const uint64_t head = st->head;
   const uint64_t tail_cache = tid < 32 ? st->tail_cache : 0;
@@ -495,18 +556,130 @@ __global__ void __launch_bounds__(kThreads)
   __syncthreads();
   AIOSPEC_PHASE(0);
 
-  // 1. Structural checks of every row (the id checks are switched off by declaring the id
-  //    inputs int32; this block checks the int64 ids of its own rows where it copies them),
-  //    and the sums before this block's rows and over all rows, assuming they pass.
-  aiospec_emit_args sa = a;
+  aiospec_emit_args sa = a;  // the structural checks only (the id checks: where ids are copied)
   sa.token_ids_i64 = 0;
   sa.draft_ids_i64 = 0;
   sa.lp_ids_i64 = 0;
   sa.lp_ranks_i64 = 0;
   Triple before{0, 0, 0, 0}, total{0, 0, 0, 0};
-  int nt_min = INT32_MAX, nt_max = -1, nd_min = INT32_MAX, nd_max = -1;
   const uint32_t k = aiospec_frame_k(&a);
   const int sampled = aiospec_uses_sampled_pos(k, aiospec_has_logprobs(&a));
+  uint64_t skey = kNoError;
+  if (exchange) {
+    // 1-2 (the exchange). Each block checks and counts its own rows (a thread a row) and its
+    // own tokens' exceptions (a thread a token), publishes the counts, waits until every block
+    // has (the launch is cooperative: all blocks are resident), then reads them all: the
+    // totals and what comes before its rows. One block: no exchange.
+    Triple v{0, 0, 0, 0};
+    if (tid < n) {
+      const int64_t i = row0 + tid;
+      aiospec_error e;
+      if (aiospec_check_row(&sa, i, &e) != AIOSPEC_E_OK) {
+        atomicMin(&s_key, (unsigned long long)aiospec_error_order(&e));
+      } else {
+        v = row_counts(a, i);  // a failing row counts nothing: its counts are not safe to follow
+        if (v.r) {
+          atomicMin(&s_nt_min, int(v.t));
+          atomicMax(&s_nt_max, int(v.t));
+          atomicMin(&s_nd_min, int(v.d));
+          atomicMax(&s_nd_max, int(v.d));
+        }
+      }
+      if (aiospec_has_logprobs(&a)) s_lp[tid] = a.lp_offsets[i];
+    }
+    const Triple ex = block_exclusive_scan(v);
+    if (tid <= n) {
+      s_rec[tid] = ex.r;
+      s_tok[tid] = ex.t;
+      s_dr[tid] = ex.d;
+    }
+    __syncthreads();
+    long long own_x = 0;
+    if (sampled) {
+      // 8 lanes a token (sampled_pos_group8), kThreads / 8 tokens a pass
+      const long long nt = s_tok[n];
+      const int sub = tid & 7;
+      for (long long c0 = 0; c0 < nt; c0 += kThreads / 8) {
+        const long long e = c0 + (tid >> 3);
+        const bool active = e < nt;
+        int64_t lr = 0, tok = 0, rank = 0;
+        if (active) {
+          const int li = find_row(s_tok, n, e);
+          const int64_t j = e - s_tok[li];
+          lr = s_lp[li] + j;
+          tok = aiospec_token(&a, row0 + li, j);
+          rank = aiospec_load_int(a.lp_ranks, a.lp_ranks_i64, lr);
+        }
+        const uint32_t pos = sampled_pos_group8(a, active, lr, tok, rank, k);
+        if (active && sub == 0 && e < kPosCache) s_p[e] = uint8_t(pos);
+        own_x += __syncthreads_count(active && sub == 0 && pos == AIOSPEC_SAMPLED_EXCEPTION);
+      }
+    }
+    if (solo) {
+      skey = s_key;
+      total = Triple{s_rec[n], s_tok[n], s_dr[n], own_x};
+    } else {
+      __shared__ unsigned long long s_gkey;
+      __shared__ int s_g[4];
+      if (tid == 0) {
+        Part* mine = part + blockIdx.x;
+        mine->r = s_rec[n];
+        mine->t = s_tok[n];
+        mine->d = s_dr[n];
+        mine->e = own_x;
+        mine->nt_min = s_nt_min;
+        mine->nt_max = s_nt_max;
+        mine->nd_min = s_nd_min;
+        mine->nd_max = s_nd_max;
+        mine->key = s_key;
+        // release: this block's counts before its arrival; acquire: every block's after the
+        // wait (the barrier below passes them on to the block's other threads)
+        asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(&st->arrived), "r"(1u) : "memory");
+        while (ld_acquire_gpu_u32(&st->arrived) < gridDim.x) {
+        }
+        s_gkey = kNoError;
+        s_g[0] = s_g[2] = INT32_MAX;
+        s_g[1] = s_g[3] = -1;
+      }
+      __syncthreads();
+      unsigned long long gkey = kNoError;
+      int g0 = INT32_MAX, g1 = -1, g2 = INT32_MAX, g3 = -1;
+      for (int b = tid; b < int(gridDim.x); b += kThreads) {
+        const Part* q = part + b;  // L2 loads: another block's stores, ordered by the barrier
+        const Triple c{__ldcg(&q->r), __ldcg(&q->t), __ldcg(&q->d), __ldcg(&q->e)};
+        total.r += c.r, total.t += c.t, total.d += c.d, total.e += c.e;
+        if (b < int(blockIdx.x)) before.r += c.r, before.t += c.t, before.d += c.d, before.e += c.e;
+        gkey = min_key(gkey, __ldcg(&q->key));
+        g0 = min(g0, __ldcg(&q->nt_min)), g1 = max(g1, __ldcg(&q->nt_max));
+        g2 = min(g2, __ldcg(&q->nd_min)), g3 = max(g3, __ldcg(&q->nd_max));
+      }
+      if (gkey != kNoError) atomicMin(&s_gkey, gkey);
+      if (g1 >= 0) {
+        atomicMin(&s_g[0], g0);
+        atomicMax(&s_g[1], g1);
+        atomicMin(&s_g[2], g2);
+        atomicMax(&s_g[3], g3);
+      }
+      block_sum2(before, total);  // its barriers order the shared minima as well
+      skey = s_gkey;
+      if (tid <= n) {
+        s_rec[tid] += before.r;
+        s_tok[tid] += before.t;
+        s_dr[tid] += before.d;
+      }
+      if (tid == 0) {
+        s_nt_min = s_g[0], s_nt_max = s_g[1];
+        s_nd_min = s_g[2], s_nd_max = s_g[3];
+      }
+      __syncthreads();
+    }
+    AIOSPEC_PHASE(1);
+    AIOSPEC_PHASE(2);
+  } else {
+  // 1. Structural checks of every row (the id checks are switched off by declaring the id
+  //    inputs int32; this block checks the int64 ids of its own rows where it copies them),
+  //    and the sums before this block's rows and over all rows, assuming they pass.
+  int nt_min = INT32_MAX, nt_max = -1, nd_min = INT32_MAX, nd_max = -1;
   for (int64_t i = tid; i < rows; i += kThreads) {
     // exceptions_kernel's count, issued before the checks (or counted here, below)
     const int xpre = sampled && !inline_x ? xcnt[i] : 0;
@@ -532,7 +705,7 @@ __global__ void __launch_bounds__(kThreads)
   }
   __syncthreads();
   AIOSPEC_PHASE(1);
-  const uint64_t skey = s_key;
+  skey = s_key;
   const int64_t live = skey == kNoError ? rows : key_row(skey);  // rows [0, live) passed
   if (skey != kNoError) {
     // an invalid row: count only the rows before it (their ids are still checked, since an
@@ -568,6 +741,7 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
 
+  }
   AIOSPEC_PHASE(3);
   // 3. Layout, frame position and space (every block reaches the same layout and position).
   aiospec_frame_layout lay;
@@ -690,7 +864,7 @@ __global__ void __launch_bounds__(kThreads)
         rank = aiospec_load_int(a.lp_ranks, a.lp_ranks_i64, lr);
         if (!aiospec_fits_i32(v)) key = min_key(key, id_error_key(i, AIOSPEC_CHECK_TOKEN_IDS, j));
         if (!aiospec_fits_i32(rank)) key = min_key(key, id_error_key(i, AIOSPEC_CHECK_LP, lr));
-        p = aiospec_sampled_pos(&a, lr, v, rank, k);
+        p = exchange && e - t0 < kPosCache ? uint32_t(s_p[e - t0]) : aiospec_sampled_pos(&a, lr, v, rank, k);
       }
       int chunk = 0;
       const int x = block_exclusive_scan_int(e < t1 && p == AIOSPEC_SAMPLED_EXCEPTION, &chunk);
@@ -803,6 +977,7 @@ __global__ void __launch_bounds__(kThreads)
     vs->full = 0;
     vs->pad_done = 0;
     vs->blocks_done = 0;
+    vs->arrived = 0;  // every block passed the exchange: the next launch starts from 0
   }
   if (pad_done) {
     st->head = pos;
