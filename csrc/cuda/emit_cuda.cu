@@ -409,20 +409,8 @@ cudaError_t aiospec_cuda_emit_ex(aiospec_cuda_producer* p, const aiospec_emit_ar
   // the sampled_pos encoding, where each block counting every token's exceptions (or the
   // pre-pass) costs more than the exchange's wait; without it every block checking every row
   // is cheaper than the wait (docs/benchmarks.md).
-  const bool exchange = blocks == 1 || (sampled && p->exchange && blocks <= p->max_blocks);
-  const bool inline_x = sampled && !exchange && args->max_tokens <= kInlineMaxTokens &&
-                        args->rows * args->max_tokens <= kInlineTokens;
-  if (sampled && !exchange && !inline_x) {
-    // the step's exceptions, counted once for all blocks (emit_kernel.cuh)
-    const long long pre_blocks = (args->rows + aiospec::cuda::kPreRows - 1) / aiospec::cuda::kPreRows;
-    if (pre_blocks > 0) {
-      aiospec::cuda::exceptions_kernel<<<unsigned(pre_blocks), aiospec::cuda::kPreThreads, 0, stream>>>(*args,
-                                                                                                       p->xcnt);
-    }
-    const cudaError_t pre = cudaGetLastError();
-    if (pre != cudaSuccess) return pre;
-  }
-  cudaError_t status;
+  bool exchange = blocks == 1 || (sampled && p->exchange && blocks <= p->max_blocks);
+  cudaError_t status = cudaSuccess;
   if (exchange && blocks > 1) {
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3(unsigned(blocks));
@@ -436,9 +424,35 @@ cudaError_t aiospec_cuda_emit_ex(aiospec_cuda_producer* p, const aiospec_emit_ar
     cfg.numAttrs = 1;
     status = cudaLaunchKernelEx(&cfg, aiospec::cuda::emit_kernel, *args, p->ref, p->st, p->md, step_dev,
                                 static_cast<const int*>(p->xcnt), p->part, int(rpb), 0, 1);
-  } else {
+    if (status == cudaErrorCooperativeLaunchTooLarge || status == cudaErrorNotSupported ||
+        status == cudaErrorNotPermitted) {
+      // the device holds fewer blocks at once than it reported (an MPS share, a partition):
+      // this producer takes the path where no block waits for another from now on
+      cudaGetLastError();
+      p->exchange = false;
+      exchange = false;
+      status = cudaSuccess;
+    }
+  }
+  if (!exchange) {
+    const bool inline_x =
+        sampled && args->max_tokens <= kInlineMaxTokens && args->rows * args->max_tokens <= kInlineTokens;
+    if (sampled && !inline_x) {
+      // the step's exceptions, counted once for all blocks (emit_kernel.cuh)
+      const long long pre_blocks = (args->rows + aiospec::cuda::kPreRows - 1) / aiospec::cuda::kPreRows;
+      if (pre_blocks > 0) {
+        aiospec::cuda::exceptions_kernel<<<unsigned(pre_blocks), aiospec::cuda::kPreThreads, 0, stream>>>(*args,
+                                                                                                         p->xcnt);
+      }
+      const cudaError_t pre = cudaGetLastError();
+      if (pre != cudaSuccess) return pre;
+    }
     aiospec::cuda::emit_kernel<<<unsigned(blocks), aiospec::cuda::kThreads, shmem, stream>>>(
-        *args, p->ref, p->st, p->md, step_dev, p->xcnt, p->part, int(rpb), int(inline_x), int(exchange));
+        *args, p->ref, p->st, p->md, step_dev, p->xcnt, p->part, int(rpb), int(inline_x), 0);
+    status = cudaGetLastError();
+  } else if (blocks == 1) {
+    aiospec::cuda::emit_kernel<<<1, aiospec::cuda::kThreads, shmem, stream>>>(*args, p->ref, p->st, p->md, step_dev,
+                                                                           p->xcnt, p->part, int(rpb), 0, 1);
     status = cudaGetLastError();
   }
   if (status == cudaSuccess && p->opts.host_notify) status = cudaLaunchHostFunc(stream, notify_callback, p);
