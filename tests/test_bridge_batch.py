@@ -175,6 +175,18 @@ def test_a_corrupt_batch_is_counted_dropped_and_sent_again() -> None:
         assert st.resent >= 1 and rs.frames == len(sent) and far.ring.stats().frames_lost == 0
 
 
+def test_large_batches_handed_to_zeromq_without_a_copy_arrive_byte_identical() -> None:
+    # messages past pyzmq's copy_threshold (64 KiB) go zero-copy from the sender's buffer
+    with bridge_pair(4 << 20, 4 << 20, near_max_record=1 << 18) as (near, sender, recv, far, _):
+        wait_for(lambda: sender.state == "up", "the link")
+        sent = [make_payload(i, 70_000 + 4099 * (i % 5)) for i in range(40)]
+        assert min(map(len, sent)) > 1 << 16  # every message is past the threshold
+        for p in sent:
+            near.write(p, timeout=10)
+        assert drain(far, len(sent)) == sent
+        assert sender.stats().sent == len(sent) and recv.stats().protocol_errors == 0
+
+
 def test_batches_across_credit_limits_keep_every_frame_and_the_window() -> None:
     recv_kw = {"window_frames": 5, "window_bytes": 20000, **FAST}
     with bridge_pair(1 << 20, 1 << 16, near_max_record=8192, recv_kw=recv_kw, send_kw=FAST) as (

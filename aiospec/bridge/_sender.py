@@ -343,7 +343,10 @@ class BridgeSender:
             progress = self._send_entries(sock, zmq, now)
             if self._ended():
                 return f"the ring's producer is gone and the far end has every frame ({self._counts['acked']} entries)"
-            progress |= self._read_ring(now)
+            if self._read_ring(now):
+                # send what was just read at once: one loop iteration less before it leaves
+                self._send_entries(sock, zmq, now)
+                progress = True
             if progress:
                 self._active = now
                 continue
