@@ -499,7 +499,7 @@ class BridgeSender:
         if not welcome and (c.far_session != self._far_session or self._state != "up"):
             return  # a credit of an earlier connection: wait for the WELCOME
         oldest = self._chunks[0].seq if self._chunks else self._next_seq
-        if c.expected > self._next_seq or c.ack < min(oldest, c.expected) or (welcome and c.expected < oldest):
+        if c.expected > self._next_seq or c.ack < min(oldest, c.expected) or c.expected < oldest:
             raise ProtocolError(
                 f"CREDIT ack {c.ack}, expected {c.expected}: this end holds entries {oldest}..{self._next_seq - 1}"
             )
