@@ -479,7 +479,7 @@ def main(argv: list[str] | None = None) -> int:
             "latency_frames": a.latency_frames,
             "pace_us": a.pace_us,
             "ring_capacity": {str(s): _capacity(s) for s in a.sizes},
-            "bridge": "BridgeSender / BridgeReceiver defaults (window 256 frames, 16 MiB, batch_bytes 256 KiB), "
+            "bridge": "BridgeSender / BridgeReceiver defaults (window 4096 frames, 16 MiB, batch_bytes 256 KiB), "
             f"loopback TCP; idle spin {a.bridge_idle_spin} s, yield {a.bridge_idle_yield} s",
             "bridge_busy": "the same, both ends' idle spin inf (never sleeping, a core each)",
             "tcp_raw": "one loopback TCP connection, u32 length prefix, TCP_NODELAY, reader recv_into 4 MiB",

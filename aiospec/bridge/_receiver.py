@@ -124,7 +124,7 @@ class BridgeReceiver:
         target: FrameTarget,
         *,
         curve: CurveKeys | None = None,
-        window_frames: int = 256,
+        window_frames: int = 4096,
         window_bytes: int | None = None,
         heartbeat: float = 0.1,
         link_timeout: float = 2.0,
