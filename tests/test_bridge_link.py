@@ -45,8 +45,12 @@ def test_messages_round_trip() -> None:
     assert P.decode(_mv(P.encode_hello(5, 1, 0, 100)), max_payload=0) == P.Hello(5, 1, 0, 100)
     c = P.decode(_mv(P.encode_credit(9, 3, 4, 10, 1 << 20, 8176, P.WELCOME)), max_payload=0)
     assert c == P.Credit(9, 3, 4, 10, 1 << 20, 8176, P.WELCOME)
-    d = P.decode(_mv(P.encode_data(7, 3), b"abc"), max_payload=3)
-    assert isinstance(d, P.Data) and d.seq == 7 and bytes(d.payload) == b"abc"
+    d = P.decode(_mv(P.encode_data(7, 1), P.encode_lengths([3]), b"abc"), max_payload=3)
+    assert isinstance(d, P.Data) and d.seq == 7 and d.lengths == (3,) and bytes(d.body) == b"abc"
+    frames = [b"", b"x", b"abc", bytes(range(200))]
+    d = P.decode(_mv(*P.encode_batch(9, frames)), max_payload=200)
+    assert isinstance(d, P.Data) and d.seq == 9 and d.lengths == (0, 1, 3, 200)
+    assert [bytes(v) for v in d.payloads()] == frames and [bytes(v) for v in d.payloads(2)] == frames[2:]
     assert P.decode(_mv(P.encode_lost(8, 12)), max_payload=0) == P.Lost(8, 12)
     assert P.decode(_mv(*P.encode_gone(9, "closed")), max_payload=0) == P.Gone(9, "closed")
     assert P.decode(_mv(P.encode_beat(5, 12)), max_payload=0) == P.Beat(5, 12)
@@ -57,14 +61,29 @@ def test_messages_round_trip() -> None:
     [
         ([], r"^empty message$"),
         ([b"ASB"], r"^header of 3 bytes: expected at least 8$"),
-        ([b"XXXX\x01\x00\x03\x00" + bytes(16)], r"^magic b'XXXX': expected b'ASBR'$"),
-        ([b"ASBR\x02\x00\x03\x00" + bytes(16)], r"^version 2: expected 1$"),
-        ([b"ASBR\x01\x00\x09\x00"], r"^message type 9: expected 1\.\.6$"),
-        ([P.encode_data(1, 3)[:-1], b"abc"], r"^type 3: header of 23 bytes, expected 24$"),
-        ([P.encode_data(1, 3)], r"^type 3: 1 parts, expected 2$"),
-        ([P.encode_data(1, 4), b"abc"], r"^DATA seq 1: length field 4 but 3 payload bytes$"),
-        ([P.encode_data(1, 5), b"abcde"], r"^DATA seq 1: payload of 5 bytes exceeds max_payload 4$"),
-        ([P.encode_data(0, 1), b"a"], r"^DATA: sequence number 0: expected 1\.\.2\*\*64-2$"),
+        ([b"XXXX\x02\x00\x03\x00" + bytes(16)], r"^magic b'XXXX': expected b'ASBR'$"),
+        # version 1 carried one frame per DATA message: a peer of that version is refused
+        ([b"ASBR\x01\x00\x03\x00" + bytes(16), b"abc"], r"^version 1: expected 2$"),
+        ([b"ASBR\x02\x00\x09\x00"], r"^message type 9: expected 1\.\.6$"),
+        ([P.encode_data(1, 1)[:-1], P.encode_lengths([3]), b"abc"], r"^type 3: header of 23 bytes, expected 24$"),
+        ([P.encode_data(1, 1), b"abc"], r"^type 3: 2 parts, expected 3$"),
+        ([P.encode_data(1, 0), b"", b""], r"^DATA seq 1: count 0: expected 1\.\.4096$"),
+        ([P.encode_data(1, 4097), bytes(4 * 4097), b""], r"^DATA seq 1: count 4097: expected 1\.\.4096$"),
+        ([P.encode_data(2**64 - 3, 3), bytes(12), b""], r"^DATA seq 18446744073709551613: count 3 runs past"),
+        (
+            [P.encode_data(1, 2), P.encode_lengths([3]), b"abc"],
+            r"^DATA seq 1: lengths part of 4 bytes, expected 8 \(count 2\)$",
+        ),
+        (
+            [P.encode_data(1, 2), P.encode_lengths([1, 3]), b"abc"],
+            r"^DATA seq 1: lengths add up to 4 but 3 payload bytes$",
+        ),
+        (
+            [P.encode_data(1, 1), P.encode_lengths([4]), b"abc"],
+            r"^DATA seq 1: lengths add up to 4 but 3 payload bytes$",
+        ),
+        (P.encode_batch(1, [b"a", b"abcde"]), r"^DATA seq 1: payload of 5 bytes exceeds max_payload 4$"),
+        (P.encode_batch(0, [b"a"]), r"^DATA: sequence number 0: expected 1\.\.2\*\*64-2$"),
         ([P.encode_credit(1, 5, 4, 9, 0, 0, 0)], r"^CREDIT ack 5, expected 4, credit_seq 9: expected 1 <= ack"),
         ([P.encode_credit(1, 1, 1, 1, 0, 0, 64)], r"^CREDIT flags 0x40: unknown bits$"),
         ([P.encode_gone(1, "x")[0], b"\xff"], r"^GONE seq 1: reason is not UTF-8 \(invalid start byte\)$"),
@@ -81,6 +100,8 @@ def test_any_bytes_decode_or_raise_protocol_error(parts: list[bytes], prefix: in
     # a valid prefix makes the decoder go past the first checks
     if parts and prefix:
         heads = [P.encode_hello(1, 1, 0, 0), P.encode_credit(1, 1, 1, 1, 0, 0, 0), P.encode_data(1, 2)]
+        if len(parts) > 1 and prefix % 2:
+            parts[1] = P.encode_lengths([len(parts[1]) % 7, 1])[: len(parts[1]) % 9]
         head = heads[prefix % len(heads)]
         parts[0] = head[: len(parts[0]) % (len(head) + 1)] + parts[0]
     with contextlib.suppress(ProtocolError):
@@ -101,15 +122,16 @@ def test_a_receiver_survives_corrupt_messages_and_serves_on() -> None:
         rogue.connect(recv.endpoint_bound)
         bad = [
             [b"garbage"],
-            [b"ASBR\x01\x00\x03\x00" + bytes(16), b"x"],  # DATA claiming 0 bytes, carrying 1
-            [P.encode_data(1, 1 << 30), b"x"],  # a huge length
+            [P.encode_data(1, 1), P.encode_lengths([0]), b"x"],  # DATA claiming 0 bytes, carrying 1
+            [P.encode_data(1, 1), P.encode_lengths([1 << 30]), b"x"],  # a huge length
+            [P.encode_data(1, 1 << 30), b"", b"x"],  # a huge count
             [P.encode_hello(1, 0, 0, 0)],  # sequence number 0
         ]
         for parts in bad:
             rogue.send_multipart(parts)
         wait_for(lambda: recv.stats().protocol_errors == len(bad), "the receiver to count the bad messages")
         # a DATA from a sender it never welcomed: not delivered, the sender is told to say HELLO
-        rogue.send_multipart([P.encode_data(1, 1), b"x"])
+        rogue.send_multipart(P.encode_batch(1, [b"x"]))
         assert rogue.poll(5000)
         reset = P.decode([p.buffer for p in rogue.recv_multipart(copy=False)], max_payload=0)
         assert isinstance(reset, P.Credit) and reset.flags == P.RESET

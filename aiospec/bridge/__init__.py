@@ -9,7 +9,9 @@ the near end's reading, so the producer sees back-pressure), sequence numbers an
 acknowledgements (a reconnection resumes from the first frame the far end lacks; frames that
 are dropped are counted in the far ring's ``frames_lost``), heartbeats both ways (a silent
 link is a stalled, then a gone, producer on the far ring), and CurveZMQ on every link that
-leaves the host. docs/bridge.md describes the protocol and its guarantees.
+leaves the host. Both ends batch: one DATA message carries the consecutive frames of one read,
+and each end waits for work by ``IdleStrategy`` (spin, then yield, then sleep). docs/bridge.md
+describes the protocol and its guarantees.
 
 Needs the ``bridge`` extra (pyzmq).
 """
@@ -17,6 +19,7 @@ Needs the ``bridge`` extra (pyzmq).
 from __future__ import annotations
 
 from aiospec.bridge._errors import BridgeConfigError, BridgeError, LinkDown, ProtocolError
+from aiospec.bridge._idle import IdleStrategy
 from aiospec.bridge._link import CurveKeys, is_loopback, keygen
 from aiospec.bridge._receiver import BridgeReceiver, ReceiverStats
 from aiospec.bridge._sender import BridgeSender, SenderStats
@@ -30,6 +33,7 @@ __all__ = (
     "CallbackTarget",
     "CurveKeys",
     "FrameTarget",
+    "IdleStrategy",
     "LinkDown",
     "ProtocolError",
     "ReceiverStats",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import signal
 import sys
 from typing import Any
@@ -18,6 +19,16 @@ def _seconds_or_never(text: str) -> float | None:
     return None if value == 0 else value
 
 
+def _idle_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if math.isnan(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a number of seconds >= 0, or inf (never sleep)")
+    return value
+
+
 def _add_link_args(p: argparse.ArgumentParser, *, give_up: str) -> None:
     p.add_argument("--heartbeat", type=float, default=0.1, help="seconds between heartbeats (%(default)s)")
     p.add_argument(
@@ -29,6 +40,11 @@ def _add_link_args(p: argparse.ArgumentParser, *, give_up: str) -> None:
     p.add_argument("--give-up", type=_seconds_or_never, default=give_up, metavar="SECONDS", help=(
         "end after the link was down this long, 0 = never (%(default)s)"))  # fmt: skip
     p.add_argument("--curve-secret", metavar="FILE", help="this end's CurveZMQ secret key (NAME.key_secret)")
+    p.add_argument("--idle-spin", type=_idle_seconds, default=50e-6, metavar="SECONDS", help=(
+        "after each piece of work, poll busily this long before yielding, then sleeping; a core while it "
+        "spins; inf: never sleep, the lowest latency for one core (%(default)s)"))  # fmt: skip
+    p.add_argument("--idle-yield", type=_idle_seconds, default=200e-6, metavar="SECONDS", help=(
+        "then poll this long yielding the core between looks, before sleeping (%(default)s)"))  # fmt: skip
 
 
 def register(sub: Any) -> None:
@@ -57,7 +73,7 @@ def register(sub: Any) -> None:
     r.add_argument("--capacity", type=int, default=16 << 20, help="the ring's data area in bytes (%(default)s)")
     r.add_argument("--max-record", type=int, default=None, help="the ring's largest frame (default capacity / 8)")
     r.add_argument("--max-readers", type=int, default=8, help="the ring's reader slots (%(default)s)")
-    r.add_argument("--window-frames", type=int, default=256, help="credit: frames held beyond the ring (%(default)s)")
+    r.add_argument("--window-frames", type=int, default=4096, help="credit: frames held beyond the ring (%(default)s)")
     r.add_argument(
         "--window-bytes", type=int, default=None, help="credit: bytes likewise (default max(16 MiB, 2 frames))"
     )
@@ -89,7 +105,7 @@ def _stop_on_signals(stop: Any) -> None:
 def _send(a: argparse.Namespace) -> int:
     _setup(a)
     import shm
-    from aiospec.bridge import BridgeConfigError, BridgeSender, CurveKeys
+    from aiospec.bridge import BridgeConfigError, BridgeSender, CurveKeys, IdleStrategy
 
     curve = None
     if a.curve_secret or a.curve_server_key:
@@ -104,6 +120,7 @@ def _send(a: argparse.Namespace) -> int:
             give_up=a.give_up,
             drop_after=a.drop_after,
             wait_ring=a.wait_ring,
+            idle=IdleStrategy(a.idle_spin, a.idle_yield),
         )
     except (BridgeConfigError, FileNotFoundError, shm.BadSegment) as exc:
         print(f"aiospec bridge send: {exc}", file=sys.stderr)
@@ -124,7 +141,7 @@ def _send(a: argparse.Namespace) -> int:
 
 def _recv(a: argparse.Namespace) -> int:
     _setup(a)
-    from aiospec.bridge import BridgeConfigError, BridgeReceiver, CurveKeys, RingTarget
+    from aiospec.bridge import BridgeConfigError, BridgeReceiver, CurveKeys, IdleStrategy, RingTarget
 
     curve = None
     if a.curve_secret or a.curve_clients:
@@ -146,6 +163,7 @@ def _recv(a: argparse.Namespace) -> int:
             heartbeat=a.heartbeat,
             link_timeout=a.link_timeout,
             give_up=a.give_up,
+            idle=IdleStrategy(a.idle_spin, a.idle_yield),
         )
     except BridgeConfigError as exc:
         target.close()

@@ -2,10 +2,12 @@
 
 Every message is a ZeroMQ multipart message whose first part is a fixed-size little-endian
 header: ``magic`` (``b"ASBR"``), ``version`` (u16), ``type`` (u16), then the type's fields. A
-DATA message has a second part, the ring frame's payload, unchanged; a GONE message has a
-second part, the reason in UTF-8. Everything that comes off the link is checked here before
-any other code sees it: a message that fails a check raises ``ProtocolError`` (the link
-counts it and drops the message), never an exception of another type.
+DATA message carries ``count`` consecutive entries, each a ring frame's payload, unchanged: its
+second part is their lengths (``count`` u32), its third their payloads end to end (one message,
+and a few Python calls, for many frames); a GONE message has a second part, the reason in
+UTF-8. Everything that comes off the link is checked here before any other code sees it: a
+message that fails a check raises ``ProtocolError`` (the link counts it and drops the
+message), never an exception of another type.
 """
 
 from __future__ import annotations
@@ -24,16 +26,19 @@ __all__ = (
     "Lost",
     "Message",
     "decode",
+    "encode_batch",
     "encode_beat",
     "encode_credit",
     "encode_data",
     "encode_gone",
     "encode_hello",
+    "encode_lengths",
     "encode_lost",
 )
 
 MAGIC = b"ASBR"
-VERSION = 1
+VERSION = 2  # 2: DATA carries a batch of frames (1: one frame per message)
+MAX_BATCH = 4096  # entries of one DATA message
 MAX_REASON = 1024  # bytes of a GONE message's reason
 _U64 = (1 << 64) - 1
 
@@ -53,7 +58,7 @@ _BODY = {
     # credit_seq (entries below it may be sent), credit_bytes (cumulative payload bytes that may
     # be sent), max_payload (the far target's), flags
     CREDIT: struct.Struct("<4sHHQQQQQII"),
-    DATA: struct.Struct("<4sHHQI4x"),  # seq, length
+    DATA: struct.Struct("<4sHHQI4x"),  # seq (the first entry's), count
     LOST: struct.Struct("<4sHHQQ"),  # seq, count
     GONE: struct.Struct("<4sHHQI4x"),  # seq, reason length
     BEAT: struct.Struct("<4sHHQI4x"),  # near_session, upstream heartbeat age in ms
@@ -78,8 +83,21 @@ class Credit(NamedTuple):
 
 
 class Data(NamedTuple):
+    """Entries ``seq`` .. ``seq + len(lengths) - 1``: frames of these lengths, end to end in
+    ``body``."""
+
     seq: int
-    payload: memoryview
+    lengths: tuple[int, ...]
+    body: memoryview
+
+    def payloads(self, start: int = 0) -> list[memoryview]:
+        """The frames' payloads from the ``start``-th on, as views into ``body``."""
+        body, out = self.body, []
+        pos = sum(self.lengths[:start])
+        for n in self.lengths[start:]:
+            out.append(body[pos : pos + n])
+            pos += n
+        return out
 
 
 class Lost(NamedTuple):
@@ -112,9 +130,30 @@ def encode_credit(
     )
 
 
-def encode_data(seq: int, length: int) -> bytes:
-    """The header part of a DATA message; the payload travels as the second part."""
-    return _BODY[DATA].pack(MAGIC, VERSION, DATA, seq, length)
+def encode_data(seq: int, count: int) -> bytes:
+    """The header part of a DATA message of ``count`` entries from ``seq`` on; the lengths
+    (``encode_lengths``) and the payloads travel as the second and third parts."""
+    return _BODY[DATA].pack(MAGIC, VERSION, DATA, seq, count)
+
+
+_LENGTHS: dict[int, struct.Struct] = {}
+
+
+def _lengths_struct(count: int) -> struct.Struct:
+    s = _LENGTHS.get(count)
+    if s is None:
+        s = _LENGTHS[count] = struct.Struct(f"<{count}I")
+    return s
+
+
+def encode_lengths(lengths: list[int]) -> bytes:
+    """The second part of a DATA message: each payload's length, u32 little-endian."""
+    return _lengths_struct(len(lengths)).pack(*lengths)
+
+
+def encode_batch(seq: int, payloads: list[bytes]) -> list[bytes]:
+    """A whole DATA message of ``payloads`` from ``seq`` on (for tests and simple senders)."""
+    return [encode_data(seq, len(payloads)), encode_lengths([len(p) for p in payloads]), b"".join(payloads)]
 
 
 def encode_lost(seq: int, count: int) -> bytes:
@@ -139,8 +178,10 @@ def decode(parts: list[memoryview], *, max_payload: int) -> Message:
 
     Raises:
         ProtocolError: the message is malformed: wrong part count, size, magic, version or
-            type, a length that disagrees with the payload, a payload over ``max_payload``,
-            a sequence number of 0, a reason that is not UTF-8.
+            type, a DATA count of 0 or over ``MAX_BATCH``, a lengths part that is not
+            ``count`` u32, lengths whose sum is not the payload bytes, a payload over
+            ``max_payload``, a sequence number of 0 (or one whose batch runs past the
+            largest), a reason that is not UTF-8.
     """
     if not parts:
         raise ProtocolError("empty message")
@@ -157,19 +198,30 @@ def decode(parts: list[memoryview], *, max_payload: int) -> Message:
         raise ProtocolError(f"message type {mtype}: expected 1..{len(_BODY)}")
     if head.nbytes != body.size:
         raise ProtocolError(f"type {mtype}: header of {head.nbytes} bytes, expected {body.size}")
-    want_parts = 2 if mtype in (DATA, GONE) else 1
+    want_parts = 3 if mtype == DATA else 2 if mtype == GONE else 1
     if len(parts) != want_parts:
         raise ProtocolError(f"type {mtype}: {len(parts)} parts, expected {want_parts}")
     f = body.unpack(head)[3:]
     if mtype == DATA:
-        seq, length = f
-        payload = parts[1]
-        if payload.nbytes != length:
-            raise ProtocolError(f"DATA seq {seq}: length field {length} but {payload.nbytes} payload bytes")
-        if length > max_payload:
-            raise ProtocolError(f"DATA seq {seq}: payload of {length} bytes exceeds max_payload {max_payload}")
+        seq, count = f
         _check_seq("DATA", seq)
-        return Data(seq, payload)
+        if not 1 <= count <= MAX_BATCH:
+            raise ProtocolError(f"DATA seq {seq}: count {count}: expected 1..{MAX_BATCH}")
+        if seq + count > _U64:
+            raise ProtocolError(f"DATA seq {seq}: count {count} runs past sequence number 2**64-2")
+        table, payload = parts[1], parts[2]
+        if table.nbytes != 4 * count:
+            raise ProtocolError(
+                f"DATA seq {seq}: lengths part of {table.nbytes} bytes, expected {4 * count} (count {count})"
+            )
+        lengths = _lengths_struct(count).unpack(table)
+        total = sum(lengths)
+        if total != payload.nbytes:
+            raise ProtocolError(f"DATA seq {seq}: lengths add up to {total} but {payload.nbytes} payload bytes")
+        longest = max(lengths)
+        if longest > max_payload:
+            raise ProtocolError(f"DATA seq {seq}: payload of {longest} bytes exceeds max_payload {max_payload}")
+        return Data(seq, lengths, payload)
     if mtype == CREDIT:
         c = Credit(*f)
         if c.ack > c.expected or c.expected > c.credit_seq or c.ack == 0:

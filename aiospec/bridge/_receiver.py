@@ -9,6 +9,9 @@ producer there sees back-pressure, and nothing is dropped in between. Entries ar
 sequence order only; a gap asks the near end to send again from the first missing entry, a
 duplicate is ignored, and the acknowledgement (``ack``) names the first entry not yet
 delivered, so the near end keeps every entry until its target has it.
+
+A DATA message carries several consecutive entries; the receiver keeps ZeroMQ's buffer (no
+copy) and hands its frames to the target in one call (``put_many``), as far as there is room.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import os
 import secrets
 import threading
 import time
@@ -23,12 +27,16 @@ from typing import Any
 
 from aiospec.bridge import _protocol as P
 from aiospec.bridge._errors import BridgeConfigError, LinkDown, ProtocolError
+from aiospec.bridge._idle import IdleStrategy
 from aiospec.bridge._link import CurveKeys, apply_curve, check_endpoint, start_authenticator
 from aiospec.bridge._targets import FrameTarget
 
 __all__ = ("BridgeReceiver", "ReceiverStats")
 
 log = logging.getLogger("aiospec.bridge")
+
+_NOBLOCK, _EVENTS, _POLLIN = 1, 15, 1  # libzmq's values (pyzmq's IntFlag arithmetic is slow)
+FULL_WAIT = 0.001  # seconds one delivery may wait for room in the target
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +47,7 @@ class ReceiverStats:
         state: ``waiting`` (no near end yet), ``up``, ``down`` (the near end is silent past the
             link timeout), ``done`` (the upstream producer ended, or the link was given up).
         frames: frames delivered to the target.
+        messages: DATA messages taken (each carries one or more consecutive frames).
         bytes: payload bytes delivered.
         lost: frames reported lost upstream (added to the target's ``frames_lost``).
         queued: entries taken from the link, not yet delivered (the target had no room).
@@ -51,6 +60,7 @@ class ReceiverStats:
 
     state: str
     frames: int
+    messages: int
     bytes: int
     lost: int
     queued: int
@@ -61,14 +71,21 @@ class ReceiverStats:
     full_waits: int
 
 
-class _Entry:
-    __slots__ = ("current", "data", "kind", "value")
+class _Batch:
+    """Entries taken from one message: DATA frames, or one LOST or GONE."""
 
-    def __init__(self, kind: int, data: Any, value: Any, current: bool) -> None:
+    __slots__ = ("current", "data", "kind", "pos", "value")
+
+    def __init__(self, kind: int, data: Any, value: Any) -> None:
         self.kind = kind
-        self.data = data  # DATA: the zmq.Frame that owns the payload
-        self.value = value  # DATA: the payload view; LOST: the count; GONE: the reason
-        self.current = current  # from the current near session (counted in ``ack``)
+        self.data = data  # DATA: the zmq.Frame that owns the payloads
+        self.value = value  # DATA: the payload views; LOST: the count; GONE: the reason
+        self.pos = 0  # DATA: frames delivered so far
+        self.current = True  # from the current near session (counted in ``ack``)
+
+    @property
+    def left(self) -> int:
+        return len(self.value) - self.pos if self.kind == P.DATA else 1
 
 
 class BridgeReceiver:
@@ -94,6 +111,8 @@ class BridgeReceiver:
             stalled), ``link_error`` is set and logged.
         give_up: seconds of silence after which the receiver ends (``target.gone()``); None:
             never (the target stays stalled until the near end is back).
+        idle: how the receiver waits for messages: spin, then yield, then sleep on the socket
+            (``IdleStrategy``).
 
     Raises:
         BridgeConfigError: a bad endpoint (non-loopback without keys), key files, or sizes.
@@ -105,11 +124,12 @@ class BridgeReceiver:
         target: FrameTarget,
         *,
         curve: CurveKeys | None = None,
-        window_frames: int = 256,
+        window_frames: int = 4096,
         window_bytes: int | None = None,
         heartbeat: float = 0.1,
         link_timeout: float = 2.0,
         give_up: float | None = 30.0,
+        idle: IdleStrategy | None = None,
     ) -> None:
         check_endpoint(endpoint, curve, "far", "bind")
         if window_bytes is None:
@@ -134,6 +154,7 @@ class BridgeReceiver:
         self.heartbeat = heartbeat
         self.link_timeout = link_timeout
         self.give_up = give_up
+        self.idle = idle if idle is not None else IdleStrategy()
         self.session = secrets.randbits(63) | 1  # this receiver's life, told to near ends
         self.link_error: LinkDown | None = None
         self.endpoint_bound: str | None = None
@@ -148,9 +169,11 @@ class BridgeReceiver:
         self._near_session = 0
         self._expected = 1  # the next sequence number taken
         self._cum = 0  # cumulative payload bytes taken, this near session
-        self._queue: collections.deque[_Entry] = collections.deque()
+        self._queue: collections.deque[_Batch] = collections.deque()
+        self._queued = 0  # entries in the queue
         self._queued_bytes = 0
         self._queued_current = 0
+        self._full = False  # the target had no room for the next frame
         self._nacked = 0  # the ``expected`` a resend was last asked for
         self._last_heard = 0.0
         self._upstream_age = 0.0
@@ -160,7 +183,8 @@ class BridgeReceiver:
         self._reset_due = 0.0
         self._beat_due = 0.0
         self._counts = dict.fromkeys(
-            ("frames", "bytes", "lost", "duplicates", "gaps", "protocol_errors", "sessions", "full_waits"), 0
+            ("frames", "messages", "bytes", "lost", "duplicates", "gaps", "protocol_errors", "sessions", "full_waits"),
+            0,
         )
 
     # -- public surface --------------------------------------------------------------------
@@ -172,7 +196,7 @@ class BridgeReceiver:
 
     def stats(self) -> ReceiverStats:
         """A snapshot of the counters."""
-        return ReceiverStats(state=self._state, queued=len(self._queue), **self._counts)
+        return ReceiverStats(state=self._state, queued=self._queued, **self._counts)
 
     def start(self, timeout: float = 10.0) -> BridgeReceiver:
         """Run in a daemon thread; returns once the endpoint is bound (``endpoint_bound``).
@@ -253,32 +277,27 @@ class BridgeReceiver:
         self._beat_due = now
         idle_backoff = 0.0005
         linger_until = 0.0
+        active = 0.0
+        idle = self.idle
         while not self._stop.is_set():
-            now = time.monotonic()
-            if self._queue:
-                wait = idle_backoff  # the target had no room: look again soon
-                idle_backoff = min(idle_backoff * 2, 0.01)
-            else:
-                due = self._beat_due if self._peer is None else min(self._credit_due, self._beat_due)
-                wait = max(0.0, due - now)
-                wait = min(wait, self.heartbeat)
-            if poller.poll(wait * 1000.0):
-                idle_backoff = 0.0005
-                for _ in range(1024):
-                    try:
-                        parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
-                    self._on_message(sock, zmq, parts)
+            got = self._drain(sock, zmq)
             if self._state == "done":
                 # the end is delivered: answer a little longer, so that the near end hears
                 # the acknowledgement of it even if one credit message went astray
                 self._send_credit(sock, zmq, time.monotonic(), force=False)
                 if time.monotonic() >= linger_until:
                     return self.result or "done"
+                if not got:
+                    poller.poll(10.0)
                 continue
-            why = self._deliver()
+            # the target was full: this delivery may wait a little for room (a ring's own
+            # back-pressure wait: yield, then short sleeps), the link's messages wait meanwhile
+            timeout = FULL_WAIT if self._full and not got else 0.0
+            start = time.monotonic()
+            before = self._counts["frames"]
+            why = self._deliver(timeout)
             now = time.monotonic()
+            delivered = self._counts["frames"] != before
             if why is None:
                 why = self._timers(now)
                 if why is not None:
@@ -288,7 +307,46 @@ class BridgeReceiver:
                 self._state = "done"
                 self.result = why
                 linger_until = now + min(1.0, self.link_timeout)
+                continue
+            if got or delivered:
+                active = now
+                idle_backoff = 0.0005
+                continue
+            due = self._beat_due if self._peer is None else min(self._credit_due, self._beat_due)
+            wait = min(max(0.0, due - now), self.heartbeat)
+            if self._full:
+                if now - start < timeout / 2:
+                    # a target that does not wait for room (it refused at once): back off
+                    poller.poll(min(wait, idle_backoff) * 1000.0)
+                    idle_backoff = min(idle_backoff * 2, 0.01)
+                continue
+            spin_end = active + idle.spin
+            idle_end = spin_end + idle.yield_time
+            if now < idle_end:
+                # the idle strategy: look for messages without sleeping (spin, then yield the
+                # core between looks) until the window ends or a timer is due
+                limit = min(idle_end, now + wait)
+                while not sock.getsockopt(_EVENTS) & _POLLIN:
+                    t = time.monotonic()
+                    if t >= limit:
+                        break
+                    if t >= spin_end:
+                        os.sched_yield()
+            else:
+                poller.poll(wait * 1000.0)
         return self.result or "stopped"
+
+    def _drain(self, sock: Any, zmq: Any) -> bool:
+        # look before receiving: a zmq.Again per loop iteration costs more than the look
+        if not sock.getsockopt(_EVENTS) & _POLLIN:
+            return False
+        for _ in range(1024):
+            try:
+                parts = sock.recv_multipart(_NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            self._on_message(sock, zmq, parts)
+        return True
 
     def _timers(self, now: float) -> str | None:
         silent = now - self._last_heard
@@ -315,8 +373,7 @@ class BridgeReceiver:
         try:
             msg = P.decode([p.buffer for p in parts[1:]], max_payload=self.target.max_payload)
         except ProtocolError as exc:
-            self._counts["protocol_errors"] += 1
-            log.warning("bridge receiver: dropped a message: %s", exc)
+            self._protocol_error(peer, exc)
             return
         if isinstance(msg, P.Hello):
             if self._state != "done":
@@ -342,32 +399,56 @@ class BridgeReceiver:
         assert isinstance(msg, (P.Data, P.Lost, P.Gone))
         if self._state == "done":
             return  # nothing follows the upstream producer's end
-        seq = msg.seq
-        if seq < self._expected:
-            self._counts["duplicates"] += 1
+        seq, expected = msg.seq, self._expected
+        count = len(msg.lengths) if isinstance(msg, P.Data) else 1
+        if seq + count <= expected:
+            self._counts["duplicates"] += count
             return
-        if seq > self._expected:
-            if self._nacked != self._expected:
-                self._nacked = self._expected
-                self._counts["gaps"] += 1
-                self._credit_due = 0.0
+        if seq > expected:
+            self._ask_resend()
             return
         if isinstance(msg, P.Data):
-            n = msg.payload.nbytes
-            if self._queued_bytes + n > self.window_bytes + self.target.max_payload:
-                self._counts["protocol_errors"] += 1
-                log.warning("bridge receiver: DATA seq %d beyond the credit granted; dropped", seq)
+            skip = expected - seq  # entries of a resent batch this end already has
+            self._counts["duplicates"] += skip
+            payloads = msg.payloads(skip)
+            n = msg.body.nbytes - sum(msg.lengths[:skip])
+            take = count - skip
+            _, credit_seq, credit_bytes = self._credit()
+            if expected + take > credit_seq or self._cum + n > credit_bytes:
+                self._protocol_error(
+                    peer,
+                    ProtocolError(
+                        f"DATA seq {seq}: entries {expected}..{expected + take - 1} ({n} bytes) beyond the credit "
+                        f"granted (entries below {credit_seq}, bytes up to {credit_bytes}, {self._cum} taken)"
+                    ),
+                )
                 return
-            entry = _Entry(P.DATA, parts[2], msg.payload, True)
+            batch = _Batch(P.DATA, parts[3], payloads)
             self._cum += n
             self._queued_bytes += n
+            self._counts["messages"] += 1
         elif isinstance(msg, P.Lost):
-            entry = _Entry(P.LOST, None, msg.frames, True)
+            batch, take = _Batch(P.LOST, None, msg.frames), 1
         else:
-            entry = _Entry(P.GONE, None, msg.reason, True)
-        self._queue.append(entry)
-        self._queued_current += 1
-        self._expected += 1
+            batch, take = _Batch(P.GONE, None, msg.reason), 1
+        self._queue.append(batch)
+        self._queued += take
+        self._queued_current += take
+        self._expected += take
+
+    def _ask_resend(self) -> None:
+        # an entry is missing: ask the near end (once per gap) to send again from it
+        if self._nacked != self._expected:
+            self._nacked = self._expected
+            self._counts["gaps"] += 1
+            self._credit_due = 0.0
+
+    def _protocol_error(self, peer: bytes, exc: ProtocolError) -> None:
+        self._counts["protocol_errors"] += 1
+        log.warning("bridge receiver: dropped a message: %s", exc)
+        if peer == self._peer and self._state == "up":
+            # most of what the near end sends is DATA: have what may have been lost sent again
+            self._ask_resend()
 
     def _on_hello(self, peer: bytes, msg: P.Hello) -> None:
         self._counts["sessions"] += 1
@@ -399,27 +480,41 @@ class BridgeReceiver:
         self._welcome = True
         self._credit_due = 0.0
 
-    def _deliver(self) -> str | None:
+    def _deliver(self, timeout: float) -> str | None:
         q, target, counts = self._queue, self.target, self._counts
+        self._full = False
         while q:
-            e = q[0]
-            if e.kind == P.DATA:
-                if not target.put(e.value):
+            b = q[0]
+            if b.kind == P.DATA:
+                views = b.value
+                todo = views[b.pos :] if b.pos else views
+                n = _put_many(target, todo, timeout)
+                timeout = 0.0
+                if n:
+                    size = sum(map(len, todo[:n]))
+                    counts["frames"] += n
+                    counts["bytes"] += size
+                    self._queued_bytes -= size
+                    self._queued -= n
+                    if b.current:
+                        self._queued_current -= n
+                    b.pos += n
+                if b.pos < len(views):
                     counts["full_waits"] += 1
+                    self._full = True
                     return None
-                n = e.value.nbytes
-                counts["frames"] += 1
-                counts["bytes"] += n
-                self._queued_bytes -= n
-            elif e.kind == P.LOST:
-                target.lost(e.value)
-                counts["lost"] += e.value
+                q.popleft()
+                continue
             q.popleft()
-            if e.current:
+            self._queued -= 1
+            if b.current:
                 self._queued_current -= 1
-            if e.kind == P.GONE:
-                target.gone(f"the upstream producer is gone: {e.value}")
-                return f"the upstream producer is gone: {e.value}"
+            if b.kind == P.LOST:
+                target.lost(b.value)
+                counts["lost"] += b.value
+            else:
+                target.gone(f"the upstream producer is gone: {b.value}")
+                return f"the upstream producer is gone: {b.value}"
         return None
 
     def _send_credit(self, sock: Any, zmq: Any, now: float, *, force: bool) -> None:
@@ -441,7 +536,7 @@ class BridgeReceiver:
 
     def _credit(self) -> tuple[int, int, int]:
         ack = self._expected - self._queued_current
-        credit_seq = self._expected + max(0, self.window_frames - len(self._queue))
+        credit_seq = self._expected + max(0, self.window_frames - self._queued)
         credit_bytes = self._cum + max(0, self.window_bytes - self._queued_bytes)
         return ack, credit_seq, credit_bytes
 
@@ -450,7 +545,7 @@ class BridgeReceiver:
         expected = self._expected if flags & P.RESET == 0 else ack
         msg = P.encode_credit(self.session, ack, expected, credit_seq, credit_bytes, self.target.max_payload, flags)
         try:
-            sock.send_multipart([peer, msg], zmq.NOBLOCK)
+            sock.send_multipart([peer, msg], _NOBLOCK)
         except zmq.Again:
             return False  # credit is a state, not an event: the next one carries it
         except zmq.ZMQError as exc:
@@ -458,3 +553,16 @@ class BridgeReceiver:
                 raise
             return False  # the near end's connection is gone
         return True
+
+
+def _put_many(target: FrameTarget, payloads: list[memoryview], timeout: float) -> int:
+    put_many = getattr(target, "put_many", None)
+    if put_many is not None:
+        return int(put_many(payloads, timeout))
+    # a target of its own kind with ``put`` only: one frame at a time, no waiting
+    n = 0
+    for p in payloads:
+        if not target.put(p):
+            break
+        n += 1
+    return n

@@ -7,13 +7,20 @@ entry it sends (a frame, a loss count, the producer's end) carries a sequence nu
 in the sender's memory until the far end acknowledges that its target has it; after a
 reconnection (or when the far end asks) the sender sends again from the first entry the far
 end lacks. What the sender holds is bounded by the far end's credit window plus one read batch.
+
+The frames of one read are copied out of the ring in one call (``bytes.join``) and go out as
+DATA messages of several consecutive entries each (at most ``batch_bytes`` of payload, as the
+credit allows), the payloads handed to ZeroMQ without a further copy: the Python work is per
+read and per message, not per frame.
 """
 
 from __future__ import annotations
 
+import bisect
 import collections
 import contextlib
 import dataclasses
+import itertools
 import logging
 import mmap
 import os
@@ -25,6 +32,7 @@ from typing import Any
 import shm
 from aiospec.bridge import _protocol as P
 from aiospec.bridge._errors import BridgeConfigError, BridgeError, LinkDown, ProtocolError
+from aiospec.bridge._idle import IdleStrategy
 from aiospec.bridge._link import CurveKeys, apply_curve, check_endpoint
 from shm import layout as L
 
@@ -47,6 +55,7 @@ class SenderStats:
         frames: frames read from the local ring.
         bytes: their payload bytes.
         sent: entries sent (first sends and resends).
+        messages: DATA messages sent (each carries one or more consecutive frames).
         resent: entries sent again (after a reconnection or a gap the far end reported).
         held: entries kept until the far end acknowledges them.
         acked: entries the far end acknowledged.
@@ -63,6 +72,7 @@ class SenderStats:
     frames: int
     bytes: int
     sent: int
+    messages: int
     resent: int
     held: int
     acked: int
@@ -73,15 +83,27 @@ class SenderStats:
     protocol_errors: int
 
 
-class _Entry:
-    __slots__ = ("cum_end", "kind", "nbytes", "seq", "value")
+class _Chunk:
+    """Consecutive entries made at once: the frames of one read (DATA), or one LOST or GONE."""
 
-    def __init__(self, seq: int, kind: int, value: Any, nbytes: int, cum_end: int) -> None:
-        self.seq = seq
+    __slots__ = ("body", "count", "cum0", "kind", "lengths", "offs", "seq", "value")
+
+    def __init__(
+        self, seq: int, kind: int, cum0: int, *, body: bytes = b"", lengths: list[int] | None = None, value: Any = None
+    ) -> None:
+        self.seq = seq  # the first entry's sequence number
         self.kind = kind
-        self.value = value  # DATA: the payload (bytes); LOST: the count; GONE: the reason
-        self.nbytes = nbytes  # payload bytes (0 but for DATA)
-        self.cum_end = cum_end  # cumulative payload bytes up to and including this entry
+        self.cum0 = cum0  # cumulative payload bytes before the first entry
+        self.body = body  # DATA: the payloads end to end
+        self.value = value  # LOST: the count; GONE: the reason
+        if lengths is None:
+            self.count = 1
+            self.offs = [0, 0]
+            self.lengths = b""
+        else:
+            self.count = len(lengths)
+            self.offs = [0, *itertools.accumulate(lengths)]  # entry i is body[offs[i]:offs[i + 1]]
+            self.lengths = P.encode_lengths(lengths)  # the DATA lengths part, sliced per message
 
 
 class BridgeSender:
@@ -108,6 +130,10 @@ class BridgeSender:
         wait_ring: seconds to wait for a ring given by name to exist.
         spin, recheck: the reader's (``shm.Ring.reader()``).
         max_batch: the most frames read from the ring at once.
+        batch_bytes: the most payload bytes of one DATA message (a larger frame goes alone);
+            also what one read aims at (as many frames as make it, at the last read's size).
+        idle: how the sender waits for frames and credit: spin, then yield, then sleep on the
+            bell and the link (``IdleStrategy``).
 
     Raises:
         BridgeConfigError: a bad endpoint (non-loopback without keys) or key files.
@@ -128,6 +154,8 @@ class BridgeSender:
         spin: float = 50e-6,
         recheck: float = 0.05,
         max_batch: int = 64,
+        batch_bytes: int = 256 << 10,
+        idle: IdleStrategy | None = None,
     ) -> None:
         check_endpoint(endpoint, curve, "near", "connect")
         if not 0 < heartbeat < link_timeout:
@@ -137,8 +165,10 @@ class BridgeSender:
         for name, value in (("give_up", give_up), ("drop_after", drop_after)):
             if value is not None and value < 0:
                 raise BridgeConfigError(f"{name} = {value!r}: expected None or a number of seconds >= 0")
-        if not 1 <= max_batch <= 4096:
-            raise BridgeConfigError(f"max_batch = {max_batch!r}: expected 1..4096")
+        if not 1 <= max_batch <= P.MAX_BATCH:
+            raise BridgeConfigError(f"max_batch = {max_batch!r}: expected 1..{P.MAX_BATCH}")
+        if batch_bytes < 1:
+            raise BridgeConfigError(f"batch_bytes = {batch_bytes!r}: expected a positive number of bytes")
         self.endpoint = endpoint
         self.curve = curve
         self.heartbeat = heartbeat
@@ -146,6 +176,8 @@ class BridgeSender:
         self.give_up = give_up
         self.drop_after = drop_after
         self.max_batch = max_batch
+        self.batch_bytes = batch_bytes
+        self.idle = idle if idle is not None else IdleStrategy()
         self._own_ring = isinstance(ring, str)
         self.ring = _attach(ring, wait_ring) if isinstance(ring, str) else ring
         self._spin, self._recheck = spin, recheck
@@ -160,7 +192,11 @@ class BridgeSender:
         self._failure: BaseException | None = None
         self.result: str | None = None
         # link state (the sender's thread only)
-        self._entries: collections.deque[_Entry] = collections.deque()
+        self._chunks: collections.deque[_Chunk] = collections.deque()
+        self._poll_frames = max_batch  # frames of the next read (batch_bytes at the last read's size)
+        self._ack_seq = 1  # the far end has every entry below it
+        self._active = 0.0  # when the loop last did work (the idle strategy counts from it)
+        self._slot_beat_due = 0.0
         self._next_seq = 1  # the next entry's sequence number
         self._send_seq = 1  # the next entry to send
         self._cum = 0  # cumulative payload bytes of every entry made
@@ -178,8 +214,8 @@ class BridgeSender:
         self._gone_queued = False
         self._frames_base = self.ring.stats().frames_written
         self._counts = dict.fromkeys(
-            ("frames", "bytes", "sent", "resent", "acked", "dropped", "upstream_lost", "credit_stalls", "sessions",
-             "protocol_errors"),
+            ("frames", "bytes", "sent", "messages", "resent", "acked", "dropped", "upstream_lost", "credit_stalls",
+             "sessions", "protocol_errors"),
             0,
         )  # fmt: skip
         self._credit_stalled = False
@@ -193,7 +229,11 @@ class BridgeSender:
 
     def stats(self) -> SenderStats:
         """A snapshot of the counters."""
-        return SenderStats(state=self._state, held=len(self._entries), **self._counts)
+        return SenderStats(state=self._state, held=self._held(), **self._counts)
+
+    def _held(self) -> int:
+        chunks = self._chunks
+        return self._next_seq - max(self._ack_seq, chunks[0].seq) if chunks else 0
 
     def start(self) -> BridgeSender:
         """Run in a daemon thread; ``join()`` waits for it, ``result`` says why it ended."""
@@ -303,8 +343,12 @@ class BridgeSender:
             progress = self._send_entries(sock, zmq, now)
             if self._ended():
                 return f"the ring's producer is gone and the far end has every frame ({self._counts['acked']} entries)"
-            progress |= self._read_ring(now)
+            if self._read_ring(now):
+                # send what was just read at once: one loop iteration less before it leaves
+                self._send_entries(sock, zmq, now)
+                progress = True
             if progress:
+                self._active = now
                 continue
             due = min(self._beat_due, self._check_due)
             if self._state != "up":
@@ -314,18 +358,34 @@ class BridgeSender:
             if self._blocked_until > now:
                 wait = min(wait, self._blocked_until - now)
             wants_frames = self._can_read()
-            if wants_frames:
-                # spin briefly for latency, then sleep on the bell and the link together
-                spin_until = time.monotonic() + self._spin
-                while time.monotonic() < spin_until:
-                    if reader.pending() or sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            idle = self.idle
+            spin_end = self._active + idle.spin
+            idle_end = spin_end + idle.yield_time
+            if now < idle_end:
+                # the idle strategy: look for frames and messages without sleeping (spin, then
+                # yield the core between looks) until the window ends or a timer is due
+                limit = min(idle_end, now + wait)
+                while True:
+                    if (wants_frames and reader.pending()) or sock.getsockopt(_EVENTS) & _POLLIN:
                         break
-                else:
-                    if reader.sleep_begin():
-                        try:
-                            with_bell.poll(wait * 1000.0)
-                        finally:
-                            reader.sleep_end()
+                    t = time.monotonic()
+                    if t >= limit:
+                        break
+                    if t >= spin_end:
+                        os.sched_yield()
+                if not wants_frames and not self._gone_queued and now >= self._slot_beat_due:
+                    # held back, and not sleeping (where the refresh below happens): keep the
+                    # slot's heartbeat fresh all the same
+                    self._slot_beat_due = now + self._recheck
+                    reader.sleep_begin()
+                    reader.sleep_end()
+            elif wants_frames:
+                # sleep on the bell and the link together
+                if reader.sleep_begin():
+                    try:
+                        with_bell.poll(wait * 1000.0)
+                    finally:
+                        reader.sleep_end()
             else:
                 link_only.poll(wait * 1000.0)
                 if not self._gone_queued:
@@ -336,7 +396,7 @@ class BridgeSender:
         return "stopped"
 
     def _ended(self) -> bool:
-        return self._gone_queued and not self._entries
+        return self._gone_queued and not self._chunks
 
     def _timers(self, sock: Any, zmq: Any, now: float) -> str | None:
         if self._state == "up" and now - self._last_heard > self.link_timeout:
@@ -345,7 +405,7 @@ class BridgeSender:
             hint = f" ({self.handshake_error})" if self.handshake_error else ""
             self.link_error = LinkDown(
                 f"bridge sender {self.endpoint}: no word from the far end for {now - self._last_heard:.1f} s{hint}; "
-                f"{len(self._entries)} entries held, resent on reconnection"
+                f"{self._held()} entries held, resent on reconnection"
             )
             log.error("%s", self.link_error)
         if self._state != "up":
@@ -364,9 +424,9 @@ class BridgeSender:
             if now >= self._hello_due:
                 self._hello_due = now + self.heartbeat
                 # the far end starts (or resumes) at the oldest entry held here
-                oldest = self._entries[0] if self._entries else None
+                oldest = self._chunks[0] if self._chunks else None
                 next_seq = oldest.seq if oldest is not None else self._next_seq
-                cum = oldest.cum_end - oldest.nbytes if oldest is not None else self._cum
+                cum = oldest.cum0 if oldest is not None else self._cum
                 self._send(sock, zmq, [P.encode_hello(self.session, next_seq, cum, self.ring.max_payload)])
         elif now >= self._beat_due:
             self._beat_due = now + self.heartbeat
@@ -389,7 +449,7 @@ class BridgeSender:
             pass  # its heartbeat's age reaches the far end with this end's heartbeats
         except shm.ProducerGone as exc:
             if not exc.presumed:
-                self._append(P.GONE, str(exc), 0)
+                self._append(P.GONE, str(exc))
                 self._gone_queued = True
 
     def _drain_link(self, sock: Any, zmq: Any) -> None:
@@ -438,8 +498,8 @@ class BridgeSender:
         welcome = bool(c.flags & P.WELCOME)
         if not welcome and (c.far_session != self._far_session or self._state != "up"):
             return  # a credit of an earlier connection: wait for the WELCOME
-        oldest = self._entries[0].seq if self._entries else self._next_seq
-        if c.expected > self._next_seq or c.ack < min(oldest, c.expected) or (welcome and c.expected < oldest):
+        oldest = self._chunks[0].seq if self._chunks else self._next_seq
+        if c.expected > self._next_seq or c.ack < min(oldest, c.expected) or c.expected < oldest:
             raise ProtocolError(
                 f"CREDIT ack {c.ack}, expected {c.expected}: this end holds entries {oldest}..{self._next_seq - 1}"
             )
@@ -454,7 +514,7 @@ class BridgeSender:
             if self._far_session and c.far_session != self._far_session:
                 log.warning(
                     "bridge sender: the far end restarted; %d unacknowledged entries go to its new target",
-                    len(self._entries),
+                    self._held(),
                 )
             self._far_session = c.far_session
             self._counts["sessions"] += 1
@@ -463,11 +523,13 @@ class BridgeSender:
             self._state = "up"
             self.link_error = None
         self._last_heard = now
-        # acknowledged entries are the far target's: forget them
-        entries = self._entries
-        while entries and entries[0].seq < c.ack:
-            entries.popleft()
-            self._counts["acked"] += 1
+        # acknowledged entries are the far target's: forget them (a chunk once all of it is)
+        chunks = self._chunks
+        while chunks and chunks[0].seq + chunks[0].count <= c.ack:
+            chunks.popleft()
+        if c.ack > self._ack_seq:
+            self._counts["acked"] += c.ack - self._ack_seq
+            self._ack_seq = c.ack
         self._credit_seq, self._credit_bytes, self._expected = c.credit_seq, c.credit_bytes, c.expected
         lost_in_flight = c.expected < self._send_seq and now - self._last_sent > 2 * self.heartbeat + 0.05
         if welcome or c.flags & P.RESEND or lost_in_flight:
@@ -477,11 +539,13 @@ class BridgeSender:
 
     def _send(self, sock: Any, zmq: Any, parts: list[Any]) -> bool:
         try:
-            # copied into ZeroMQ's message: pyzmq's zero-copy send frees each buffer through
-            # its garbage-collection thread, one more thread wake-up per frame
+            # copied into ZeroMQ's message (small parts); a DATA message's payloads go without
+            # a copy (``copy=False``): pyzmq copies those below its copy_threshold (64 KiB)
+            # anyway, and frees the larger ones through its garbage-collection thread, one
+            # wake-up of it per message, not per frame
             last = len(parts) - 1
             for i, part in enumerate(parts):
-                sock.send(part, _NOBLOCK_MORE if i < last else _NOBLOCK)
+                sock.send(part, _NOBLOCK_MORE if i < last else _NOBLOCK, copy=i < 2)
         except zmq.Again:
             self._blocked_until = time.monotonic() + 0.001
             return False
@@ -490,27 +554,47 @@ class BridgeSender:
     def _send_entries(self, sock: Any, zmq: Any, now: float) -> bool:
         if self._state != "up" or now < self._blocked_until:
             return False
-        entries = self._entries
-        if not entries:
+        chunks = self._chunks
+        if not chunks or self._send_seq >= self._next_seq:
             return False
-        first = entries[0].seq
-        sent = 0
-        while self._send_seq < self._next_seq and self._send_seq < self._credit_seq:
-            e = entries[self._send_seq - first]
-            if e.cum_end > self._credit_bytes:
-                break
-            if e.kind == P.DATA:
-                parts: list[Any] = [P.encode_data(e.seq, len(e.value)), e.value]
-            elif e.kind == P.LOST:
-                parts = [P.encode_lost(e.seq, e.value)]
+        # the chunk holding the next entry to send: the newest, but after a resend
+        k = len(chunks) - 1
+        while chunks[k].seq > self._send_seq:
+            k -= 1
+        sent = msgs = 0
+        credit_seq, credit_bytes, batch_bytes = self._credit_seq, self._credit_bytes, self.batch_bytes
+        while self._send_seq < self._next_seq and self._send_seq < credit_seq:
+            c = chunks[k]
+            i = self._send_seq - c.seq
+            if c.kind == P.DATA:
+                offs = c.offs
+                # as many entries as the credit (frames, then bytes) and one message allow
+                j = min(c.count, credit_seq - c.seq)
+                j = bisect.bisect_right(offs, credit_bytes - c.cum0, i, j + 1) - 1
+                if j <= i:
+                    break  # the next frame is beyond the byte credit
+                if offs[j] - offs[i] > batch_bytes:
+                    j = max(i + 1, bisect.bisect_right(offs, offs[i] + batch_bytes, i, j + 1) - 1)
+                parts: list[Any] = [
+                    P.encode_data(c.seq + i, j - i),
+                    c.lengths[4 * i : 4 * j],
+                    memoryview(c.body)[offs[i] : offs[j]],
+                ]
             else:
-                parts = P.encode_gone(e.seq, e.value)
+                if c.cum0 > credit_bytes:
+                    break
+                j = 1
+                parts = [P.encode_lost(c.seq, c.value)] if c.kind == P.LOST else P.encode_gone(c.seq, c.value)
             if not self._send(sock, zmq, parts):
                 break
-            self._send_seq += 1
-            sent += 1
+            self._send_seq = c.seq + j
+            sent += j - i
+            msgs += c.kind == P.DATA
+            if j == c.count:
+                k += 1
         if sent:
             self._counts["sent"] += sent
+            self._counts["messages"] += msgs
             self._last_sent = now
             self._beat_due = now + self.heartbeat
         return sent > 0
@@ -536,7 +620,7 @@ class BridgeSender:
             return False
         reader = self.reader
         dropping = self._state != "up"
-        n = self.max_batch if dropping else min(self.max_batch, self._credit_seq - self._next_seq)
+        n = self.max_batch if dropping else min(self._poll_frames, self._credit_seq - self._next_seq)
         try:
             views = reader.poll(n)
         except shm.ReaderEvicted as exc:
@@ -552,12 +636,16 @@ class BridgeSender:
                 self._counts["dropped"] += len(views)
                 self._lost(len(views))
             else:
-                total = 0
-                for mv in views:
-                    data = bytes(mv)
-                    total += len(data)
-                    self._append(P.DATA, data, len(data))
+                # one copy out of the ring for the whole read; the payloads stay end to end
+                lengths = list(map(len, views))
+                chunk = _Chunk(self._next_seq, P.DATA, self._cum, body=b"".join(views), lengths=lengths)
+                total = chunk.offs[-1]
+                self._chunks.append(chunk)
+                self._next_seq += chunk.count
+                self._cum += total
                 self._counts["bytes"] += total
+                # the next read: as many frames as make batch_bytes at this read's frame size
+                self._poll_frames = max(1, min(self.max_batch, self.batch_bytes * len(views) // max(1, total)))
             self._counts["frames"] += len(views)
             reader.release()
         lost = reader.new_losses()
@@ -567,11 +655,11 @@ class BridgeSender:
         return bool(views or lost)
 
     def _lost(self, count: int) -> None:
-        last = self._entries[-1] if self._entries else None
+        last = self._chunks[-1] if self._chunks else None
         if last is not None and last.kind == P.LOST and last.seq >= self._send_seq:
             last.value += count  # not sent yet: one entry says it all
         else:
-            self._append(P.LOST, count, 0)
+            self._append(P.LOST, count)
 
     def _retake(self, exc: shm.ReaderEvicted) -> None:
         # the producer evicted this reader (a reader_timeout shorter than the stall): what it
@@ -584,9 +672,8 @@ class BridgeSender:
         self._frames_base = written - self._counts["frames"] - self._counts["upstream_lost"]
         self._lost(missed)
 
-    def _append(self, kind: int, value: Any, nbytes: int) -> None:
-        self._cum += nbytes
-        self._entries.append(_Entry(self._next_seq, kind, value, nbytes, self._cum))
+    def _append(self, kind: int, value: Any) -> None:
+        self._chunks.append(_Chunk(self._next_seq, kind, self._cum, value=value))
         self._next_seq += 1
 
 

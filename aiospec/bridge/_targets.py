@@ -7,7 +7,7 @@ import contextlib
 import logging
 import mmap
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import shm
@@ -20,7 +20,14 @@ log = logging.getLogger("aiospec.bridge")
 
 
 class FrameTarget(Protocol):
-    """What a ``BridgeReceiver`` delivers into. Called from the receiver's thread only."""
+    """What a ``BridgeReceiver`` delivers into. Called from the receiver's thread only.
+
+    A target may also have ``put_many(payloads, timeout) -> int``: deliver the longest prefix
+    of ``payloads`` there is room for, waiting up to ``timeout`` seconds for room for the
+    first, and return how many were delivered. The receiver uses it when it is there (one
+    call per DATA message of several frames; ``RingTarget`` and ``CallbackTarget`` have it),
+    ``put`` otherwise.
+    """
 
     @property
     def max_payload(self) -> int:
@@ -113,6 +120,21 @@ class RingTarget:
             return False
         return True
 
+    def put_many(self, payloads: Sequence[memoryview], timeout: float = 0.0) -> int:
+        """Write the longest prefix of ``payloads`` the ring has room for, one frame each;
+        waits up to ``timeout`` seconds (the ring's own back-pressure wait) for room for the
+        first. Returns how many were written."""
+        write = self.ring.write
+        n = 0
+        try:
+            for p in payloads:
+                write(p, timeout=timeout)
+                timeout = 0.0
+                n += 1
+        except shm.RingFull:
+            pass
+        return n
+
     def lost(self, count: int) -> None:
         """Add ``count`` to the ring's ``frames_lost`` and wake the readers to notice it."""
         if count > 0 and not self._closed:
@@ -173,6 +195,16 @@ class CallbackTarget:
     def put(self, payload: memoryview) -> bool:
         """Hand one payload to ``on_frame``."""
         return self._on_frame(payload) is not False
+
+    def put_many(self, payloads: Sequence[memoryview], timeout: float = 0.0) -> int:
+        """Hand payloads to ``on_frame`` until it refuses one (never waits: ``timeout`` is
+        not used); returns how many it took."""
+        n = 0
+        for p in payloads:
+            if self._on_frame(p) is False:
+                break
+            n += 1
+        return n
 
     def lost(self, count: int) -> None:
         """Report ``count`` lost frames to ``on_lost``."""
