@@ -325,6 +325,7 @@ class Handlers:
                 "finished": {f"{e}:{r}": n for (e, r), n in m.finished.items()},
                 "requests": {f"{e}:{s}": n for (e, s), n in m.requests.items()},
                 "loop_lag": m.loop_lag.summary(),
+                "pacer": st.pacer.stats(),  # this process's
                 "servers": None if m.share is None else m.share.servers(),  # --api-servers: each process
                 "hub": None if hs is None else msgspec.to_builtins(hs),
                 "engines": engines,

@@ -78,6 +78,20 @@ class Pacer:
         """Stream turns and admissions waiting now."""
         return len(self._streams.waiters), len(self._admissions.waiters)
 
+    def stats(self) -> dict[str, float]:
+        """The counters and what waits now (``/stats``' ``pacer``)."""
+        streams, admissions = self.waiting
+        return {
+            "budget_ms": self.budget * 1e3,
+            "granted": self.granted,
+            "deferred": self.deferred,
+            "admitted": self.admitted,
+            "waiting_streams": streams,
+            "waiting_admissions": admissions,
+            "turn_us": round(self._streams.avg * 1e6, 1),
+            "admission_us": round(self._admissions.avg * 1e6, 1),
+        }
+
     def _arm(self) -> None:
         if not self._armed:
             self._armed = True
