@@ -168,9 +168,11 @@ def _drafts(segs: list[_Seg], copy: bool = False) -> list[np.ndarray] | None:
     """The draft ids of ``segs``, in order (copied out of shared sources for a chunk)."""
     out: list[np.ndarray] | None = None
     for f, r0, r1, _, _ in segs:
-        if f.draft_offsets is not None:
-            d = f.draft_ids[f.draft_offsets[r0] : f.draft_offsets[r1]]
-            if d.shape[0]:
+        offs = f.draft_offsets
+        if offs is not None:
+            a, b = offs[r0], offs[r1]
+            if b > a:  # most records carry none: no slice for them
+                d = f.draft_ids[a:b]
                 out = (out or []) + [d.copy() if copy else d]
         elif type(f) is _Chunk and f.drafts:
             out = (out or []) + f.drafts

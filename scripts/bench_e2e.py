@@ -20,7 +20,9 @@ them all within a millisecond. Reported per run: tokens/s received by the client
 inter-chunk latency p50/p99, server CPU per token (process CPU time of the server process over
 the load / tokens), engine CPU per token, the server's event-loop lag p99 (a 10 ms ticker task
 in the server measuring oversleep, read from ``/stats``), and the load generator's CPU per
-token (including its start-up, about 0.7 s).
+token (including its start-up, about 0.7 s); with one server process, its pacer's turns over the
+load (``pacer``: granted, deferred to a later loop iteration, admissions; a deferred share near 1
+means the server was the bound).
 
 CPUs: on a deployment the server has cores of its own, and the engine and the clients run
 elsewhere. So the server (every thread) is pinned to the first CPU it may use, and the
@@ -209,7 +211,8 @@ def run_one(path: str, concurrency: int, a: argparse.Namespace, servers: int = 1
         time.sleep(0.3)  # every server process sees the reset
         cpu0 = {p: _cpu(p) for p in server_pids}
         ecpu0 = sum(_cpu(p) for p in engine_pids)
-        e0 = _engine_counters(_http(srv.url + "/stats"))
+        s0 = _http(srv.url + "/stats")
+        e0 = _engine_counters(s0)
         t0 = time.perf_counter()
         s, client_cpu = _load(srv.url, concurrency, n, a.max_tokens, a, ramp_up=a.ramp_up, clients=a.clients,
                               cpus=others)  # fmt: skip
@@ -230,6 +233,12 @@ def run_one(path: str, concurrency: int, a: argparse.Namespace, servers: int = 1
         else [x["loop_lag_summary"] for x in sorted(after["servers"], key=lambda x: x["index"])]
     )
     steps = e1["steps"] - e0["steps"]
+    pacer = None
+    if servers == 1 and "pacer" in s0:  # (with several, two requests may reach two processes)
+        p0, p1 = s0["pacer"], after["pacer"]
+        # the share of turns that waited for a later loop iteration: near 1, the server was the bound
+        turns = {k: p1[k] - p0[k] for k in ("granted", "deferred", "admitted")}
+        pacer = {**turns, "deferred_share": round(turns["deferred"] / max(turns["granted"], 1), 3)}
     return {
         "path": path,
         "api_servers": servers,
@@ -251,6 +260,7 @@ def run_one(path: str, concurrency: int, a: argparse.Namespace, servers: int = 1
         "client_cpu_us_per_token": round(client_cpu / tokens * 1e6, 2),
         "loop_lag_ms": {k: round(max(x[k] for x in lags), 3) for k in lags[0] if k != "n"},
         "loop_lag_p99_ms_per_server": [round(x["p99_ms"], 3) for x in lags],
+        "pacer": pacer,  # the server's turns over the load (one server process only)
         # the engine's own counters over the load: the share of the wall time it spent on its
         # steps and emits (near 1: the engine was the bound), and its pace against 1 / step_ms
         "engine": {

@@ -78,6 +78,11 @@ def test_bench_e2e_runs_each_path_and_reports_ratios() -> None:
         assert set(lag) == {"p50_ms", "p99_ms", "max_ms"}, lag
         assert all(math.isfinite(v) for v in lag.values()) and 0 <= lag["p50_ms"] <= lag["p99_ms"] <= lag["max_ms"]
         assert lag["max_ms"] > 0, lag
+        # the server's pacer over the load: each request set up in an admission turn, each
+        # chunk in a turn of its own
+        pacer = r["pacer"]
+        assert pacer["admitted"] >= 4 and pacer["granted"] >= pacer["admitted"] + 4, pacer
+        assert pacer["deferred_share"] == round(pacer["deferred"] / pacer["granted"], 3), pacer
     ring, vllm = runs
     ratios = out["ratios"]["4"]["ring_vs_vllm"]  # type: ignore[index]
     assert ratios == pytest.approx(

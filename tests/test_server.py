@@ -309,8 +309,13 @@ def test_many_concurrent_streams(server: ServerProcess) -> None:
         finally:
             await client.close()
 
+    before = _stats(server)["pacer"]
     texts = asyncio.run(main())
     assert len(set(texts)) == 48
+    pacer = _stats(server)["pacer"]
+    # every request was set up in an admission turn; nothing waits once they are done
+    assert pacer["admitted"] - before["admitted"] >= 48 and pacer["granted"] - before["granted"] >= 48 + 48
+    assert pacer["waiting_streams"] == 0 and pacer["waiting_admissions"] == 0 and pacer["budget_ms"] == 2.0
 
 
 def test_metrics_in_prometheus_format(server: ServerProcess) -> None:

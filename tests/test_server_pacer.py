@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 
 import numpy as np
@@ -182,3 +183,151 @@ async def test_paced_get_returns_promptly_when_idle() -> None:
             assert t_turn >= t0
             assert d.token_ids.tolist() == [5] and time.perf_counter() - t0 < 30
             stream.close()
+
+
+def test_admission_share_is_validated() -> None:
+    with pytest.raises(ValueError, match=r"^admission_share = 0: expected a fraction in \(0, 1\]$"):
+        Pacer(budget=0.002, admission_share=0)
+    with pytest.raises(ValueError, match=r"^admission_share = 1\.5: expected a fraction in \(0, 1\]$"):
+        Pacer(budget=0.002, admission_share=1.5)
+
+
+class _Ticker:
+    """Counts loop iterations (one ``sleep(0)`` each) while it runs."""
+
+    def __init__(self) -> None:
+        self.iteration = 0
+        self._task = asyncio.ensure_future(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(0)
+            self.iteration += 1
+
+    def stop(self) -> None:
+        self._task.cancel()
+
+
+@pytest.mark.asyncio
+async def test_admissions_take_at_most_their_share_while_streams_wait() -> None:
+    p = Pacer(budget=0.004, admission_share=0.5)
+    for _ in range(200):
+        p.charge(0.0011)  # a stream's piece: 1.1 ms (clear of the budget's fractions)
+        p.charge(0.0011, admission=True)  # a request's set-up: 1.1 ms
+    tick = _Ticker()
+    streams: list[tuple[int, int]] = []  # (iteration, index)
+    admissions: list[tuple[int, int]] = []
+
+    async def stream_piece(i: int) -> None:
+        await p.turn()
+        streams.append((tick.iteration, i))
+        p.charge(0.0011)
+
+    async def admission(i: int) -> None:
+        await p.admission()
+        admissions.append((tick.iteration, i))
+        p.charge(0.0011, admission=True)
+
+    await asyncio.gather(*(stream_piece(i) for i in range(40)), *(admission(i) for i in range(40)))
+    tick.stop()
+    assert [i for _, i in streams] == list(range(40)) and [i for _, i in admissions] == list(range(40))
+    assert p.admitted >= 40 and p.waiting == (0, 0)
+    per_s = np.bincount([it for it, _ in streams])
+    per_a = np.bincount([it for it, _ in admissions], minlength=per_s.shape[0])
+    both = [it for it in range(min(per_s.shape[0], per_a.shape[0])) if per_s[it] and per_a[it]]
+    assert both, "the two kinds never shared an iteration"
+    # four pieces fit in a window: two of each while both kinds wait, never more than four
+    assert (per_s[: per_a.shape[0]] + per_a[: per_s.shape[0]]).max() <= 4
+    assert max(per_a[it] for it in both) <= 2 and max(per_s[it] for it in both) <= 2
+
+
+@pytest.mark.asyncio
+async def test_a_burst_of_admissions_does_not_hold_back_running_streams() -> None:
+    """Running streams keep their turns, at about their rate without the burst, while 300
+    new requests are set up; every admission still gets through, none starves."""
+    p = Pacer(budget=0.004, admission_share=0.5)
+    for _ in range(200):
+        p.charge(0.0011)
+        p.charge(0.0011, admission=True)
+    tick = _Ticker()
+    served: dict[int, list[int]] = {i: [] for i in range(8)}
+    done = False
+
+    async def stream(i: int) -> None:
+        while not done:
+            await p.turn()
+            served[i].append(tick.iteration)
+            p.charge(0.0011)
+
+    admitted: list[int] = []
+
+    async def admission() -> None:
+        await p.admission()
+        admitted.append(tick.iteration)
+        p.charge(0.0011, admission=True)
+
+    streams = [asyncio.ensure_future(stream(i)) for i in range(8)]
+    for _ in range(50):
+        await asyncio.sleep(0)
+    burst_at = tick.iteration
+    await asyncio.wait_for(asyncio.gather(*(admission() for _ in range(300))), 60)
+    done = True
+    await asyncio.wait_for(asyncio.gather(*streams), 60)
+    tick.stop()
+    assert len(admitted) == 300
+    # 8 streams of 1.1 ms in 4 ms windows: a stream's turn every 2 iterations alone; with the
+    # burst the streams keep half of each window, a turn every 4 (in one FIFO it would wait
+    # behind the whole burst: 330 ms of set-up, 75 iterations)
+    for its in served.values():
+        during = [b - a for a, b in itertools.pairwise(its) if a >= burst_at]
+        assert during and max(during) <= 6, during
+
+
+@pytest.mark.asyncio
+async def test_every_stream_is_served_in_turn_when_the_server_is_the_bound() -> None:
+    """64 streams read by paced consumers that each cost 1.1 ms of a 4 ms budget (the server
+    is the bound: four turns per iteration, sixteen iterations for a round), with a frame for
+    all of them every iteration: each stream gets its turn once a round, none waits for many
+    rounds while others take chunk after chunk, and each receives every token in order."""
+    streams_n, frames_n = 64, 120
+    with shm.Ring.create(capacity=1 << 20) as ring:
+        async with Hub([ring.name]) as hub:
+            p = Pacer(budget=0.004)
+            for _ in range(200):
+                p.charge(0.0011)
+            streams = [hub.open(h) for h in range(streams_n)]
+            tick = _Ticker()
+            turns: dict[int, list[int]] = {h: [] for h in range(streams_n)}
+            got: dict[int, list[int]] = {h: [] for h in range(streams_n)}
+
+            async def consume(h: int) -> None:
+                s = streams[h]
+                while True:
+                    try:
+                        d, _ = await paced_get(s, p)
+                    except EndOfStream:
+                        return
+                    if d is None:
+                        continue
+                    turns[h].append(tick.iteration)
+                    got[h] += d.token_ids.tolist()
+                    p.charge(0.0011)
+
+            consumers = [asyncio.ensure_future(consume(h)) for h in range(streams_n)]
+            handles = list(range(streams_n))
+            offsets = list(range(streams_n + 1))
+            for i in range(frames_n):
+                flags = [int(Flag.FINISHED) if i == frames_n - 1 else 0] * streams_n
+                ring.write(encode_frame(handles, offsets, [i] * streams_n, flags=flags))
+                await asyncio.sleep(0)
+            await asyncio.wait_for(asyncio.gather(*consumers), 60)
+            tick.stop()
+            for s in streams:
+                s.close()
+    assert all(got[h] == list(range(frames_n)) for h in range(streams_n))
+    # a round is 64 / 4 = 16 iterations (the reader's wake-ups add a few): no stream's wait
+    # reaches two rounds, and every stream got about as many turns as every other
+    gaps = [b - a for its in turns.values() for a, b in itertools.pairwise(its)]
+    assert max(gaps) <= 32, sorted(gaps)[-10:]
+    counts = [len(its) for its in turns.values()]
+    assert min(counts) >= 0.6 * max(counts), counts

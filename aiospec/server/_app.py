@@ -95,7 +95,9 @@ class Handlers:
         try:
             check_json_content_type(scope["headers"])
             body = await self._read_body(scope, receive)
-            await st.pacer.turn()  # a burst of new requests is set up a few per loop iteration
+            # a burst of new requests is set up a few per loop iteration, within the share of
+            # the budget that leaves the running streams their turns
+            await st.pacer.admission()
             t0 = time.perf_counter()
             parse = parse_chat if chat else parse_completion
             parsed = parse(body, st.limits)
@@ -103,7 +105,7 @@ class Handlers:
             if not st.link.alive:
                 raise ApiError(503, f"the engine is not running ({st.link.condition})", code="engine_unavailable")
             choices = self._admit(parsed, chat)
-            st.pacer.charge(time.perf_counter() - t0)
+            st.pacer.charge(time.perf_counter() - t0, admission=True)
         except _ClientGone:
             st.metrics.request_done(endpoint, 499)
             return
@@ -323,6 +325,7 @@ class Handlers:
                 "finished": {f"{e}:{r}": n for (e, r), n in m.finished.items()},
                 "requests": {f"{e}:{s}": n for (e, s), n in m.requests.items()},
                 "loop_lag": m.loop_lag.summary(),
+                "pacer": st.pacer.stats(),  # this process's
                 "servers": None if m.share is None else m.share.servers(),  # --api-servers: each process
                 "hub": None if hs is None else msgspec.to_builtins(hs),
                 "engines": engines,

@@ -319,20 +319,29 @@ class Generation(Response):
                 if c.take_side(got):
                     pacer.charge(time.perf_counter() - t0)
                     continue
-                pieces = split(got, MAX_CHUNK_TOKENS)
-            d = pieces.pop(0)
+                if got.token_ids.shape[0] <= MAX_CHUNK_TOKENS:  # the common case: one piece
+                    d = got
+                else:
+                    pieces = split(got, MAX_CHUNK_TOKENS)
+                    d = pieces.pop(0)
+            else:
+                d = pieces.pop(0)
             body = self._chat_chunk(c, d, enc) if enc is not None else self._completion_chunk(c, d)
-            pacer.charge(time.perf_counter() - t0)
             if body is None:
+                pacer.charge(time.perf_counter() - t0)
                 continue  # e.g. the first byte of a character split over tokens
             fr = c.out.finish_reason
             if fr is not None:
                 c.end = fr
                 c.engine_done = not c.out.stopped
-                await emit(body, True)
-                return
-            await emit(body, False)
-            if gone():
+            # the write is part of the piece's cost (a system call per chunk: about as much as
+            # formatting it), so that the budget bounds the iteration's work, not a part of it
+            t1 = time.perf_counter()
+            await emit(body, fr is not None)
+            t2 = time.perf_counter()
+            # a write that waited (the client reads slowly) did not cost that long
+            pacer.charge(t2 - t0 if t2 - t1 < pacer.budget else t1 - t0)
+            if fr is not None or gone():
                 return
 
     def _usage_json(self, c: Choice) -> bytes:

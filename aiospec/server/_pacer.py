@@ -13,6 +13,15 @@ carries more of them: the loop stays responsive and the cost per token falls und
 The expected costs decide how many waiters an iteration releases; the measured ones bound
 what runs: a released task that finds the work already charged in its iteration over the
 budget (pieces larger than the average) queues again, ahead of the others.
+
+Two kinds of work wait in two queues: the streams' chunks (``turn``) and the set-up of new
+requests (``admission``, charged with ``charge(seconds, admission=True)``), each with its own
+average cost. While both wait, admissions get at most ``admission_share`` of an iteration's
+budget (at least one admission per iteration) and the streams the rest; either kind takes the
+whole budget when the other does not wait. So a burst of new requests (under a fixed output
+length, requests end and are replaced in waves) cannot push every running stream's next turn
+back behind it: a stream waits for one round of the other running streams, not for the
+backlog of requests not yet admitted, and nothing starves.
 """
 
 from __future__ import annotations
@@ -23,20 +32,65 @@ from collections import deque
 __all__ = ("Pacer",)
 
 
+class _Queue:
+    """One kind of work: its waiters, its average cost and its share of the current window."""
+
+    __slots__ = ("avg", "front", "spent", "waiters")
+
+    def __init__(self, avg: float) -> None:
+        self.waiters: deque[asyncio.Future[None]] = deque()
+        self.avg = avg  # moving average of one piece of this kind
+        self.spent = 0.0  # expected cost of the turns of this kind granted in the current window
+        self.front = 0  # where the next task that queues again goes (ahead of new waiters)
+
+    def release(self, limit: float, at_least_one: bool = False) -> int:
+        """Resolve waiters, in order, while the expected cost stays under ``limit``."""
+        waiters = self.waiters
+        n = 0
+        while waiters and (self.spent < limit or (at_least_one and not n)):
+            f = waiters.popleft()
+            if not f.done():
+                f.set_result(None)
+                self.spent += self.avg
+                n += 1
+        return n
+
+
 class Pacer:
-    def __init__(self, budget: float = 0.003) -> None:
+    def __init__(self, budget: float = 0.003, admission_share: float = 0.5) -> None:
         if not budget > 0:
             raise ValueError(f"budget = {budget!r}: expected a positive number of seconds")
+        if not 0 < admission_share <= 1:
+            raise ValueError(f"admission_share = {admission_share!r}: expected a fraction in (0, 1]")
         self.budget = budget
-        self._spent = 0.0  # expected cost of the turns granted in the current window
+        self.admission_share = admission_share
+        self._streams = _Queue(budget / 16)
+        self._admissions = _Queue(budget / 16)
         self._used = 0.0  # measured cost of the work charged since the last window began
-        self._front = 0  # where the next task that queues again goes (ahead of new waiters)
-        self._avg = budget / 16  # moving average of one piece of work
         self._armed = False
-        self._waiters: deque[asyncio.Future[None]] = deque()
         self._loop: asyncio.AbstractEventLoop | None = None
         self.granted = 0
         self.deferred = 0  # turns that waited for a later iteration
+        self.admitted = 0  # admission turns granted (also counted in ``granted``)
+
+    @property
+    def waiting(self) -> tuple[int, int]:
+        """Stream turns and admissions waiting now."""
+        return len(self._streams.waiters), len(self._admissions.waiters)
+
+    def stats(self) -> dict[str, float]:
+        """The counters and what waits now (``/stats``' ``pacer``)."""
+        streams, admissions = self.waiting
+        return {
+            "budget_ms": self.budget * 1e3,
+            "granted": self.granted,
+            "deferred": self.deferred,
+            "admitted": self.admitted,
+            "waiting_streams": streams,
+            "waiting_admissions": admissions,
+            "turn_us": round(self._streams.avg * 1e6, 1),
+            "admission_us": round(self._admissions.avg * 1e6, 1),
+        }
 
     def _arm(self) -> None:
         if not self._armed:
@@ -45,53 +99,84 @@ class Pacer:
             # a callback scheduled now runs in the next loop iteration: one window per iteration
             self._loop.call_soon(self._tick)
 
-    def _grant(self) -> bool:
-        """Take a turn in the current window if its budget allows (charging the expected cost)."""
-        if not self._armed:
-            self._spent = self._used = 0.0  # first demand since the loop went quiet: a fresh window
+    def _limits(self) -> tuple[float, float]:
+        """The expected costs the streams and the admissions may reach in this window."""
+        b = self.budget
+        if not self._admissions.waiters and not self._streams.waiters:
+            return b, b
+        reserve = b * self.admission_share
+        return b - reserve if self._admissions.waiters else b, reserve if self._streams.waiters else b
+
+    def _fresh(self) -> None:
+        if not self._armed:  # first demand since the loop went quiet: a fresh window
+            self._streams.spent = self._admissions.spent = self._used = 0.0
             self._arm()
-        if self._waiters or self._spent >= self.budget or self._used >= self.budget:
+
+    def _grant(self, admission: bool = False) -> bool:
+        """Take a turn in the current window if its budget allows (charging the expected cost)."""
+        self._fresh()
+        q = self._admissions if admission else self._streams
+        if q.waiters or self._used >= self.budget:
             return False
-        self._spent += self._avg
+        other = self._streams if admission else self._admissions
+        limit = self.budget
+        if other.waiters:  # the other kind waits: this one keeps to its share
+            limit *= self.admission_share if admission else 1 - self.admission_share
+        if q.spent + other.spent >= self.budget or q.spent >= limit:
+            return False
+        q.spent += q.avg
         self.granted += 1
+        if admission:
+            self.admitted += 1
         return True
 
     def _tick(self) -> None:
         self._armed = False
-        self._spent = self._used = 0.0
-        self._front = 0
-        waiters = self._waiters
-        released = 0
-        while waiters and self._spent < self.budget:
-            f = waiters.popleft()
-            if not f.done():
-                f.set_result(None)
-                self._spent += self._avg
-                released += 1
+        self._used = 0.0
+        s, a = self._streams, self._admissions
+        s.spent = a.spent = 0.0
+        s.front = a.front = 0
+        if a.waiters and s.waiters:
+            # the streams up to their share, then at least one admission, then whatever the
+            # budget has left for either
+            released = s.release(self.budget * (1 - self.admission_share))
+            n = a.release(self.budget - s.spent, at_least_one=True)
+            released += n + s.release(self.budget - a.spent)
+            self.admitted += n
+        elif a.waiters:
+            released = n = a.release(self.budget)
+            self.admitted += n
+        else:
+            released = s.release(self.budget)
         self.granted += released
-        if waiters or released:
+        if s.waiters or a.waiters or released:
             self._arm()
 
-    def charge(self, seconds: float) -> None:
-        """Report the measured cost of a piece of work done after a turn."""
+    def charge(self, seconds: float, admission: bool = False) -> None:
+        """Report the measured cost of a piece of work done after a turn (``admission``: after
+        an ``admission()`` turn)."""
         self._used += seconds
-        self._avg += (seconds - self._avg) * 0.05
+        q = self._admissions if admission else self._streams
+        # one outlier (the process preempted, a collection) moves the average by at most a
+        # tenth of the budget, not by a multiple of it for dozens of windows
+        q.avg += (min(seconds, 2 * self.budget) - q.avg) * 0.05
 
-    async def settle(self) -> None:
+    async def settle(self, admission: bool = False) -> None:
         """Called by a task whose queued turn came: if the work already done in this iteration
         used the budget, wait for the next window (first in line, in the order of arrival)."""
+        q = self._admissions if admission else self._streams
         while self._used >= self.budget:
             assert self._loop is not None
             fut = self._loop.create_future()
-            self._waiters.insert(self._front, fut)
-            self._front += 1
+            q.waiters.insert(q.front, fut)
+            q.front += 1
             self.deferred += 1
             self._arm()
             await fut
 
     def after(self, fut: asyncio.Future[None]) -> asyncio.Future[None]:
-        """A turn that is queued once ``fut`` is done: a task that waits for data and then
-        for a turn is woken once, when it may work, not twice."""
+        """A stream's turn that is queued once ``fut`` is done: a task that waits for data and
+        then for a turn is woken once, when it may work, not twice."""
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
         turn: asyncio.Future[None] = self._loop.create_future()
@@ -102,22 +187,32 @@ class Pacer:
             if self._grant():
                 turn.set_result(None)
             else:
-                self._waiters.append(turn)
+                self._streams.waiters.append(turn)
                 self.deferred += 1
                 self._arm()
 
         fut.add_done_callback(queue)
         return turn
 
-    async def turn(self) -> None:
-        """Wait until the current loop iteration has budget left for one more piece of work."""
+    async def _wait(self, admission: bool) -> None:
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
-        if self._grant():
+        if self._grant(admission):
             return
+        q = self._admissions if admission else self._streams
         fut = self._loop.create_future()
-        self._waiters.append(fut)
+        q.waiters.append(fut)
         self.deferred += 1
         self._arm()
         await fut
-        await self.settle()
+        await self.settle(admission)
+
+    async def turn(self) -> None:
+        """Wait until the current loop iteration has budget left for one more piece of a
+        stream's work."""
+        await self._wait(False)
+
+    async def admission(self) -> None:
+        """Wait until the current loop iteration has budget left for setting up one more new
+        request (within the admissions' share while streams wait)."""
+        await self._wait(True)
