@@ -233,6 +233,17 @@ def _options(p: argparse.ArgumentParser) -> dict[str, object]:
     return out
 
 
+def _helps(p: argparse.ArgumentParser) -> dict[str, str]:
+    """Each option's help text, the subcommands' (as in _options) included."""
+    out = {s: a.help or "" for a in p._actions for s in a.option_strings}
+    for a in p._actions:
+        if isinstance(a, argparse._SubParsersAction):
+            for sub in a.choices.values():
+                for k, v in _helps(sub).items():
+                    out.setdefault(k, v)
+    return out
+
+
 def _script_options(script: Path) -> dict[str, str]:
     """A script's options from its ``--help`` (its parser is built inside ``main``)."""
     r = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=60, cwd=ROOT)
@@ -355,9 +366,7 @@ def _same(doc_value: str, default: object, option: str, help_text: str) -> bool:
 @pytest.mark.parametrize("doc", DOC_NAMES)
 def test_every_default_a_document_states_is_the_parsers(doc: str, commands: dict[str, dict[str, object]]) -> None:
     parsers = _aiospec_commands()
-    helps = {
-        f"aiospec {n}": {s: a.help or "" for a in p._actions for s in a.option_strings} for n, p in parsers.items()
-    }
+    helps = {f"aiospec {n}": _helps(p) for n, p in parsers.items()}
     checked, wrong = 0, []
     for option, text, owner in _mentions(ROOT / doc, commands):
         stated = [m.group(2) for m in _DEFAULT_AFTER.finditer(text) if m.group(1) == option]
