@@ -434,25 +434,23 @@ cudaError_t aiospec_cuda_emit_ex(aiospec_cuda_producer* p, const aiospec_emit_ar
       status = cudaSuccess;
     }
   }
-  if (!exchange) {
-    const bool inline_x =
-        sampled && args->max_tokens <= kInlineMaxTokens && args->rows * args->max_tokens <= kInlineTokens;
-    if (sampled && !inline_x) {
-      // the step's exceptions, counted once for all blocks (emit_kernel.cuh)
-      const long long pre_blocks = (args->rows + aiospec::cuda::kPreRows - 1) / aiospec::cuda::kPreRows;
-      if (pre_blocks > 0) {
-        aiospec::cuda::exceptions_kernel<<<unsigned(pre_blocks), aiospec::cuda::kPreThreads, 0, stream>>>(*args,
-                                                                                                         p->xcnt);
+  if (!exchange || blocks == 1) {
+    bool inline_x = false;
+    if (!exchange && sampled) {
+      inline_x = args->max_tokens <= kInlineMaxTokens && args->rows * args->max_tokens <= kInlineTokens;
+      if (!inline_x) {
+        // the step's exceptions, counted once for all blocks (emit_kernel.cuh)
+        const long long pre_blocks = (args->rows + aiospec::cuda::kPreRows - 1) / aiospec::cuda::kPreRows;
+        if (pre_blocks > 0) {
+          aiospec::cuda::exceptions_kernel<<<unsigned(pre_blocks), aiospec::cuda::kPreThreads, 0, stream>>>(*args,
+                                                                                                           p->xcnt);
+        }
+        const cudaError_t pre = cudaGetLastError();
+        if (pre != cudaSuccess) return pre;
       }
-      const cudaError_t pre = cudaGetLastError();
-      if (pre != cudaSuccess) return pre;
     }
     aiospec::cuda::emit_kernel<<<unsigned(blocks), aiospec::cuda::kThreads, shmem, stream>>>(
-        *args, p->ref, p->st, p->md, step_dev, p->xcnt, p->part, int(rpb), int(inline_x), 0);
-    status = cudaGetLastError();
-  } else if (blocks == 1) {
-    aiospec::cuda::emit_kernel<<<1, aiospec::cuda::kThreads, shmem, stream>>>(*args, p->ref, p->st, p->md, step_dev,
-                                                                           p->xcnt, p->part, int(rpb), 0, 1);
+        *args, p->ref, p->st, p->md, step_dev, p->xcnt, p->part, int(rpb), int(inline_x), int(exchange));
     status = cudaGetLastError();
   }
   if (status == cudaSuccess && p->opts.host_notify) status = cudaLaunchHostFunc(stream, notify_callback, p);
