@@ -627,13 +627,12 @@ Inputs timing_inputs(std::mt19937_64& rng, int64_t rows, int64_t tokens, int64_t
   return in;
 }
 
-void one_config(int64_t rows, int64_t tokens, int64_t k, int n) {
-  std::mt19937_64 rng(7);
-  Segment seg(64u << 20, 8u << 20, "one");
-  seg.slot32(AIOSPEC_RD_STATE) = AIOSPEC_READER_FREE;
+// A producer for the timing modes (no liveness thread); the driver exits if it cannot be made.
+aiospec_cuda_producer* timing_producer(const Segment& seg, int64_t max_rows, int rpb) {
   aiospec_cuda_options o;
   aiospec_cuda_default_options(&o);
-  o.max_rows = 4096;
+  o.max_rows = max_rows;
+  if (rpb > 0) o.rows_per_block = rpb;
   o.liveness_s = 0;
   aiospec_cuda_producer* p = nullptr;
   char err[512];
@@ -641,24 +640,46 @@ void one_config(int64_t rows, int64_t tokens, int64_t k, int n) {
     std::fprintf(stderr, "producer_create: %s\n", err);
     std::exit(2);
   }
+  return p;
+}
+
+#ifdef AIOSPEC_PHASES
+// The kernel's phase clocks (AIOSPEC_PHASES builds): each emit's cycles from the kernel's entry
+// to every phase boundary, printed as the median per phase.
+struct PhaseClocks {
+  std::vector<std::vector<double>> ph = std::vector<std::vector<double>>(9);
+  void add() {  // after an emit has finished
+    unsigned long long c[16];
+    CUDA_OK(cudaError_t(aiospec_cuda_phases(c)));
+    for (int q = 0; q <= 8; ++q) ph[size_t(q)].push_back(double(c[q] - c[9]));
+  }
+  void print() {
+    for (int q = 0; q <= 8; ++q) {
+      std::sort(ph[size_t(q)].begin(), ph[size_t(q)].end());
+      std::printf(" p%d=%.0f", q, ph[size_t(q)][ph[size_t(q)].size() / 2]);
+    }
+  }
+};
+#endif
+
+void one_config(int64_t rows, int64_t tokens, int64_t k, int n) {
+  std::mt19937_64 rng(7);
+  Segment seg(64u << 20, 8u << 20, "one");
+  seg.slot32(AIOSPEC_RD_STATE) = AIOSPEC_READER_FREE;
+  aiospec_cuda_producer* p = timing_producer(seg, 4096, 0);
   Inputs in = timing_inputs(rng, rows, tokens, k);
   aiospec_emit_args da = in.device_args(0);
 #ifdef AIOSPEC_PHASES
   // each emit alone (the GPU otherwise idle), the clock of every phase boundary against the
   // kernel's entry; the median over the emits
-  std::vector<std::vector<double>> ph(10);
+  PhaseClocks ph;
   for (int i = 0; i < n; ++i) {
     CUDA_OK(aiospec_cuda_emit(p, &da, 0));
     CUDA_OK(cudaDeviceSynchronize());
-    unsigned long long c[16];
-    CUDA_OK(cudaError_t(aiospec_cuda_phases(c)));
-    for (int k = 0; k <= 8; ++k) ph[size_t(k)].push_back(double(c[k] - c[9]));
+    ph.add();
   }
   std::printf("phases rows=%lld tokens=%lld k=%lld cycles_from_entry", (long long)rows, (long long)tokens, (long long)k);
-  for (int k = 0; k <= 8; ++k) {
-    std::sort(ph[size_t(k)].begin(), ph[size_t(k)].end());
-    std::printf(" p%d=%.0f", k, ph[size_t(k)][ph[size_t(k)].size() / 2]);
-  }
+  ph.print();
   std::printf("\n");
 #else
   for (int i = 0; i < n; ++i) CUDA_OK(aiospec_cuda_emit(p, &da, 0));
@@ -676,17 +697,7 @@ void one_config(int64_t rows, int64_t tokens, int64_t k, int n) {
 void time_emits(std::mt19937_64& rng, int rpb) {
   Segment seg(64u << 20, 8u << 20, "time");
   seg.slot32(AIOSPEC_RD_STATE) = AIOSPEC_READER_FREE;
-  aiospec_cuda_options o;
-  aiospec_cuda_default_options(&o);
-  o.max_rows = 1024;
-  o.rows_per_block = rpb;
-  o.liveness_s = 0;
-  aiospec_cuda_producer* p = nullptr;
-  char err[512];
-  if (aiospec_cuda_producer_create(seg.name.c_str(), &o, &p, err, sizeof err) != 0) {
-    std::fprintf(stderr, "producer_create: %s\n", err);
-    std::exit(2);
-  }
+  aiospec_cuda_producer* p = timing_producer(seg, 1024, rpb);
   cudaStream_t s;
   CUDA_OK(cudaStreamCreate(&s));
   cudaEvent_t ev[50];
@@ -787,16 +798,7 @@ void cold_emits(int n) {
   std::mt19937_64 rng(11);
   Segment seg(64u << 20, 8u << 20, "cold");
   seg.slot32(AIOSPEC_RD_STATE) = AIOSPEC_READER_FREE;
-  aiospec_cuda_options o;
-  aiospec_cuda_default_options(&o);
-  o.max_rows = 1024;
-  o.liveness_s = 0;
-  aiospec_cuda_producer* p = nullptr;
-  char err[512];
-  if (aiospec_cuda_producer_create(seg.name.c_str(), &o, &p, err, sizeof err) != 0) {
-    std::fprintf(stderr, "producer_create: %s\n", err);
-    std::exit(2);
-  }
+  aiospec_cuda_producer* p = timing_producer(seg, 1024, 0);
   const size_t flush_n = (size_t(256) << 20) / sizeof(uint4);
   uint4* junk = nullptr;
   CUDA_OK(cudaMalloc(&junk, flush_n * sizeof(uint4)));
@@ -815,7 +817,9 @@ void cold_emits(int n) {
     aiospec_emit_args ha = in.host_args(0);
     CHECK(aiospec::emit_validate(ha, 8u << 20, &lay, &e) == AIOSPEC_E_OK, "cold inputs invalid");
     std::vector<float> cold, warm;
-    std::vector<std::vector<double>> ph(10);
+#ifdef AIOSPEC_PHASES
+    PhaseClocks ph;
+#endif
     for (int i = 0; i < n; ++i) {
       for (int pass = 0; pass < 2; ++pass) {
         if (pass == 0) flush_l2<<<1024, 256, 0, s>>>(junk, flush_n);
@@ -827,11 +831,7 @@ void cold_emits(int n) {
         CUDA_OK(cudaEventElapsedTime(&ms, e0, e1));
         (pass == 0 ? cold : warm).push_back(ms * 1000.f);
 #ifdef AIOSPEC_PHASES
-        if (pass == 0) {
-          unsigned long long ck[16];
-          CUDA_OK(cudaError_t(aiospec_cuda_phases(ck)));
-          for (int q = 0; q <= 8; ++q) ph[size_t(q)].push_back(double(ck[q] - ck[9]));
-        }
+        if (pass == 0) ph.add();
 #endif
       }
     }
@@ -841,10 +841,7 @@ void cold_emits(int n) {
                 (unsigned long long)lay.frame_size, median(cold), median(warm));
 #ifdef AIOSPEC_PHASES
     std::printf(" cold_cycles_from_entry");
-    for (int q = 0; q <= 8; ++q) {
-      std::sort(ph[size_t(q)].begin(), ph[size_t(q)].end());
-      std::printf(" p%d=%.0f", q, ph[size_t(q)][ph[size_t(q)].size() / 2]);
-    }
+    ph.print();
 #endif
     std::printf("\n");
   }
