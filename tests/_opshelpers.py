@@ -9,14 +9,16 @@ semantics row by row, independently of ``aiospec.ops._reference``.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
+import pytest
 
 import shm
 from aiospec._codec import Flag, Kind, decode_frame
-from aiospec.ops import EmitStep
+from aiospec.ops import EmitStep, _build, _cpu
 from aiospec.ops._inputs import Inputs, collect
 
 I64 = np.int64
@@ -425,3 +427,19 @@ INVALID: list[tuple[str, dict[str, object], str]] = [
         r"^lp_offsets\[1\] - lp_offsets\[0\] = 1: expected >= 2 \(num_tokens\[0\]\)$",
     ),
 ]
+
+
+# Fixtures of the modules that drive the CPU library through a Producer: import them by name.
+@pytest.fixture(scope="module", autouse=True, name="cpu_library")
+def cpu_library_fixture() -> None:
+    try:
+        _cpu.load_library()
+    except _build.BuildError as exc:  # pragma: no cover - every CI image has g++
+        pytest.fail(f"the CPU library must build here: {exc}")
+
+
+@pytest.fixture(name="ring")
+def ops_ring_fixture() -> Iterator[shm.Ring]:
+    """A fresh 1 MiB ring with four reader slots."""
+    with shm.Ring.create(capacity=1 << 20, max_readers=4) as r:
+        yield r

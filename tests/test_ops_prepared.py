@@ -11,24 +11,10 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _opshelpers import INVALID, base, make_step
+from _opshelpers import INVALID, base, cpu_library_fixture, make_step, ops_ring_fixture  # noqa: F401
 
 import shm
-from aiospec.ops import EmitError, EmitStep, Producer, _build, _cpu, _producer, build_frame
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _library() -> None:
-    try:
-        _cpu.load_library()
-    except _build.BuildError as exc:  # pragma: no cover - every CI image has g++
-        pytest.fail(f"the CPU library must build here: {exc}")
-
-
-@pytest.fixture
-def ring() -> Any:
-    with shm.Ring.create(capacity=1 << 20, max_readers=4) as r:
-        yield r
+from aiospec.ops import EmitError, EmitStep, Producer, _cpu, _producer, build_frame
 
 
 def _step(kwargs: dict[str, Any]) -> EmitStep:

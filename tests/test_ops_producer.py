@@ -13,7 +13,17 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _opshelpers import MODES, arr, base, collect_kw, make_step, read_frames, sleep_then_die
+from _opshelpers import (  # noqa: F401
+    MODES,
+    arr,
+    base,
+    collect_kw,
+    cpu_library_fixture,
+    make_step,
+    ops_ring_fixture,
+    read_frames,
+    sleep_then_die,
+)
 
 import shm
 from aiospec._codec import Kind, decode_frame
@@ -21,7 +31,6 @@ from aiospec.ops import (
     EmitError,
     EmitStep,
     Producer,
-    _build,
     _cpu,
     _inputs,
     _producer,
@@ -32,20 +41,6 @@ from aiospec.ops import (
 from shm import layout as L
 
 XPROC_TIMEOUT = 60.0
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _library() -> None:
-    try:
-        _cpu.load_library()
-    except _build.BuildError as exc:  # pragma: no cover - every CI image has g++
-        pytest.fail(f"the CPU library must build here: {exc}")
-
-
-@pytest.fixture
-def ring() -> Any:
-    with shm.Ring.create(capacity=1 << 20, max_readers=4) as r:
-        yield r
 
 
 # -- on a ring ---------------------------------------------------------------------------------------
