@@ -238,9 +238,14 @@ class _Engines:
     """What ``EngineGroup`` and ``RemoteEngines`` do alike over their engine connections
     (prefill first): the transports, the failures, the admissions, aborts and stats."""
 
-    _conns: list[_Conn]
-    _ids: Iterator[int]
-    _stopped: bool
+    def __init__(self, config: EngineConfig, pd: bool) -> None:
+        config.validate()
+        self.config = config
+        self.pd = pd
+        self._conns: list[_Conn] = []
+        self._ids: Iterator[int] = itertools.count(1)
+        self._started = False
+        self._stopped = False
 
     @property
     def transports(self) -> list[str]:
@@ -277,16 +282,10 @@ class EngineGroup(_Engines):
     again after a failure): API server processes connect there (``RemoteEngines``)."""
 
     def __init__(self, config: EngineConfig, *, pd: bool = False, listen: list[socket.socket] | None = None) -> None:
-        config.validate()
+        super().__init__(config, pd)
         if listen is not None and len(listen) != (2 if pd else 1):
             raise ValueError(f"listen: {len(listen)} sockets, expected one per engine ({2 if pd else 1})")
-        self.config = config
-        self.pd = pd
         self.listen = listen
-        self._conns: list[_Conn] = []
-        self._ids = itertools.count(1)
-        self._started = False
-        self._stopped = False
 
     @property
     def pids(self) -> list[int]:
@@ -446,17 +445,11 @@ class RemoteEngines(_Engines):
     connections and leaves the engines running (the engine aborts this server's requests)."""
 
     def __init__(self, config: EngineConfig, addresses: list[str], *, server: int, pd: bool = False) -> None:
-        config.validate()
+        super().__init__(config, pd)
         if len(addresses) != (2 if pd else 1):
             raise ValueError(f"addresses = {addresses!r}: expected one per engine ({2 if pd else 1})")
-        self.config = config
-        self.pd = pd
         self.addresses = addresses
         self.server = server
-        self._conns: list[_Conn] = []
-        self._ids = itertools.count(1)
-        self._started = False
-        self._stopped = False
 
     @property
     def pids(self) -> list[int]:
