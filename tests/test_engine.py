@@ -11,7 +11,16 @@ import pytest
 
 import shm
 from aiospec import Flag, decode_frame
-from aiospec.engine import Admit, EngineConfig, EngineCore, EngineGroup, HandleAllocator, ToyModel, default_vocabulary
+from aiospec.engine import (
+    Admit,
+    EngineConfig,
+    EngineCore,
+    EngineGroup,
+    HandleAllocator,
+    ToyModel,
+    Vocabulary,
+    default_vocabulary,
+)
 from aiospec.engine._model import SALT_SAMPLE, log_softmax, ranks_of, request_key, top_k, uniform
 from aiospec.engine._protocol import FrameBuffer, Handoff, encode
 from aiospec.engine._sinks import reference_payload
@@ -53,6 +62,35 @@ def test_vocabulary_encode_is_stable_and_in_range() -> None:
     assert VOCAB.tokens[ids[-1]] == "!"
     known = VOCAB.encode("The house, café 😀.")
     assert [VOCAB.tokens[i] for i in known] == [" The", " house", ",", " café", " 😀", "."]
+
+
+def test_vocabulary_encode_by_pieces_equals_the_whole_text_encoding() -> None:
+    # prompts are encoded piece by piece (cached per piece): the same ids as the longest-match
+    # scan over the whole text, for the vocabulary's own tokens, glued words, odd spaces
+    rng = np.random.default_rng(5)
+    toks = list(VOCAB.tokens[1:])
+    odd = list("abXZé東😀,.!?'\"()-\n\t\r \u00a0\u2003")
+    for _ in range(3000):
+        parts = []
+        for _ in range(int(rng.integers(0, 12))):
+            r = rng.random()
+            if r < 0.5:
+                parts.append(toks[rng.integers(len(toks))])
+            elif r < 0.8:
+                parts.append("".join(odd[i] for i in rng.integers(0, len(odd), int(rng.integers(1, 5)))))
+            else:
+                parts.append(toks[rng.integers(len(toks))].strip())
+        text = "".join(parts)
+        assert VOCAB.encode(text) == VOCAB._encode(text), repr(text)
+        assert VOCAB.encode(text) == VOCAB._encode(text), repr(text)  # the cached pieces too
+
+
+def test_vocabulary_with_a_token_across_a_space_encodes_the_whole_text() -> None:
+    # a token with a space after a letter spans two pieces: such a vocabulary scans the whole
+    vocab = Vocabulary(["<|endoftext|>", " New", " York", " New York", " is", " big"])
+    assert [vocab.tokens[i] for i in vocab.encode(" New York is big")] == [" New York", " is", " big"]
+    plain = Vocabulary(["<|endoftext|>", " New", " York", " is", " big"])
+    assert [plain.tokens[i] for i in plain.encode(" New York is big")] == [" New", " York", " is", " big"]
 
 
 # -- the model's logprobs are honest ----------------------------------------------------------

@@ -54,13 +54,19 @@ _PUNCT = [".", ",", "!", "?", ";", ":", " -", "\n", "\n\n", "'s", " (", ")", ' "
 _WORD_CHAR = re.compile(r"\w")
 _PIECE = re.compile(r"\s*[\w']+|\s*[^\w\s]|\s+|.", re.DOTALL)
 
+# where a prompt may be cut into pieces encoded independently: before each whitespace run that
+# follows a non-space (no token spans such a place unless it has a space after a non-space)
+_SEGMENT = re.compile(r"\s*\S+|\s+")
+_SPANS_SEGMENTS = re.compile(r"\S\s")
+_CACHE_MAX = 1 << 16
+
 _NON_ASCII = [" café", " naïve", " über", " façade", " résumé", "—", "…", " 東京", " 日本", " 😀", " 🚀", " Ω", "€"]
 
 
 class Vocabulary:
     """Token strings by id, their UTF-8 bytes, and a tiny whitespace encoder for prompts."""
 
-    __slots__ = ("_bytes", "_index", "_lengths", "eos_id", "punct_ids", "start_ids", "tokens")
+    __slots__ = ("_bytes", "_cache", "_index", "_lengths", "eos_id", "punct_ids", "start_ids", "tokens")
 
     def __init__(self, tokens: Sequence[str], eos_id: int = 0) -> None:
         if not tokens:
@@ -78,6 +84,9 @@ class Vocabulary:
         # the lengths to try at each place, longest first (a dict lookup per length is far
         # cheaper than a regex alternation over every token)
         self._lengths = tuple(sorted({len(t) for i, t in enumerate(self.tokens) if t and i != eos_id}, reverse=True))
+        # the ids of each prompt piece seen (prompts repeat their words): only where no token
+        # spans two pieces, so that encoding piece by piece is encoding the whole
+        self._cache: dict[str, list[int]] | None = None if any(_SPANS_SEGMENTS.search(t) for t in self.tokens) else {}
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -103,6 +112,20 @@ class Vocabulary:
         else a stable pseudo-token picked by a hash of the piece; only such pieces do not
         round-trip. The end token is never produced.
         """
+        cache = self._cache
+        if cache is None:
+            return self._encode(text)
+        out: list[int] = []
+        for seg in _SEGMENT.findall(text):
+            ids = cache.get(seg)
+            if ids is None:
+                if len(cache) >= _CACHE_MAX:
+                    cache.clear()
+                ids = cache[seg] = self._encode(seg)
+            out += ids
+        return out
+
+    def _encode(self, text: str) -> list[int]:
         out: list[int] = []
         index = self._index
         n = len(self.tokens)
