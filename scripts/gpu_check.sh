@@ -21,7 +21,8 @@
 #      kernel that evicts the L2, as in a decoding step;
 #      "ncu": Nsight Compute on the small and the 256 x 6 x 20 emit (the clocks left alone);
 #   8. "step": scripts/bench_step.py, a decoding loop with a transformers Llama (random
-#      weights) and four output paths, the JSON into $OUT/bench_step.json.
+#      weights) and six output paths (four in the step's stream, two on a side stream), the
+#      JSON into $OUT/bench_step.json.
 # The summary ends with each target of the GPU path, met or not met with its number.
 # Optional stage "variants": rebuilds the driver with each measurement switch of
 # csrc/cuda/emit_kernel.cuh and times them (docs/benchmarks.md).
@@ -255,6 +256,12 @@ if s.exists():
         say(f"step batch {tg['batch']}: aiospec adds", tg["aiospec_added_pct"], "<= 0.5", tg["added_pct_met"], "%")
         x = min(tg["cheaper_than_fastdeploy_x"], tg["cheaper_than_vllm_x"])
         say(f"step batch {tg['batch']}: cheaper than FD / vLLM (min)", x, ">= 10", tg["cheaper_met"], "x")
+        if "side_stream_added_pct" in tg:
+            say(f"step batch {tg['batch']}: aiospec on a side stream adds", tg["side_stream_added_pct"], "<= 0.5",
+                tg["side_stream_added_pct_met"], "%")
+            x = min(tg["side_stream_cheaper_than_x"].values())
+            say(f"step batch {tg['batch']}: side stream cheaper than FD / vLLM / vLLM side stream (min)", x, ">= 10",
+                tg["side_stream_cheaper_met"], "x")
 print("\n".join(lines))
 PY
 }

@@ -524,3 +524,41 @@ def test_prepared_emits_follow_the_buffers_eagerly_and_in_a_graph(torch: Any, ro
         with pytest.raises(EmitError, match=r"^kind = 3: expected 0 \(target\), 1 \(draft\) or 2 \(prompt\)$"):
             prepared.emit(1, kind=3)
     assert got == want
+
+
+@pytest.mark.gpu
+def test_prepared_emits_on_a_side_stream_beside_the_next_step(torch: Any) -> None:
+    # the side-stream pattern of docs/emit-op.md: two buffer sets, each step's emit on a side
+    # stream after the step's end, the next step's work on the main stream meanwhile, a buffer
+    # set overwritten only after the emit that read it
+    from aiospec.ops import EmitStep
+
+    rng = np.random.default_rng(9)
+    inp = _full_rows(rng, 256, 6, 20)
+    sets = [_cuda_inputs(torch, inp), _cuda_inputs(torch, inp)]
+    main, side = torch.cuda.current_stream(), torch.cuda.Stream()
+    ends = [torch.cuda.Event(), torch.cuda.Event()]
+    emitted = [torch.cuda.Event(), torch.cuda.Event()]
+    for e in emitted:
+        e.record(side)
+    want = []
+    with (
+        shm.Ring.create(capacity=64 << 20, max_record=8 << 20) as ring,
+        ring.reader() as reader,
+        Producer(ring, device="cuda", max_rows=256) as prod,
+    ):
+        preps = [prod.prepare(EmitStep.from_kwargs(**{k: v for k, v in d.items() if k != "step"})) for d in sets]
+        for i in range(12):
+            par = i & 1
+            main.wait_event(emitted[par])  # the emit of two steps ago has read this set
+            fresh = rng.integers(0, 1000, inp["token_ids"].shape).astype(np.int64)
+            sets[par]["token_ids"].copy_(torch.from_numpy(fresh))  # this step's sampling
+            ends[par].record(main)
+            side.wait_event(ends[par])
+            preps[par].emit(100 + i, stream=side)
+            emitted[par].record(side)
+            torch.cuda._sleep(100_000)  # the next step's forward pass, beside the emit
+            want.append(build_frame(**{**inp, "token_ids": fresh, "step": 100 + i}))
+        got = _frames(reader, len(want))
+        prod.check()
+    assert got == want

@@ -793,12 +793,13 @@ __global__ void flush_l2(uint4* p, size_t n) {
 // GPU time of one emit that finds the caches as a model's forward pass leaves them: before
 // each emit a kernel overwrites 256 MiB (five times the H200's L2), which also evicts the
 // emit's instructions and inputs. Events around the emit alone; "warm" is the same emit
-// right after another one. Under AIOSPEC_PHASES the kernel's phase clocks, cold.
-void cold_emits(int n) {
+// right after another one. Under AIOSPEC_PHASES the kernel's phase clocks, cold. ``rpb`` rows
+// per block (0: the producer's default).
+void cold_emits(int n, int rpb) {
   std::mt19937_64 rng(11);
   Segment seg(64u << 20, 8u << 20, "cold");
   seg.slot32(AIOSPEC_RD_STATE) = AIOSPEC_READER_FREE;
-  aiospec_cuda_producer* p = timing_producer(seg, 1024, 0);
+  aiospec_cuda_producer* p = timing_producer(seg, 1024, rpb);
   const size_t flush_n = (size_t(256) << 20) / sizeof(uint4);
   uint4* junk = nullptr;
   CUDA_OK(cudaMalloc(&junk, flush_n * sizeof(uint4)));
@@ -836,8 +837,8 @@ void cold_emits(int n) {
       }
     }
     CHECK(aiospec_cuda_check(p, &e, nullptr) == 0, "device error while timing: %d", e.code);
-    std::printf("cold rows=%lld tokens=%lld k=%lld spread=%lld frame_bytes=%llu cold_us=%.2f warm_us=%.2f",
-                (long long)c[0], (long long)c[1], (long long)c[2], (long long)c[3],
+    std::printf("cold rows=%lld tokens=%lld k=%lld spread=%lld rpb=%d frame_bytes=%llu cold_us=%.2f warm_us=%.2f",
+                (long long)c[0], (long long)c[1], (long long)c[2], (long long)c[3], rpb,
                 (unsigned long long)lay.frame_size, median(cold), median(warm));
 #ifdef AIOSPEC_PHASES
     std::printf(" cold_cycles_from_entry");
@@ -856,7 +857,10 @@ void cold_emits(int n) {
 
 int main(int argc, char** argv) {
   if (argc >= 2 && std::strcmp(argv[1], "cold") == 0) {
-    cold_emits(argc > 2 ? std::atoi(argv[2]) : 41);
+    // cold [N [RPB...]]: N emits per batch, once per rows-per-block value (default: the producer's)
+    const int n = argc > 2 ? std::atoi(argv[2]) : 41;
+    if (argc <= 3) cold_emits(n, 0);
+    for (int i = 3; i < argc; ++i) cold_emits(n, std::atoi(argv[i]));
     return 0;
   }
   if (argc == 6 && std::strcmp(argv[1], "one") == 0) {
