@@ -623,3 +623,52 @@ def test_stop_string_kept_on_request(client: openai.OpenAI, name: str) -> None:
     assert _text(client, PROMPT, stop=[stop], extra_body={"ignore_eos": True}, **kw) == full[:cut]
     kept = _text(client, PROMPT, stop=[stop], extra_body={"ignore_eos": True, name: True}, **kw)
     assert kept == full[: cut + len(stop)]
+
+
+def _stream_text(client: openai.OpenAI, chat: bool, **kw: Any) -> tuple[str, int]:
+    """A streamed choice's text and its usage's completion_tokens."""
+    text, ntok = "", -1
+    create = client.chat.completions.create if chat else client.completions.create
+    for chunk in create(model=MODEL, stream=True, stream_options={"include_usage": True}, **kw):
+        if chunk.usage is not None:
+            ntok = chunk.usage.completion_tokens
+        for ch in chunk.choices:
+            text += (ch.delta.content or "") if chat else ch.text  # type: ignore[union-attr]
+    return text, ntok
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_stop_string_over_two_tokens_streamed_and_whole(client: openai.OpenAI, chat: bool) -> None:
+    # --num-draft 2: a step gives 1..3 tokens, and a slow read merges steps, so the two tokens
+    # of each stop string come in one delta or in two, differently from one request to the next
+    kw: dict[str, Any] = {"max_tokens": 12, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    if chat:
+        kw |= {"messages": [{"role": "user", "content": "The man"}], "logprobs": True}
+        full = client.chat.completions.create(model=MODEL, **kw).choices[0]
+        tokens = [e.token for e in (full.logprobs.content or [])] if full.logprobs else []
+    else:
+        kw |= {"prompt": " The man", "logprobs": 0}
+        c = client.completions.create(model=MODEL, **kw).choices[0]
+        tokens = list(c.logprobs.tokens or []) if c.logprobs else []
+    assert len(tokens) == 12
+    text = "".join(tokens)
+    tried = 0
+    for i in range(11):
+        a, b = tokens[i], tokens[i + 1]
+        if len(a) < 2 or len(b) < 2:
+            continue
+        stop = a[-2:] + b[:2]  # the end of one token and the start of the next
+        want = text[: text.index(stop)]
+        count = next(k for k in range(1, 13) if stop in "".join(tokens[:k]))  # the one completing it
+        for _ in range(3):
+            if chat:
+                whole = client.chat.completions.create(model=MODEL, stop=[stop], **kw)
+                got = whole.choices[0].message.content
+            else:
+                whole = client.completions.create(model=MODEL, stop=[stop], **kw)
+                got = whole.choices[0].text
+            assert (got, whole.choices[0].finish_reason) == (want, "stop"), stop
+            assert whole.usage is not None and whole.usage.completion_tokens == count
+            assert _stream_text(client, chat, stop=[stop], **kw) == (want, count), stop
+        tried += 1
+    assert tried >= 4
