@@ -398,14 +398,14 @@ def test_prompt_logprobs_refuse_what_is_not_the_prompt() -> None:
 def test_token_id_strings() -> None:
     fmt = ChatLogprobsFormatter(TokenIdStrings(), top_logprobs=1)
     got = as_json(fmt.format(delta([3], [-0.5], [[4]], [[-0.25]])))
-    b3, b4 = list(b"token:3"), list(b"token:4")
-    assert got == {"content": [{"token": "token:3", "logprob": -0.5, "bytes": b3,
-                                "top_logprobs": [{"token": "token:4", "logprob": -0.25, "bytes": b4}]}]}  # fmt: skip
+    b3, b4 = list(b"token_id:3"), list(b"token_id:4")
+    assert got == {"content": [{"token": "token_id:3", "logprob": -0.5, "bytes": b3,
+                                "top_logprobs": [{"token": "token_id:4", "logprob": -0.25, "bytes": b4}]}]}  # fmt: skip
     # completions: the strings are ids, the offsets count the text
     cf = CompletionLogprobsFormatter(TokenIdStrings(), logprobs=0, text_tokenizer=tok())
     assert as_json(cf.format(delta([0, 1], [-1.0, -2.0]))) == {
-        "tokens": ["token:0", "token:1"], "token_logprobs": [-1.0, -2.0],
-        "top_logprobs": [{"token:0": -1.0}, {"token:1": -2.0}], "text_offset": [0, 5],
+        "tokens": ["token_id:0", "token_id:1"], "token_logprobs": [-1.0, -2.0],
+        "top_logprobs": [{"token_id:0": -1.0}, {"token_id:1": -2.0}], "text_offset": [0, 5],
     }  # fmt: skip
 
 

@@ -42,6 +42,12 @@ def client(server: ServerProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
+def _tid(s: str) -> int:
+    """The id of a ``return_tokens_as_token_ids`` token string (vLLM's ``token_id:<id>``)."""
+    assert s.startswith("token_id:"), s
+    return int(s.removeprefix("token_id:"))
+
+
 def _text(client: openai.OpenAI, prompt: Any, **kw: Any) -> str:
     r = client.completions.create(model=MODEL, prompt=prompt, **kw)
     (ch,) = r.choices
@@ -179,7 +185,7 @@ def test_continuous_usage_stats(client: openai.OpenAI, chat: bool) -> None:
 # -- tokens as token ids ---------------------------------------------------------------------------
 
 
-def test_return_tokens_as_token_ids(client: openai.OpenAI) -> None:
+def test_return_tokens_as_token_ids(server: ServerProcess, client: openai.OpenAI) -> None:
     kw: dict[str, Any] = {"model": MODEL, "max_tokens": 7, "seed": 9, "logprobs": 2}
     plain = client.completions.create(prompt="The", extra_body={"ignore_eos": True}, **kw).choices[0]
     r = client.completions.create(
@@ -187,19 +193,34 @@ def test_return_tokens_as_token_ids(client: openai.OpenAI) -> None:
     ).choices[0]
     assert r.text == plain.text
     assert r.logprobs is not None and plain.logprobs is not None
-    ids = [int(t.removeprefix("token:")) for t in r.logprobs.tokens or []]
-    assert all(t.startswith("token:") for t in r.logprobs.tokens or [])
+    ids = [int(t.removeprefix("token_id:")) for t in r.logprobs.tokens or []]
+    assert all(t.startswith("token_id:") for t in r.logprobs.tokens or [])
     assert VOCAB.decode(ids) == r.text and [VOCAB.token(i) for i in ids] == plain.logprobs.tokens
     for top in r.logprobs.top_logprobs or []:
-        assert top and all(re.fullmatch(r"token:\d+", k) for k in top)
+        assert top and all(re.fullmatch(r"token_id:\d+", k) for k in top)
     chat = client.chat.completions.create(
         messages=[{"role": "user", "content": "x"}], logprobs=True, top_logprobs=2,
         extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
         **{k: v for k, v in kw.items() if k != "logprobs"},
     )  # fmt: skip
     content = chat.choices[0].logprobs.content if chat.choices[0].logprobs else None
-    assert content and all(re.fullmatch(r"token:\d+", e.token) for e in content)
-    assert VOCAB.decode([int(e.token[6:]) for e in content]) == chat.choices[0].message.content
+    assert content and all(re.fullmatch(r"token_id:\d+", e.token) for e in content)
+    assert all(len(e.top_logprobs) == 2 and all(re.fullmatch(r"token_id:\d+", t.token) for t in e.top_logprobs)
+               for e in content)  # fmt: skip
+    assert all(e.bytes == list(e.token.encode()) for e in content)
+    assert VOCAB.decode([_tid(e.token) for e in content]) == chat.choices[0].message.content
+    # the echoed prompt's tokens and prompt_logprobs' decoded_token too
+    status, got = post(
+        server.url + "/v1/completions",
+        {"prompt": "The man", "max_tokens": 2, "echo": True, "logprobs": 1, "prompt_logprobs": 1,
+         "return_tokens_as_token_ids": True},
+    )  # fmt: skip
+    assert status == 200, got
+    ch = got["choices"][0]
+    prompt_ids = VOCAB.encode("The man")
+    assert [_tid(t) for t in ch["logprobs"]["tokens"][: len(prompt_ids)]] == prompt_ids
+    for pos in ch["prompt_logprobs"][1:]:
+        assert all(v["decoded_token"] == f"token_id:{k}" for k, v in pos.items())
 
 
 # -- the model card --------------------------------------------------------------------------------
@@ -362,7 +383,7 @@ def test_greedy_follows_the_model(client: openai.OpenAI) -> None:
                                   extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})  # fmt: skip
     lp = r.choices[0].logprobs
     assert lp is not None
-    got = [int(t[6:]) for t in lp.tokens or []]
+    got = [_tid(t) for t in lp.tokens or []]
     ctx = VOCAB.encode(PROMPT)
     for t in got:
         row = log_softmax(toy_model().context_logits(np.array([*ctx, 0]))[-1])
@@ -379,7 +400,7 @@ def test_logit_bias(client: openai.OpenAI) -> None:
     assert r.choices[0].text == " house" * 8
     first = client.completions.create(model=MODEL, prompt=PROMPT, **kw).choices[0].logprobs
     assert first is not None and first.tokens
-    banned = first.tokens[0][6:]
+    banned = first.tokens[0].removeprefix("token_id:")
     r = client.completions.create(model=MODEL, prompt=PROMPT, logit_bias={banned: -100}, **kw)
     assert r.choices[0].logprobs is not None and r.choices[0].logprobs.tokens
     assert r.choices[0].logprobs.tokens[0] != first.tokens[0]
@@ -390,7 +411,7 @@ def test_stop_token_ids(client: openai.OpenAI) -> None:
     ex = {"ignore_eos": True, "return_tokens_as_token_ids": True}
     full = client.completions.create(model=MODEL, prompt=PROMPT, extra_body=ex, **kw).choices[0]
     assert full.logprobs is not None
-    ids = [int(t[6:]) for t in full.logprobs.tokens or []]
+    ids = [_tid(t) for t in full.logprobs.tokens or []]
     j = next(i for i in range(1, len(ids)) if ids[i] not in ids[:i])
     r = client.completions.create(model=MODEL, prompt=PROMPT, extra_body={**ex, "stop_token_ids": [ids[j]]}, **kw)
     ch = r.choices[0]
@@ -549,13 +570,13 @@ def test_draft_logprobs(server: ServerProcess, chat: bool, stream: bool) -> None
     assert len(out) == 24 and "draft_logprobs" not in json.dumps(plain)
     assert drafts and len(drafts) % 2 == 0  # --num-draft 2: two proposals per decoding step
     for j in range(0, len(drafts), 2):
-        d0, d1 = (int(drafts[j + i]["token"][6:]) for i in (0, 1))
+        d0, d1 = (_tid(drafts[j + i]["token"]) for i in (0, 1))
         # the second proposal follows the first: the draft head's logprobs of that row
         row = draft_lp[d0]
         assert drafts[j + 1]["logprob"] == pytest.approx(float(row[d1]), abs=1e-4)
         tops = drafts[j + 1]["top_logprobs"] if chat else list(drafts[j + 1]["top"].items())
         names = [t["token"] for t in tops] if chat else [t for t, _ in tops]
-        best = [f"token:{int(a)}" for a in np.argsort(-row, kind="stable")[:2]]
+        best = [f"token_id:{int(a)}" for a in np.argsort(-row, kind="stable")[:2]]
         assert set(best) <= set(names)
 
 
@@ -607,7 +628,7 @@ def test_logprobs_mode_processed(server: ServerProcess, wide: ServerProcess) -> 
         runs[mode] = got["choices"][0]["logprobs"]
     assert runs["raw"]["tokens"] == runs["processed"]["tokens"]  # the same sampling, other logprobs
     ctx = VOCAB.encode(PROMPT)
-    for i, t in enumerate(int(s[6:]) for s in runs["raw"]["tokens"]):
+    for i, t in enumerate(_tid(s) for s in runs["raw"]["tokens"]):
         row = toy_model().context_logits(np.array([*ctx, 0]))[-1]
         assert runs["raw"]["token_logprobs"][i] == pytest.approx(float(log_softmax(row)[t]), abs=1e-4)
         assert runs["processed"]["token_logprobs"][i] == pytest.approx(float(log_softmax(row / 0.5)[t]), abs=1e-4)

@@ -24,7 +24,7 @@ class Output:
     """Formatting state of one choice: incremental text, logprobs, stop sequences, counts.
 
     ``tokenizer`` gives the text; ``display`` the token strings of the logprobs (the same
-    tokenizer, or ``token:<id>`` strings for ``return_tokens_as_token_ids``). ``text_offset``
+    tokenizer, or ``token_id:<id>`` strings for ``return_tokens_as_token_ids``). ``text_offset``
     is where a completion's text starts in the choice's text (the echoed prompt's length).
     ``max_tokens`` = 0 (an echoed prompt scored, nothing generated) ends at the first delta.
 
