@@ -219,6 +219,9 @@ def test_return_tokens_as_token_ids(server: ServerProcess, client: openai.OpenAI
     ch = got["choices"][0]
     prompt_ids = VOCAB.encode("The man")
     assert [_tid(t) for t in ch["logprobs"]["tokens"][: len(prompt_ids)]] == prompt_ids
+    # each top_logprobs dict starts with the position's own token, prompt or sampled (vLLM's order)
+    tokens, tops = ch["logprobs"]["tokens"], ch["logprobs"]["top_logprobs"]
+    assert tops[0] is None and tokens[1:] == [next(iter(d)) for d in tops[1:]]
     for pos in ch["prompt_logprobs"][1:]:
         assert all(v["decoded_token"] == f"token_id:{k}" for k, v in pos.items())
 
