@@ -103,7 +103,9 @@ STOPS = [
 @pytest.mark.parametrize("include", [False, True])
 @pytest.mark.parametrize("stops", STOPS, ids=[",".join(s) for s in STOPS])
 def test_stop_sequence_over_every_split_of_the_deltas(stops: list[str], include: bool) -> None:
-    want, count, _ = _reference(IDS, stops, include)
+    want, count, matched = _reference(IDS, stops, include)
+    if matched is None:
+        count += 1  # no stop sequence: the deltas end at the end token, counted too
     for chat in (False, True):
         parsed = _parsed(chat, stop=stops, include_stop_str_in_output=include)
         for bounds in _splits(len(IDS)):
@@ -130,9 +132,22 @@ def test_text_that_may_start_a_stop_sequence_is_held_back_until_it_cannot() -> N
     # of "mango": each is sent once the next text shows it is not
     assert pieces == [" and", " wit", "h t", "he "]
     assert out.consume(_delta(VOCAB.encode(" of"), True, False))[0] == "man of"  # the end: all of it
-    assert out.finish_reason == "stop" and out.ntok == 5
+    assert out.finish_reason == "stop" and out.ntok == 6  # and the end token
 
 
 def test_without_stop_sequences_nothing_is_held_back() -> None:
     out = Output(False, _parsed(), VOCAB)
     assert [out.consume(_delta([t], False, False))[0] for t in IDS[:3]] == [" and", " with", " the"]
+
+
+def test_the_count_takes_the_end_token_not_a_length_end() -> None:
+    out = Output(False, _parsed(max_tokens=5), VOCAB)
+    out.consume(_delta(IDS[:3], False, False))
+    out.consume(_delta([], True, False))  # the end token: never emitted
+    assert (out.finish_reason, out.ntok) == ("stop", 4)
+    out = Output(False, _parsed(max_tokens=3), VOCAB)
+    out.consume(_delta(IDS[:3], True, False))
+    assert (out.finish_reason, out.ntok) == ("length", 3)
+    out = Output(False, _parsed(max_tokens=5, stop_token_ids=[IDS[2]]), VOCAB)
+    assert out.consume(_delta(IDS[:3], True, False))[0] == VOCAB.decode(IDS[:2])
+    assert (out.finish_reason, out.ntok) == ("stop", 3)  # the stop token, emitted and counted

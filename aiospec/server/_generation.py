@@ -218,12 +218,14 @@ class Generation(Response):
                 st.link.finish(c.handle, abort=not c.engine_done)
             m.request_done(endpoint, 499 if disconnected else status)
 
-    def _observe(self, ntok: int) -> None:
+    def _observe(self, received: int, counted: int) -> None:
+        """A delta of ``received`` tokens consumed, ``counted`` of them (usage's count: the
+        end token in, tokens after a stop sequence out) added to the tokens metric."""
         m = self.state.metrics
-        if ntok and not self._ttft:
+        if received and not self._ttft:
             self._ttft = True
             m.ttft.observe(time.perf_counter() - self.t_start)
-        m.tokens += ntok
+        m.tokens += counted
 
     # -- streamed ------------------------------------------------------------------------------
 
@@ -350,8 +352,9 @@ class Generation(Response):
 
     def _chat_chunk(self, c: Choice, d: Delta, enc: ChatChunkEncoder) -> bytes | None:
         out = c.out
+        n0 = out.ntok
         text, lp = out.consume_chat(d)
-        self._observe(d.num_tokens)
+        self._observe(d.num_tokens, out.ntok - n0)
         fr = out.finish_reason
         if not text and lp is None and fr is None:
             return None
@@ -371,8 +374,9 @@ class Generation(Response):
 
     def _completion_chunk(self, c: Choice, d: Delta) -> bytes | None:
         out = c.out
+        n0 = out.ntok
         text, lp = out.consume(d)
-        self._observe(d.num_tokens)
+        self._observe(d.num_tokens, out.ntok - n0)
         fr = out.finish_reason
         p = self.parsed
         if c.first and p.echo:
@@ -426,8 +430,9 @@ class Generation(Response):
         async for d in c.stream:
             if c.take_side(d):
                 continue
+            n0 = out.ntok
             text, lp = out.consume(d)
-            self._observe(d.num_tokens)
+            self._observe(d.num_tokens, out.ntok - n0)
             texts.append(text)
             if lp is not None:
                 lps.append(lp)

@@ -28,6 +28,9 @@ class Output:
     is where a completion's text starts in the choice's text (the echoed prompt's length).
     ``max_tokens`` = 0 (an echoed prompt scored, nothing generated) ends at the first delta.
 
+    ``ntok`` counts every token generated for the choice, as vLLM's usage does: the end token
+    (which the engine does not emit) and the token that completed a stop sequence included.
+
     A stop sequence cuts the text at its start (at its end with ``include_stop``): the first
     token whose text completes one ends the choice, counted and with its logprobs, as in
     vLLM. The whole text is searched, so a stop sequence split over tokens or deltas is
@@ -123,7 +126,13 @@ class Output:
                 return text, hit
         self.ntok += n
         if delta.finished:
-            self.finish_reason = "length" if self.ntok >= self.max_tokens and not stop_token else "stop"
+            if self.ntok >= self.max_tokens and not stop_token:
+                self.finish_reason = "length"
+            else:
+                self.finish_reason = "stop"
+                if not stop_token:
+                    # the end token: never emitted, but generated, and counted (vLLM's usage)
+                    self.ntok += 1
         return text, n
 
     def _cut(self, ids: list[int], finished: bool) -> tuple[str, int]:
