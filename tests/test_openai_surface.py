@@ -329,6 +329,12 @@ BAD_VALUES: list[tuple[str, dict[str, Any], str, str]] = [
      r"^Invalid 'logit_bias': bias 101\.0 of token 5: expected -100\.\.100\.$"),
     (CMPL, {"prompt": "x", "logit_bias": {"99999": 1}}, "logit_bias", r"token id 99999: expected 0\.\."),
     (CMPL, {"prompt": "x", "logit_bias": {"the": 1}}, "logit_bias", r"key 'the': expected a token id"),
+    # every bad entry named, not only the first (vLLM's test_chat_logit_bias_validation)
+    (CHAT, {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"bad1": 50.0, "bad2": 20.0}},
+     "logit_bias", r"^Invalid 'logit_bias': keys 'bad1', 'bad2': expected token ids\.$"),
+    (CMPL, {"prompt": "x", "logit_bias": {"a": 1, "5": 1, "99999": 1, "7": -101, "-1": 2, "8": 101, "b": 0}},
+     "logit_bias", r"^Invalid 'logit_bias': keys 'a', 'b': expected token ids; token ids 99999, -1: expected "
+     r"0\.\.\d+; biases -101\.0 of token 7, 101\.0 of token 8: expected -100\.\.100\.$"),
     (CMPL, {"prompt": "x", "max_tokens": 4, "min_tokens": 5}, "min_tokens",
      r"^Invalid 'min_tokens': min_tokens = 5: expected 0\.\.4 \(at most max_tokens\)\.$"),
     (CMPL, {"prompt": "x", "stop_token_ids": [99999]}, "stop_token_ids", r"stop_token_ids\[0\] = 99999"),
