@@ -702,3 +702,35 @@ def test_stop_string_over_two_tokens_streamed_and_whole(client: openai.OpenAI, c
             assert _stream_text(client, chat, stop=[stop], **kw) == (want, count), stop
         tried += 1
     assert tried >= 4
+
+
+@pytest.mark.parametrize("path", [CMPL, CHAT], ids=["completions", "chat"])
+def test_stop_reason(server: ServerProcess, path: str) -> None:
+    base: dict[str, Any] = {"max_tokens": 10, "temperature": 0, "ignore_eos": True, "logprobs": 0}
+    if path == CHAT:
+        base |= {"messages": [{"role": "user", "content": "Hi"}], "logprobs": True}
+    else:
+        base["prompt"] = PROMPT
+    status, full = post(server.url + path, {**base, "return_tokens_as_token_ids": True})
+    assert status == 200, full
+    ch = full["choices"][0]
+    entries = ch["logprobs"]["content"] if path == CHAT else [{"token": t} for t in ch["logprobs"]["tokens"]]
+    ids = [_tid(e["token"]) for e in entries]
+    text = VOCAB.decode(ids)
+    assert ch["finish_reason"] == "length" and ch["stop_reason"] is None  # vLLM's: null at max_tokens
+    j = next(i for i in range(1, 10) if ids[i] not in ids[:i])
+    stop = VOCAB.token(ids[4])[-2:] + VOCAB.token(ids[5])[:1]  # over two tokens
+    assert stop in text
+    cases = [({"stop": [stop, "zzz"]}, stop), ({"stop_token_ids": [ids[j]]}, ids[j])]
+    for extra, reason in cases:
+        body = {**base, **extra}
+        status, got = post(server.url + path, body)
+        assert status == 200, got
+        (c,) = got["choices"]
+        assert (c["finish_reason"], c["stop_reason"]) == ("stop", reason)
+        status, events = post(server.url + path, {**body, "stream": True})
+        assert status == 200
+        chunks = [e["choices"][0] for e in events if e["choices"]]
+        # only the choice's last chunk carries it, beside finish_reason
+        assert [("stop_reason" in x) for x in chunks] == [False] * (len(chunks) - 1) + [True]
+        assert (chunks[-1]["finish_reason"], chunks[-1]["stop_reason"]) == ("stop", reason)

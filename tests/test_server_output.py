@@ -113,6 +113,7 @@ def test_stop_sequence_over_every_split_of_the_deltas(stops: list[str], include:
             assert text == want, bounds
             assert out.ntok == count, bounds
             assert out.finish_reason == "stop"  # a stop sequence, or the end before max_tokens
+            assert out.stop_reason == matched  # vLLM's: None at the end token
 
 
 def test_stop_sequence_logprobs_are_the_counted_tokens_whatever_the_split() -> None:
@@ -144,10 +145,11 @@ def test_the_count_takes_the_end_token_not_a_length_end() -> None:
     out = Output(False, _parsed(max_tokens=5), VOCAB)
     out.consume(_delta(IDS[:3], False, False))
     out.consume(_delta([], True, False))  # the end token: never emitted
-    assert (out.finish_reason, out.ntok) == ("stop", 4)
+    assert (out.finish_reason, out.ntok, out.stop_reason) == ("stop", 4, None)
     out = Output(False, _parsed(max_tokens=3), VOCAB)
     out.consume(_delta(IDS[:3], True, False))
-    assert (out.finish_reason, out.ntok) == ("length", 3)
+    assert (out.finish_reason, out.ntok, out.stop_reason) == ("length", 3, None)
     out = Output(False, _parsed(max_tokens=5, stop_token_ids=[IDS[2]]), VOCAB)
     assert out.consume(_delta(IDS[:3], True, False))[0] == VOCAB.decode(IDS[:2])
-    assert (out.finish_reason, out.ntok) == ("stop", 3)  # the stop token, emitted and counted
+    # the stop token, emitted and counted; vLLM's stop_reason is its id
+    assert (out.finish_reason, out.ntok, out.stop_reason) == ("stop", 3, IDS[2])

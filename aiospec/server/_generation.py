@@ -74,6 +74,7 @@ class _ChatChoice(msgspec.Struct, gc=False):
     message: _Message
     logprobs: ChatLogprobs | None
     finish_reason: str | None
+    stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id that ended it
     draft_logprobs: Any = msgspec.UNSET
 
 
@@ -91,6 +92,7 @@ class _CompletionChoice(msgspec.Struct, gc=False):
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
+    stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id that ended it
     prompt_logprobs: Any = msgspec.UNSET
     draft_logprobs: Any = msgspec.UNSET
 
@@ -365,8 +367,10 @@ class Generation(Response):
         if p.continuous_usage:
             extra += self._usage_json(c)
         choice_extra = b""
+        if fr is not None:  # the choice's last chunk: vLLM's stop_reason beside finish_reason
+            choice_extra = b',"stop_reason":' + _encoder.encode(out.stop_reason)
         if p.draft_logprobs and c.drafts:
-            choice_extra = b',"draft_logprobs":' + _encoder.encode(self._drafts(c))
+            choice_extra += b',"draft_logprobs":' + _encoder.encode(self._drafts(c))
         body = enc.chunk(content=text, role="assistant" if c.first else None, logprobs=lp, finish_reason=fr,
                          choice_extra=choice_extra, extra=extra)  # fmt: skip
         c.first = False
@@ -386,6 +390,8 @@ class Generation(Response):
         if not text and lp is None and fr is None:
             return None
         choice = CompletionChoice(c.index, text, lp, fr)
+        if fr is not None:  # the choice's last chunk: vLLM's stop_reason beside finish_reason
+            choice.stop_reason = out.stop_reason
         if c.first and c.prompt_lp is not None and p.prompt_logprobs >= 0:
             choice.prompt_logprobs = msgspec.Raw(c.prompt_lp.vllm_json(self.display, p.prompt_logprobs))
         if p.draft_logprobs and c.drafts:
@@ -471,7 +477,7 @@ class Generation(Response):
                     for x in lps:
                         content.extend(x.content or ())
                     clp = ChatLogprobs(content)
-                ch = _ChatChoice(c.index, _Message("assistant", text), clp, c.out.finish_reason)
+                ch = _ChatChoice(c.index, _Message("assistant", text), clp, c.out.finish_reason, c.out.stop_reason)
                 if p.draft_logprobs:
                     ch.draft_logprobs = self._drafts(c)
                 out.append(ch)
@@ -494,7 +500,7 @@ class Generation(Response):
                     plp = _join(plp, CompletionLogprobs([], [], [], []))
                     for x in lps:
                         plp = _join(plp, x)
-                cc = _CompletionChoice(c.index, text, plp, c.out.finish_reason)
+                cc = _CompletionChoice(c.index, text, plp, c.out.finish_reason, c.out.stop_reason)
                 if p.prompt_logprobs >= 0 and c.prompt_lp is not None:
                     cc.prompt_logprobs = msgspec.Raw(c.prompt_lp.vllm_json(self.display, p.prompt_logprobs))
                 if p.draft_logprobs:

@@ -50,6 +50,7 @@ class Output:
         "finish_reason",
         "max_tokens",
         "ntok",
+        "stop_reason",
         "stopped",
     )
 
@@ -83,6 +84,9 @@ class Output:
         self.max_tokens: int = mt
         self.ntok = 0
         self.finish_reason: str | None = None
+        # vLLM's stop_reason: the stop sequence matched, or the stop token id that ended the
+        # choice; None at the end token and at max_tokens
+        self.stop_reason: str | int | None = None
         self.stopped = False  # ended here (a stop sequence): the engine is still decoding it
 
     def consume(self, delta: Any) -> tuple[str, Any]:
@@ -118,10 +122,11 @@ class Output:
         if not self._stops:
             text = self._dec.decode(ids)
         else:
-            text, hit = self._cut(ids, delta.finished)
+            text, hit, matched = self._cut(ids, delta.finished)
             if hit >= 0:
                 self.ntok += hit
                 self.finish_reason = "stop"
+                self.stop_reason = matched
                 self.stopped = True
                 return text, hit
         self.ntok += n
@@ -130,14 +135,17 @@ class Output:
                 self.finish_reason = "length"
             else:
                 self.finish_reason = "stop"
-                if not stop_token:
+                if stop_token:
+                    self.stop_reason = int(delta.token_ids[-1])
+                else:
                     # the end token: never emitted, but generated, and counted (vLLM's usage)
                     self.ntok += 1
         return text, n
 
-    def _cut(self, ids: list[int], finished: bool) -> tuple[str, int]:
-        """The text of ``ids`` that can be sent now, and -1, or, when a stop sequence
-        completes in them, the text up to it and the tokens up to the one completing it.
+    def _cut(self, ids: list[int], finished: bool) -> tuple[str, int, str]:
+        """The text of ``ids`` that can be sent now, -1 and "", or, when a stop sequence
+        completes in them, the text up to it, the tokens up to the one completing it and
+        the stop sequence.
 
         The text is searched as one string with what was held back before, so a stop
         sequence split over tokens (or over deltas) is found whatever the step boundaries;
@@ -155,9 +163,9 @@ class Output:
             keep = 0 if finished else _partial(search, stops)
             if keep:
                 self._tail = search[-keep:]
-                return search[:-keep], -1
+                return search[:-keep], -1, ""
             self._tail = ""
-            return search, -1
+            return search, -1, ""
         # the first token whose text completes a stop sequence (the one vLLM's token-by-token
         # check stops at), and the earliest one it completes
         end = len(self._tail)
@@ -170,7 +178,7 @@ class Output:
                     hit, stop = j, s
             if hit >= 0:
                 self._tail = ""
-                return search[: hit + len(stop) if self._include_stop else hit], i + 1
+                return search[: hit + len(stop) if self._include_stop else hit], i + 1, stop
         raise AssertionError("a stop sequence in the text and in no prefix of it")
 
 
