@@ -357,6 +357,13 @@ def test_many_concurrent_streams(server: ServerProcess) -> None:
     assert pacer["waiting_streams"] == 0 and pacer["waiting_admissions"] == 0 and pacer["budget_ms"] == 2.0
 
 
+def test_version(server: ServerProcess) -> None:
+    import aiospec
+
+    status, body = _get(server.url + "/version")  # vLLM's route
+    assert status == 200 and json.loads(body) == {"version": aiospec.__version__}
+
+
 def test_metrics_in_prometheus_format(server: ServerProcess) -> None:
     status, body = _get(server.url + "/metrics")
     assert status == 200
