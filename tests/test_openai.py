@@ -139,18 +139,22 @@ def test_completions_offsets_across_deltas_and_the_sampled_token() -> None:
         "token_logprobs": [-0.5, -1.5],
         "top_logprobs": [
             {"Hello": -0.5, " world": -1.0},
-            # the sampled token is not in the top 2: added, as OpenAI documents (N + 1 entries)
-            {"bytes:\\xac": -0.25, " world": -1.0, "bytes:\\xe2\\x82": -1.5},
+            # the sampled token is not in the top 2: there too, as OpenAI documents (N + 1 entries)
+            {"bytes:\\xe2\\x82": -1.5, "bytes:\\xac": -0.25, " world": -1.0},
         ],
         "text_offset": [0, 5],
     }
+    # the sampled token first, then the top-N best first (vLLM's order)
+    assert first is not None and [list(d or {}) for d in first.top_logprobs or []] == [
+        ["Hello", " world"], ["bytes:\\xe2\\x82", "bytes:\\xac", " world"]
+    ]  # fmt: skip
     assert fmt.format(delta([4])) is None  # a delta without logprobs still moves the offset
     second = fmt.format(delta([1, 5], [-0.125, -math.nan], [[4, 5], [5, 5]], [[-0.25, -2.0], [-0.5, -0.75]]))
     assert as_json(second) == {
         "tokens": [" world", "!"],
         "token_logprobs": [-0.125, -9999.0],
-        # of two alternatives with the same string, the first (better) one is kept
-        "top_logprobs": [{"bytes:\\xac": -0.25, "!": -2.0, " world": -0.125}, {"!": -0.5}],
+        # a string already there is left out: the sampled token keeps its own logprob
+        "top_logprobs": [{" world": -0.125, "bytes:\\xac": -0.25, "!": -2.0}, {"!": -9999.0}],
         # "Hello" is 5 characters, the euro sign (completed by token 4) one: " world" starts at 6
         "text_offset": [6, 12],
     }
@@ -366,9 +370,11 @@ def test_prompt_logprobs_as_an_echoed_completion() -> None:
     assert as_json(pl.completion(tok(), 1)) == {
         "tokens": ["Hello", " world", "!"],
         "token_logprobs": [None, -0.5, -2.0],
-        "top_logprobs": [None, {" world": -0.5}, {"é": -0.25, "!": -2.0}],
+        "top_logprobs": [None, {" world": -0.5}, {"!": -2.0, "é": -0.25}],
         "text_offset": [0, 5, 11],
     }
+    # the prompt's token first, then the top-k, as in prompt_logprobs (vLLM's order)
+    assert [list(d or {}) for d in pl.completion(tok(), 1).top_logprobs or []] == [[], [" world"], ["!", "é"]]
     # a position that did not come is None, like the first
     only = PromptLogprobs([0, 1, 5])
     only.add(prompt_delta(2, *POS2), 2)
@@ -398,14 +404,14 @@ def test_prompt_logprobs_refuse_what_is_not_the_prompt() -> None:
 def test_token_id_strings() -> None:
     fmt = ChatLogprobsFormatter(TokenIdStrings(), top_logprobs=1)
     got = as_json(fmt.format(delta([3], [-0.5], [[4]], [[-0.25]])))
-    b3, b4 = list(b"token:3"), list(b"token:4")
-    assert got == {"content": [{"token": "token:3", "logprob": -0.5, "bytes": b3,
-                                "top_logprobs": [{"token": "token:4", "logprob": -0.25, "bytes": b4}]}]}  # fmt: skip
+    b3, b4 = list(b"token_id:3"), list(b"token_id:4")
+    assert got == {"content": [{"token": "token_id:3", "logprob": -0.5, "bytes": b3,
+                                "top_logprobs": [{"token": "token_id:4", "logprob": -0.25, "bytes": b4}]}]}  # fmt: skip
     # completions: the strings are ids, the offsets count the text
     cf = CompletionLogprobsFormatter(TokenIdStrings(), logprobs=0, text_tokenizer=tok())
     assert as_json(cf.format(delta([0, 1], [-1.0, -2.0]))) == {
-        "tokens": ["token:0", "token:1"], "token_logprobs": [-1.0, -2.0],
-        "top_logprobs": [{"token:0": -1.0}, {"token:1": -2.0}], "text_offset": [0, 5],
+        "tokens": ["token_id:0", "token_id:1"], "token_logprobs": [-1.0, -2.0],
+        "top_logprobs": [{"token_id:0": -1.0}, {"token_id:1": -2.0}], "text_offset": [0, 5],
     }  # fmt: skip
 
 

@@ -42,6 +42,12 @@ def client(server: ServerProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
+def _tid(s: str) -> int:
+    """The id of a ``return_tokens_as_token_ids`` token string (vLLM's ``token_id:<id>``)."""
+    assert s.startswith("token_id:"), s
+    return int(s.removeprefix("token_id:"))
+
+
 def _text(client: openai.OpenAI, prompt: Any, **kw: Any) -> str:
     r = client.completions.create(model=MODEL, prompt=prompt, **kw)
     (ch,) = r.choices
@@ -179,7 +185,7 @@ def test_continuous_usage_stats(client: openai.OpenAI, chat: bool) -> None:
 # -- tokens as token ids ---------------------------------------------------------------------------
 
 
-def test_return_tokens_as_token_ids(client: openai.OpenAI) -> None:
+def test_return_tokens_as_token_ids(server: ServerProcess, client: openai.OpenAI) -> None:
     kw: dict[str, Any] = {"model": MODEL, "max_tokens": 7, "seed": 9, "logprobs": 2}
     plain = client.completions.create(prompt="The", extra_body={"ignore_eos": True}, **kw).choices[0]
     r = client.completions.create(
@@ -187,19 +193,37 @@ def test_return_tokens_as_token_ids(client: openai.OpenAI) -> None:
     ).choices[0]
     assert r.text == plain.text
     assert r.logprobs is not None and plain.logprobs is not None
-    ids = [int(t.removeprefix("token:")) for t in r.logprobs.tokens or []]
-    assert all(t.startswith("token:") for t in r.logprobs.tokens or [])
+    ids = [int(t.removeprefix("token_id:")) for t in r.logprobs.tokens or []]
+    assert all(t.startswith("token_id:") for t in r.logprobs.tokens or [])
     assert VOCAB.decode(ids) == r.text and [VOCAB.token(i) for i in ids] == plain.logprobs.tokens
     for top in r.logprobs.top_logprobs or []:
-        assert top and all(re.fullmatch(r"token:\d+", k) for k in top)
+        assert top and all(re.fullmatch(r"token_id:\d+", k) for k in top)
     chat = client.chat.completions.create(
         messages=[{"role": "user", "content": "x"}], logprobs=True, top_logprobs=2,
         extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
         **{k: v for k, v in kw.items() if k != "logprobs"},
     )  # fmt: skip
     content = chat.choices[0].logprobs.content if chat.choices[0].logprobs else None
-    assert content and all(re.fullmatch(r"token:\d+", e.token) for e in content)
-    assert VOCAB.decode([int(e.token[6:]) for e in content]) == chat.choices[0].message.content
+    assert content and all(re.fullmatch(r"token_id:\d+", e.token) for e in content)
+    assert all(len(e.top_logprobs) == 2 and all(re.fullmatch(r"token_id:\d+", t.token) for t in e.top_logprobs)
+               for e in content)  # fmt: skip
+    assert all(e.bytes == list(e.token.encode()) for e in content)
+    assert VOCAB.decode([_tid(e.token) for e in content]) == chat.choices[0].message.content
+    # the echoed prompt's tokens and prompt_logprobs' decoded_token too
+    status, got = post(
+        server.url + "/v1/completions",
+        {"prompt": "The man", "max_tokens": 2, "echo": True, "logprobs": 1, "prompt_logprobs": 1,
+         "return_tokens_as_token_ids": True},
+    )  # fmt: skip
+    assert status == 200, got
+    ch = got["choices"][0]
+    prompt_ids = VOCAB.encode("The man")
+    assert [_tid(t) for t in ch["logprobs"]["tokens"][: len(prompt_ids)]] == prompt_ids
+    # each top_logprobs dict starts with the position's own token, prompt or sampled (vLLM's order)
+    tokens, tops = ch["logprobs"]["tokens"], ch["logprobs"]["top_logprobs"]
+    assert tops[0] is None and tokens[1:] == [next(iter(d)) for d in tops[1:]]
+    for pos in ch["prompt_logprobs"][1:]:
+        assert all(v["decoded_token"] == f"token_id:{k}" for k, v in pos.items())
 
 
 # -- the model card --------------------------------------------------------------------------------
@@ -305,6 +329,12 @@ BAD_VALUES: list[tuple[str, dict[str, Any], str, str]] = [
      r"^Invalid 'logit_bias': bias 101\.0 of token 5: expected -100\.\.100\.$"),
     (CMPL, {"prompt": "x", "logit_bias": {"99999": 1}}, "logit_bias", r"token id 99999: expected 0\.\."),
     (CMPL, {"prompt": "x", "logit_bias": {"the": 1}}, "logit_bias", r"key 'the': expected a token id"),
+    # every bad entry named, not only the first (vLLM's test_chat_logit_bias_validation)
+    (CHAT, {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"bad1": 50.0, "bad2": 20.0}},
+     "logit_bias", r"^Invalid 'logit_bias': keys 'bad1', 'bad2': expected token ids\.$"),
+    (CMPL, {"prompt": "x", "logit_bias": {"a": 1, "5": 1, "99999": 1, "7": -101, "-1": 2, "8": 101, "b": 0}},
+     "logit_bias", r"^Invalid 'logit_bias': keys 'a', 'b': expected token ids; token ids 99999, -1: expected "
+     r"0\.\.\d+; biases -101\.0 of token 7, 101\.0 of token 8: expected -100\.\.100\.$"),
     (CMPL, {"prompt": "x", "max_tokens": 4, "min_tokens": 5}, "min_tokens",
      r"^Invalid 'min_tokens': min_tokens = 5: expected 0\.\.4 \(at most max_tokens\)\.$"),
     (CMPL, {"prompt": "x", "stop_token_ids": [99999]}, "stop_token_ids", r"stop_token_ids\[0\] = 99999"),
@@ -362,7 +392,7 @@ def test_greedy_follows_the_model(client: openai.OpenAI) -> None:
                                   extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})  # fmt: skip
     lp = r.choices[0].logprobs
     assert lp is not None
-    got = [int(t[6:]) for t in lp.tokens or []]
+    got = [_tid(t) for t in lp.tokens or []]
     ctx = VOCAB.encode(PROMPT)
     for t in got:
         row = log_softmax(toy_model().context_logits(np.array([*ctx, 0]))[-1])
@@ -379,7 +409,7 @@ def test_logit_bias(client: openai.OpenAI) -> None:
     assert r.choices[0].text == " house" * 8
     first = client.completions.create(model=MODEL, prompt=PROMPT, **kw).choices[0].logprobs
     assert first is not None and first.tokens
-    banned = first.tokens[0][6:]
+    banned = first.tokens[0].removeprefix("token_id:")
     r = client.completions.create(model=MODEL, prompt=PROMPT, logit_bias={banned: -100}, **kw)
     assert r.choices[0].logprobs is not None and r.choices[0].logprobs.tokens
     assert r.choices[0].logprobs.tokens[0] != first.tokens[0]
@@ -390,7 +420,7 @@ def test_stop_token_ids(client: openai.OpenAI) -> None:
     ex = {"ignore_eos": True, "return_tokens_as_token_ids": True}
     full = client.completions.create(model=MODEL, prompt=PROMPT, extra_body=ex, **kw).choices[0]
     assert full.logprobs is not None
-    ids = [int(t[6:]) for t in full.logprobs.tokens or []]
+    ids = [_tid(t) for t in full.logprobs.tokens or []]
     j = next(i for i in range(1, len(ids)) if ids[i] not in ids[:i])
     r = client.completions.create(model=MODEL, prompt=PROMPT, extra_body={**ex, "stop_token_ids": [ids[j]]}, **kw)
     ch = r.choices[0]
@@ -549,13 +579,13 @@ def test_draft_logprobs(server: ServerProcess, chat: bool, stream: bool) -> None
     assert len(out) == 24 and "draft_logprobs" not in json.dumps(plain)
     assert drafts and len(drafts) % 2 == 0  # --num-draft 2: two proposals per decoding step
     for j in range(0, len(drafts), 2):
-        d0, d1 = (int(drafts[j + i]["token"][6:]) for i in (0, 1))
+        d0, d1 = (_tid(drafts[j + i]["token"]) for i in (0, 1))
         # the second proposal follows the first: the draft head's logprobs of that row
         row = draft_lp[d0]
         assert drafts[j + 1]["logprob"] == pytest.approx(float(row[d1]), abs=1e-4)
         tops = drafts[j + 1]["top_logprobs"] if chat else list(drafts[j + 1]["top"].items())
         names = [t["token"] for t in tops] if chat else [t for t, _ in tops]
-        best = [f"token:{int(a)}" for a in np.argsort(-row, kind="stable")[:2]]
+        best = [f"token_id:{int(a)}" for a in np.argsort(-row, kind="stable")[:2]]
         assert set(best) <= set(names)
 
 
@@ -607,7 +637,7 @@ def test_logprobs_mode_processed(server: ServerProcess, wide: ServerProcess) -> 
         runs[mode] = got["choices"][0]["logprobs"]
     assert runs["raw"]["tokens"] == runs["processed"]["tokens"]  # the same sampling, other logprobs
     ctx = VOCAB.encode(PROMPT)
-    for i, t in enumerate(int(s[6:]) for s in runs["raw"]["tokens"]):
+    for i, t in enumerate(_tid(s) for s in runs["raw"]["tokens"]):
         row = toy_model().context_logits(np.array([*ctx, 0]))[-1]
         assert runs["raw"]["token_logprobs"][i] == pytest.approx(float(log_softmax(row)[t]), abs=1e-4)
         assert runs["processed"]["token_logprobs"][i] == pytest.approx(float(log_softmax(row / 0.5)[t]), abs=1e-4)
@@ -623,3 +653,84 @@ def test_stop_string_kept_on_request(client: openai.OpenAI, name: str) -> None:
     assert _text(client, PROMPT, stop=[stop], extra_body={"ignore_eos": True}, **kw) == full[:cut]
     kept = _text(client, PROMPT, stop=[stop], extra_body={"ignore_eos": True, name: True}, **kw)
     assert kept == full[: cut + len(stop)]
+
+
+def _stream_text(client: openai.OpenAI, chat: bool, **kw: Any) -> tuple[str, int]:
+    """A streamed choice's text and its usage's completion_tokens."""
+    text, ntok = "", -1
+    create = client.chat.completions.create if chat else client.completions.create
+    for chunk in create(model=MODEL, stream=True, stream_options={"include_usage": True}, **kw):
+        if chunk.usage is not None:
+            ntok = chunk.usage.completion_tokens
+        for ch in chunk.choices:
+            text += (ch.delta.content or "") if chat else ch.text  # type: ignore[union-attr]
+    return text, ntok
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_stop_string_over_two_tokens_streamed_and_whole(client: openai.OpenAI, chat: bool) -> None:
+    # --num-draft 2: a step gives 1..3 tokens, and a slow read merges steps, so the two tokens
+    # of each stop string come in one delta or in two, differently from one request to the next
+    kw: dict[str, Any] = {"max_tokens": 12, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    if chat:
+        kw |= {"messages": [{"role": "user", "content": "The man"}], "logprobs": True}
+        full = client.chat.completions.create(model=MODEL, **kw).choices[0]
+        tokens = [e.token for e in (full.logprobs.content or [])] if full.logprobs else []
+    else:
+        kw |= {"prompt": " The man", "logprobs": 0}
+        c = client.completions.create(model=MODEL, **kw).choices[0]
+        tokens = list(c.logprobs.tokens or []) if c.logprobs else []
+    assert len(tokens) == 12
+    text = "".join(tokens)
+    tried = 0
+    for i in range(11):
+        a, b = tokens[i], tokens[i + 1]
+        if len(a) < 2 or len(b) < 2:
+            continue
+        stop = a[-2:] + b[:2]  # the end of one token and the start of the next
+        want = text[: text.index(stop)]
+        count = next(k for k in range(1, 13) if stop in "".join(tokens[:k]))  # the one completing it
+        for _ in range(3):
+            if chat:
+                whole = client.chat.completions.create(model=MODEL, stop=[stop], **kw)
+                got = whole.choices[0].message.content
+            else:
+                whole = client.completions.create(model=MODEL, stop=[stop], **kw)
+                got = whole.choices[0].text
+            assert (got, whole.choices[0].finish_reason) == (want, "stop"), stop
+            assert whole.usage is not None and whole.usage.completion_tokens == count
+            assert _stream_text(client, chat, stop=[stop], **kw) == (want, count), stop
+        tried += 1
+    assert tried >= 4
+
+
+@pytest.mark.parametrize("path", [CMPL, CHAT], ids=["completions", "chat"])
+def test_stop_reason(server: ServerProcess, path: str) -> None:
+    base: dict[str, Any] = {"max_tokens": 10, "temperature": 0, "ignore_eos": True, "logprobs": 0}
+    if path == CHAT:
+        base |= {"messages": [{"role": "user", "content": "Hi"}], "logprobs": True}
+    else:
+        base["prompt"] = PROMPT
+    status, full = post(server.url + path, {**base, "return_tokens_as_token_ids": True})
+    assert status == 200, full
+    ch = full["choices"][0]
+    entries = ch["logprobs"]["content"] if path == CHAT else [{"token": t} for t in ch["logprobs"]["tokens"]]
+    ids = [_tid(e["token"]) for e in entries]
+    text = VOCAB.decode(ids)
+    assert ch["finish_reason"] == "length" and ch["stop_reason"] is None  # vLLM's: null at max_tokens
+    j = next(i for i in range(1, 10) if ids[i] not in ids[:i])
+    stop = VOCAB.token(ids[4])[-2:] + VOCAB.token(ids[5])[:1]  # over two tokens
+    assert stop in text
+    cases = [({"stop": [stop, "zzz"]}, stop), ({"stop_token_ids": [ids[j]]}, ids[j])]
+    for extra, reason in cases:
+        body = {**base, **extra}
+        status, got = post(server.url + path, body)
+        assert status == 200, got
+        (c,) = got["choices"]
+        assert (c["finish_reason"], c["stop_reason"]) == ("stop", reason)
+        status, events = post(server.url + path, {**body, "stream": True})
+        assert status == 200
+        chunks = [e["choices"][0] for e in events if e["choices"]]
+        # only the choice's last chunk carries it, beside finish_reason
+        assert [("stop_reason" in x) for x in chunks] == [False] * (len(chunks) - 1) + [True]
+        assert (chunks[-1]["finish_reason"], chunks[-1]["stop_reason"]) == ("stop", reason)

@@ -190,6 +190,45 @@ def test_stop_sequence_cuts_the_text(client: openai.OpenAI) -> None:
     assert cut.logprobs is not None and "".join(cut.logprobs.tokens or []).startswith(cut.text)
 
 
+def test_usage_counts_every_generated_token_and_the_metric_agrees(server: ServerProcess, client: openai.OpenAI) -> None:
+    # vLLM's usage.completion_tokens is len(token_ids): the end token and the token that
+    # completed a stop string are counted, though neither has text
+    for seed in range(60):
+        r = client.completions.create(model="aiospec-toy", prompt="x", max_tokens=40, seed=seed, logprobs=0)
+        if r.choices[0].finish_reason == "stop":
+            break
+    else:
+        raise AssertionError("no text ended at the end token")
+    kw: dict[str, Any] = {"model": "aiospec-toy", "prompt": "x", "max_tokens": 40, "seed": seed, "logprobs": 0}
+    before = _stats(server)["tokens"]
+    counted = 0
+    for stream in (False, True):
+        if stream:
+            usage = None
+            tokens: list[str] = []
+            for chunk in client.completions.create(stream=True, stream_options={"include_usage": True}, **kw):
+                usage = chunk.usage or usage
+                for ch in chunk.choices:
+                    tokens += ch.logprobs.tokens or [] if ch.logprobs else []
+        else:
+            r = client.completions.create(**kw)
+            usage = r.usage
+            tokens = list(r.choices[0].logprobs.tokens or []) if r.choices[0].logprobs else []
+        assert usage is not None and usage.completion_tokens == len(tokens) + 1  # the end token
+        counted += usage.completion_tokens
+    full = client.completions.create(**{**kw, "seed": 1234, "extra_body": {"ignore_eos": True}})
+    assert full.choices[0].logprobs is not None and full.usage is not None and full.usage.completion_tokens == 40
+    tokens = list(full.choices[0].logprobs.tokens or [])
+    i = next(i for i in range(2, 40) if tokens[i] not in "".join(tokens[:i]) and len(tokens[i]) > 1)
+    stop = tokens[i][:2]  # completed by token i: i + 1 tokens
+    cut = client.completions.create(**{**kw, "seed": 1234, "extra_body": {"ignore_eos": True}}, stop=[stop])
+    assert cut.choices[0].text == "".join(tokens[:i]) and cut.usage is not None
+    assert cut.usage.completion_tokens == i + 1 and cut.choices[0].logprobs is not None
+    assert len(cut.choices[0].logprobs.tokens or []) == i + 1
+    counted += 40 + i + 1
+    assert _stats(server)["tokens"] - before == counted  # the tokens metric is usage's count
+
+
 ERRORS = [
     ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs",
      r"^Invalid 'top_logprobs': top_logprobs = 21: expected 0\.\.20\.$"),
@@ -316,6 +355,13 @@ def test_many_concurrent_streams(server: ServerProcess) -> None:
     # every request was set up in an admission turn; nothing waits once they are done
     assert pacer["admitted"] - before["admitted"] >= 48 and pacer["granted"] - before["granted"] >= 48 + 48
     assert pacer["waiting_streams"] == 0 and pacer["waiting_admissions"] == 0 and pacer["budget_ms"] == 2.0
+
+
+def test_version(server: ServerProcess) -> None:
+    import aiospec
+
+    status, body = _get(server.url + "/version")  # vLLM's route
+    assert status == 200 and json.loads(body) == {"version": aiospec.__version__}
 
 
 def test_metrics_in_prometheus_format(server: ServerProcess) -> None:

@@ -67,13 +67,15 @@ class ChatCompletionChunk(
 
 class CompletionChoice(msgspec.Struct, gc=False):
     """One choice of a ``text_completion`` chunk. The extensions are left out unless set:
-    ``prompt_logprobs`` (vLLM's shape, in the choice's first chunk) and ``draft_logprobs``
-    (the draft model's tokens, in the shape of ``logprobs``)."""
+    ``stop_reason`` (vLLM's: the stop string or stop token id that ended the choice, or
+    ``None``, in its last chunk), ``prompt_logprobs`` (vLLM's shape, in the choice's first
+    chunk) and ``draft_logprobs`` (the draft model's tokens, in the shape of ``logprobs``)."""
 
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: Any = msgspec.UNSET
     prompt_logprobs: Any = msgspec.UNSET
     draft_logprobs: Any = msgspec.UNSET
 

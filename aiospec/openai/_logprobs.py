@@ -241,9 +241,10 @@ class CompletionLogprobs(msgspec.Struct, gc=False):
 class CompletionLogprobsFormatter:
     """``choices[i].logprobs`` of completions, for one request (it keeps the text offset).
 
-    ``logprobs``: the request's N (``0..k``). Each ``top_logprobs`` dict holds the top-N and,
-    as OpenAI documents, the sampled token when it is not among them (up to N + 1 entries; of
-    two ids with the same string the better one is kept). ``text_offset`` counts characters of
+    ``logprobs``: the request's N (``0..k``). Each ``top_logprobs`` dict holds the sampled
+    token first, with its logprob, then the top-N best first, as vLLM orders them (so, as
+    OpenAI documents, the sampled token is there when it is not among the top-N: up to N + 1
+    entries; an id whose string is already there is left out). ``text_offset`` counts characters of
     the completion text from ``text_offset`` (e.g. the prompt's length with ``echo``); a
     character split over tokens counts at the token that completes it. ``text_tokenizer``
     gives the text the offsets count when the token strings are not it (``TokenIdStrings``).
@@ -290,10 +291,9 @@ class CompletionLogprobsFormatter:
             tokens.append(s)
             offsets.append(self._offset)
             self._offset += len(self._text.push(t))
-            top: dict[str, float] = {}
+            top = {s: lp}  # the position's own token first, then the top-N (vLLM's order)
             if n:
                 for j, a in enumerate(tids[i]):
                     top.setdefault(get(a)[0], tlps[i * n + j])
-            top.setdefault(s, lp)
             tops.append(top)
         return CompletionLogprobs(tokens, list(lps), tops, offsets)

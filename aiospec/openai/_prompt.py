@@ -165,8 +165,8 @@ class PromptLogprobs:
 
     def completion(self, tokenizer: Tokenizer, k: int, text_tokenizer: Tokenizer | None = None) -> CompletionLogprobs:
         """The prompt's part of an echoed completion's ``logprobs``: per prompt token its
-        string, logprob (``None`` for the first), top-``k`` dict with the token itself
-        (``None`` for the first) and character offset (from 0, over ``text_tokenizer``'s text)."""
+        string, logprob (``None`` for the first), dict of the token itself and then the
+        top-``k`` (``None`` for the first) and character offset (from 0, over ``text_tokenizer``'s text)."""
         get = cache_for(tokenizer).get
         text = IncrementalText(tokenizer if text_tokenizer is None else text_tokenizer)
         tids, tlps = self._tops(k)
@@ -187,9 +187,8 @@ class PromptLogprobs:
                 continue
             lp = _f(lps[i])
             token_lps.append(lp)
-            top: dict[str, float] = {}
+            top = {s: lp}  # the prompt's token first, then the top-k (vLLM's order)
             for a, v in zip(tids[i], tlps[i], strict=True):
                 top.setdefault(get(a)[0], _f(v))
-            top.setdefault(s, lp)
             tops.append(top)
         return CompletionLogprobs(tokens, token_lps, tops, offsets)

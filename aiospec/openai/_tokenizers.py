@@ -98,8 +98,8 @@ class _ByteLevelWithSpecials(ByteLevelTokenizer):
 
 
 class TokenIdStrings:
-    """Token strings ``token:<id>`` in place of the text (vLLM's ``return_tokens_as_token_ids``),
-    for logprobs whose tokens a client must map back to ids whatever they decode to."""
+    """Token strings ``token_id:<id>`` in place of the text (vLLM's ``return_tokens_as_token_ids``
+    and its prefix), for logprobs whose tokens a client must map back to ids whatever they decode to."""
 
     __slots__ = ("__weakref__", "_cache")
 
@@ -107,8 +107,8 @@ class TokenIdStrings:
         self._cache: dict[int, bytes] = {}
 
     def token_bytes(self, token_id: int) -> bytes:
-        """``b"token:<id>"``."""
+        """``b"token_id:<id>"``."""
         b = self._cache.get(token_id)
         if b is None:
-            b = self._cache[token_id] = b"token:%d" % token_id
+            b = self._cache[token_id] = b"token_id:%d" % token_id
         return b

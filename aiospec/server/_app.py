@@ -26,6 +26,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+import aiospec
 from aiospec.openai import PromptLogprobs
 from aiospec.server._engine_link import EngineLink, ServerSettings
 from aiospec.server._generation import Choice, Generation, send_json
@@ -245,6 +246,10 @@ class Handlers:
             return Response(err.body(), status_code=404, media_type="application/json")
         return _json(self._card())
 
+    async def version(self, request: Request) -> Response:
+        """GET /version: ``{"version": <aiospec's version>}`` (vLLM's route)."""
+        return _json({"version": aiospec.__version__})
+
     async def health(self, request: Request) -> Response:
         """GET /health: 200 ``ok`` while a request admitted now can get its tokens, 503 with the
         engine's state otherwise (``engine stalled``, ``engine down``, ``engine starting``,
@@ -413,6 +418,7 @@ class _App:
                 Route("/v1/models", handlers.models, methods=["GET"]),
                 Route("/v1/models/{model:path}", handlers.model, methods=["GET"]),
                 Route("/health", handlers.health, methods=["GET"]),
+                Route("/version", handlers.version, methods=["GET"]),
                 Route("/metrics", handlers.metrics, methods=["GET"]),
                 Route("/stats", handlers.stats, methods=["GET"]),
                 Route("/stats/reset", handlers.stats_reset, methods=["POST"]),

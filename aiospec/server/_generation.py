@@ -74,6 +74,7 @@ class _ChatChoice(msgspec.Struct, gc=False):
     message: _Message
     logprobs: ChatLogprobs | None
     finish_reason: str | None
+    stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id that ended it
     draft_logprobs: Any = msgspec.UNSET
 
 
@@ -91,6 +92,7 @@ class _CompletionChoice(msgspec.Struct, gc=False):
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
+    stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id that ended it
     prompt_logprobs: Any = msgspec.UNSET
     draft_logprobs: Any = msgspec.UNSET
 
@@ -218,12 +220,14 @@ class Generation(Response):
                 st.link.finish(c.handle, abort=not c.engine_done)
             m.request_done(endpoint, 499 if disconnected else status)
 
-    def _observe(self, ntok: int) -> None:
+    def _observe(self, received: int, counted: int) -> None:
+        """A delta of ``received`` tokens consumed, ``counted`` of them (usage's count: the
+        end token in, tokens after a stop sequence out) added to the tokens metric."""
         m = self.state.metrics
-        if ntok and not self._ttft:
+        if received and not self._ttft:
             self._ttft = True
             m.ttft.observe(time.perf_counter() - self.t_start)
-        m.tokens += ntok
+        m.tokens += counted
 
     # -- streamed ------------------------------------------------------------------------------
 
@@ -350,8 +354,9 @@ class Generation(Response):
 
     def _chat_chunk(self, c: Choice, d: Delta, enc: ChatChunkEncoder) -> bytes | None:
         out = c.out
+        n0 = out.ntok
         text, lp = out.consume_chat(d)
-        self._observe(d.num_tokens)
+        self._observe(d.num_tokens, out.ntok - n0)
         fr = out.finish_reason
         if not text and lp is None and fr is None:
             return None
@@ -362,8 +367,10 @@ class Generation(Response):
         if p.continuous_usage:
             extra += self._usage_json(c)
         choice_extra = b""
+        if fr is not None:  # the choice's last chunk: vLLM's stop_reason beside finish_reason
+            choice_extra = b',"stop_reason":' + _encoder.encode(out.stop_reason)
         if p.draft_logprobs and c.drafts:
-            choice_extra = b',"draft_logprobs":' + _encoder.encode(self._drafts(c))
+            choice_extra += b',"draft_logprobs":' + _encoder.encode(self._drafts(c))
         body = enc.chunk(content=text, role="assistant" if c.first else None, logprobs=lp, finish_reason=fr,
                          choice_extra=choice_extra, extra=extra)  # fmt: skip
         c.first = False
@@ -371,8 +378,9 @@ class Generation(Response):
 
     def _completion_chunk(self, c: Choice, d: Delta) -> bytes | None:
         out = c.out
+        n0 = out.ntok
         text, lp = out.consume(d)
-        self._observe(d.num_tokens)
+        self._observe(d.num_tokens, out.ntok - n0)
         fr = out.finish_reason
         p = self.parsed
         if c.first and p.echo:
@@ -382,6 +390,8 @@ class Generation(Response):
         if not text and lp is None and fr is None:
             return None
         choice = CompletionChoice(c.index, text, lp, fr)
+        if fr is not None:  # the choice's last chunk: vLLM's stop_reason beside finish_reason
+            choice.stop_reason = out.stop_reason
         if c.first and c.prompt_lp is not None and p.prompt_logprobs >= 0:
             choice.prompt_logprobs = msgspec.Raw(c.prompt_lp.vllm_json(self.display, p.prompt_logprobs))
         if p.draft_logprobs and c.drafts:
@@ -426,8 +436,9 @@ class Generation(Response):
         async for d in c.stream:
             if c.take_side(d):
                 continue
+            n0 = out.ntok
             text, lp = out.consume(d)
-            self._observe(d.num_tokens)
+            self._observe(d.num_tokens, out.ntok - n0)
             texts.append(text)
             if lp is not None:
                 lps.append(lp)
@@ -466,7 +477,7 @@ class Generation(Response):
                     for x in lps:
                         content.extend(x.content or ())
                     clp = ChatLogprobs(content)
-                ch = _ChatChoice(c.index, _Message("assistant", text), clp, c.out.finish_reason)
+                ch = _ChatChoice(c.index, _Message("assistant", text), clp, c.out.finish_reason, c.out.stop_reason)
                 if p.draft_logprobs:
                     ch.draft_logprobs = self._drafts(c)
                 out.append(ch)
@@ -489,7 +500,7 @@ class Generation(Response):
                     plp = _join(plp, CompletionLogprobs([], [], [], []))
                     for x in lps:
                         plp = _join(plp, x)
-                cc = _CompletionChoice(c.index, text, plp, c.out.finish_reason)
+                cc = _CompletionChoice(c.index, text, plp, c.out.finish_reason, c.out.stop_reason)
                 if p.prompt_logprobs >= 0 and c.prompt_lp is not None:
                     cc.prompt_logprobs = msgspec.Raw(c.prompt_lp.vllm_json(self.display, p.prompt_logprobs))
                 if p.draft_logprobs:

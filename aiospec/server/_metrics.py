@@ -259,11 +259,13 @@ class Metrics:
         )
         metric("aiospec_streams_open", "gauge", "Token streams open now.", [(None, self.streams_open)])
         metric("aiospec_requests_running", "gauge", "Requests in the engine now.", [(None, self.requests_running)])
-        metric("aiospec_tokens_total", "counter", "Tokens sent to clients.", [(None, self.tokens)])
+        metric(
+            "aiospec_tokens_total", "counter", "Tokens generated for clients (usage's count).", [(None, self.tokens)]
+        )
         metric(
             "aiospec_tokens_per_second",
             "gauge",
-            "Tokens sent per second (10 s window).",
+            "Tokens generated per second (10 s window).",
             [(None, self.tokens_per_second())],
         )
         metric(

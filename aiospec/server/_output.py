@@ -24,16 +24,25 @@ class Output:
     """Formatting state of one choice: incremental text, logprobs, stop sequences, counts.
 
     ``tokenizer`` gives the text; ``display`` the token strings of the logprobs (the same
-    tokenizer, or ``token:<id>`` strings for ``return_tokens_as_token_ids``). ``text_offset``
+    tokenizer, or ``token_id:<id>`` strings for ``return_tokens_as_token_ids``). ``text_offset``
     is where a completion's text starts in the choice's text (the echoed prompt's length).
     ``max_tokens`` = 0 (an echoed prompt scored, nothing generated) ends at the first delta.
+
+    ``ntok`` counts every token generated for the choice, as vLLM's usage does: the end token
+    (which the engine does not emit) and the token that completed a stop sequence included.
+
+    A stop sequence cuts the text at its start (at its end with ``include_stop``): the first
+    token whose text completes one ends the choice, counted and with its logprobs, as in
+    vLLM. The whole text is searched, so a stop sequence split over tokens or deltas is
+    found; the end of the text that could start one is held back until a later token shows
+    it does not, so the text sent is the same whatever the step boundaries. Without stop
+    sequences nothing is searched or held.
     """
 
     __slots__ = (
         "_dec",
         "_fmt",
         "_include_stop",
-        "_maxstop",
         "_stop_ids",
         "_stops",
         "_tail",
@@ -41,6 +50,7 @@ class Output:
         "finish_reason",
         "max_tokens",
         "ntok",
+        "stop_reason",
         "stopped",
     )
 
@@ -68,13 +78,15 @@ class Output:
         self._stops = parsed.stop
         self._include_stop = parsed.include_stop
         self._stop_ids = frozenset(parsed.stop_token_ids)
-        self._maxstop = max((len(s) for s in parsed.stop), default=0)
-        self._tail = ""
+        self._tail = ""  # text held back: it may be the start of a stop sequence
         mt = parsed.max_tokens if max_tokens is None else max_tokens
         assert mt is not None
         self.max_tokens: int = mt
         self.ntok = 0
         self.finish_reason: str | None = None
+        # vLLM's stop_reason: the stop sequence matched, or the stop token id that ended the
+        # choice; None at the end token and at max_tokens
+        self.stop_reason: str | int | None = None
         self.stopped = False  # ended here (a stop sequence): the engine is still decoding it
 
     def consume(self, delta: Any) -> tuple[str, Any]:
@@ -109,34 +121,82 @@ class Output:
             ids = ids[:-1]
         if not self._stops:
             text = self._dec.decode(ids)
-            self.ntok += n
         else:
-            push = self._dec.push
-            pieces = [push(t) for t in ids]
-            text = "".join(pieces)
-            search = self._tail + text
-            hits = [(i, s) for s in self._stops for i in (search.find(s),) if i >= 0]
-            if not hits:
-                self.ntok += n
-                self._tail = search[len(search) - self._maxstop + 1 :] if self._maxstop > 1 else ""
-            else:
-                hit, stop = min(hits)
-                if self._include_stop:
-                    hit += len(stop)
-                cut = max(0, hit - len(self._tail))
-                kept = pos = 0
-                for p in pieces:
-                    if pos >= cut:
-                        break
-                    kept += 1
-                    pos += len(p)
-                self.ntok += kept
+            text, hit, matched = self._cut(ids, delta.finished)
+            if hit >= 0:
+                self.ntok += hit
                 self.finish_reason = "stop"
+                self.stop_reason = matched
                 self.stopped = True
-                return text[:cut], kept
+                return text, hit
+        self.ntok += n
         if delta.finished:
-            self.finish_reason = "length" if self.ntok >= self.max_tokens and not stop_token else "stop"
+            if self.ntok >= self.max_tokens and not stop_token:
+                self.finish_reason = "length"
+            else:
+                self.finish_reason = "stop"
+                if stop_token:
+                    self.stop_reason = int(delta.token_ids[-1])
+                else:
+                    # the end token: never emitted, but generated, and counted (vLLM's usage)
+                    self.ntok += 1
         return text, n
+
+    def _cut(self, ids: list[int], finished: bool) -> tuple[str, int, str]:
+        """The text of ``ids`` that can be sent now, -1 and "", or, when a stop sequence
+        completes in them, the text up to it, the tokens up to the one completing it and
+        the stop sequence.
+
+        The text is searched as one string with what was held back before, so a stop
+        sequence split over tokens (or over deltas) is found whatever the step boundaries;
+        the end that could be the start of a stop sequence is held back until a later token
+        tells (or the request ends), so nothing past a stop sequence's start is ever sent.
+        """
+        push = self._dec.push
+        pieces = [push(t) for t in ids]
+        search = self._tail + "".join(pieces)
+        stops = self._stops
+        for s in stops:
+            if s in search:
+                break
+        else:
+            keep = 0 if finished else _partial(search, stops)
+            if keep:
+                self._tail = search[-keep:]
+                return search[:-keep], -1, ""
+            self._tail = ""
+            return search, -1, ""
+        # the first token whose text completes a stop sequence (the one vLLM's token-by-token
+        # check stops at), and the earliest one it completes
+        end = len(self._tail)
+        for i, p in enumerate(pieces):
+            end += len(p)
+            hit, stop = -1, ""
+            for s in stops:
+                j = search.find(s, 0, end)
+                if j >= 0 and (hit < 0 or j < hit):
+                    hit, stop = j, s
+            if hit >= 0:
+                self._tail = ""
+                return search[: hit + len(stop) if self._include_stop else hit], i + 1, stop
+        raise AssertionError("a stop sequence in the text and in no prefix of it")
+
+
+def _partial(text: str, stops: list[str]) -> int:
+    """The length of the longest end of ``text`` that is the start of a stop sequence (and
+    not all of it): what must be held back until the next text tells."""
+    best = 0
+    n = len(text)
+    for s in stops:
+        c = s[0]
+        # where s could start in the last len(s) - 1 characters, for an end longer than best
+        i = text.find(c, max(n - len(s) + 1, 0), n - best)
+        while i >= 0:
+            if s.startswith(text[i:]):
+                best = n - i
+                break
+            i = text.find(c, i + 1, n - best)
+    return best
 
 
 def _truncate(lp: Any, n: int) -> Any:

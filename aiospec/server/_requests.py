@@ -420,22 +420,7 @@ def _common(req: _Common, max_tokens: int | None, lim: Limits) -> dict[str, Any]
     if seed is not None and not -(1 << 63) <= seed < 1 << 63:
         raise ApiError(400, f"Invalid 'seed': seed = {seed}: expected -2**63..2**63-1.", param="seed",
                        code="invalid_value")  # fmt: skip
-    bias: dict[int, float] | None = None
-    if req.logit_bias:
-        bias = {}
-        for key, value in req.logit_bias.items():
-            try:
-                tid = int(key)
-            except ValueError:
-                raise ApiError(400, f"Invalid 'logit_bias': key {key!r}: expected a token id.",
-                               param="logit_bias") from None  # fmt: skip
-            if not 0 <= tid < lim.vocab_size:
-                raise ApiError(400, f"Invalid 'logit_bias': token id {tid}: expected 0..{lim.vocab_size - 1}.",
-                               param="logit_bias", code="invalid_value")  # fmt: skip
-            if not -100.0 <= value <= 100.0:
-                raise ApiError(400, f"Invalid 'logit_bias': bias {value} of token {tid}: expected -100..100.",
-                               param="logit_bias", code="invalid_value")  # fmt: skip
-            bias[tid] = float(value)
+    bias = None if not req.logit_bias else _logit_bias(req.logit_bias, lim.vocab_size)
     fp = 0.0 if req.frequency_penalty is None else req.frequency_penalty
     pp = 0.0 if req.presence_penalty is None else req.presence_penalty
     _float_range("frequency_penalty", fp, -2.0, 2.0)
@@ -494,6 +479,39 @@ def _message_text(i: int, m: ChatMessage) -> str:
 def chat_prompt(messages: Sequence[ChatMessage]) -> str:
     """The prompt text of a conversation: the built-in model's chat template."""
     return "".join(f"{m.role}: {_message_text(i, m)}\n" for i, m in enumerate(messages)) + "assistant:"
+
+
+def _logit_bias(given: dict[str, float], vocab_size: int) -> dict[int, float]:
+    """``logit_bias`` with token ids for keys; a 400 that names every bad entry otherwise."""
+    bias: dict[int, float] = {}
+    keys: list[str] = []  # not integers
+    ids: list[int] = []  # not in the vocabulary
+    values: list[str] = []  # out of range
+    for key, value in given.items():
+        try:
+            tid = int(key)
+        except ValueError:
+            keys.append(repr(key))
+            continue
+        if not 0 <= tid < vocab_size:
+            ids.append(tid)
+        elif not -100.0 <= value <= 100.0:
+            values.append(f"{value} of token {tid}")
+        else:
+            bias[tid] = float(value)
+    if not (keys or ids or values):
+        return bias
+    why = []
+    if keys:
+        why.append(f"key {keys[0]}: expected a token id" if len(keys) == 1 else
+                   f"keys {', '.join(keys)}: expected token ids")  # fmt: skip
+    if ids:
+        what = f"token id {ids[0]}" if len(ids) == 1 else f"token ids {', '.join(map(str, ids))}"
+        why.append(f"{what}: expected 0..{vocab_size - 1}")
+    if values:
+        why.append(f"{'bias' if len(values) == 1 else 'biases'} {', '.join(values)}: expected -100..100")
+    raise ApiError(400, f"Invalid 'logit_bias': {'; '.join(why)}.", param="logit_bias",
+                   code=None if keys else "invalid_value")  # fmt: skip
 
 
 def parse_chat(body: bytes, lim: Limits) -> Parsed:
