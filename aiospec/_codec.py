@@ -631,9 +631,15 @@ def decode_frame(buffer: Any, *, validate_offsets: bool = True) -> Frame:
     r, t, d, e = hd.r, hd.t, hd.d, hd.e
     uni_t = bool(ff & L.FRAME_UNIFORM_TOKENS)
     uni_d = bool(ff & L.FRAME_UNIFORM_DRAFTS)
+    # the offset columns are i32 and run to T (resp. D): larger counts have no valid frame,
+    # and bounding them here keeps every count and per-record count an i32 below
+    if t > _I32_MAX or d > _I32_MAX:
+        raise FrameError(f"header: T={t} D={d}: expected at most {_I32_MAX} (the offset columns are i32)")
     if uni_t:
         if r * hd.nt != t:
             raise FrameError(f"header.NT: {r} records of NT={hd.nt} tokens, but T={t}")
+        if r == 0 and hd.nt:
+            raise FrameError(f"header.NT: expected 0 in a frame without records, got {hd.nt}")
     elif hd.nt:
         raise FrameError(f"header.NT: expected 0 without UNIFORM_TOKENS, got {hd.nt}")
     elif r == 0:

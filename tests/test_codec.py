@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 import struct
 from typing import Any
@@ -611,7 +612,7 @@ def test_absent_column_with_an_offset(column: str) -> None:
 
 def test_counts_too_large_for_the_frame() -> None:
     n = len(GOOD)
-    for field, value in ((L.HF_R, 2**32 - 1), (L.HF_T, 2**31), (L.HF_D, 10**9), (L.HF_K, 1024)):
+    for field, value in ((L.HF_R, 2**32 - 1), (L.HF_T, 2**31 - 1), (L.HF_D, 10**9), (L.HF_K, 1024)):
         buf = with_elem(GOOD, field, value)
         if field == L.HF_K:
             buf = with_elem(buf, L.HF_E, 0)  # k > 255 has no exceptions
@@ -620,6 +621,73 @@ def test_counts_too_large_for_the_frame() -> None:
             buf = with_elem(buf, L.HF_T, 2**20)
             t = 2**20
         rejects(buf, rf"header: counts R={r} T={t} D={d} k={k} exceed the {n}-byte frame")
+
+
+def test_counts_beyond_the_i32_offset_columns() -> None:
+    for field in (L.HF_T, L.HF_D):
+        for value in (2**31, 2**32 - 1):
+            buf = with_elem(GOOD, field, value)
+            t, d = elem(buf, L.HF_T), elem(buf, L.HF_D)
+            rejects(buf, rf"header: T={t} D={d}: expected at most 2147483647 \(the offset columns are i32\)")
+
+
+@pytest.mark.parametrize("nt", [1, 5, 2**31 - 1, 2**31, 2**32 - 1])
+@pytest.mark.parametrize("validate", [True, False])
+def test_a_frame_without_records_has_nt_0(nt: int, validate: bool) -> None:
+    # T = R * NT holds for any NT when R = 0: NT must be 0 there (never an OverflowError)
+    empty = encode_frame([], [0], [])
+    assert elem(empty, L.HF_FFLAGS) == L.FRAME_UNIFORM_TOKENS and elem(empty, L.HF_NT) == 0
+    decode_frame(empty, validate_offsets=validate)
+    rejects(
+        with_elem(empty, L.HF_NT, nt),
+        rf"header\.NT: expected 0 in a frame without records, got {nt}",
+        validate_offsets=validate,
+    )
+
+
+# frames of every shape the header can describe: the fuzzing below starts from each
+FUZZ_BASES = [
+    encode_frame([], [0], []),
+    encode_frame([3], [0, 2], [7, 9]),
+    GOOD,
+    encode_frame(**make_columns(5, [2, 2, 2], k=3, logprobs=True, drafts=[1, 1, 1])),
+    encode_frame(**make_columns(6, [1, 4], k=300, logprobs=True, prompt=True), kind=Kind.PROMPT),
+    encode_frame(**make_columns(7, [0, 3, 1], logprobs=True), kind=Kind.DRAFT),
+]
+EXTREMES = [0, 1, 2, 7, 8, 63, 64, 152, 255, 256, 1024, 1025, 2**16, 2**31 - 1, 2**31, 2**31 + 1, 2**32 - 2, 2**32 - 1]
+U32_FIELDS = [i for i in range(L.HEADER_FIELDS) if i != L.HF_STEP]
+
+
+def decodes_or_frame_error(buf: bytes) -> None:
+    for validate in (True, False):
+        with contextlib.suppress(FrameError):
+            decode_frame(buf, validate_offsets=validate)
+
+
+@pytest.mark.parametrize("base", range(len(FUZZ_BASES)))
+def test_every_header_field_at_extreme_values_gives_frame_error_or_a_frame(base: int) -> None:
+    buf = FUZZ_BASES[base]
+    for i in U32_FIELDS:
+        for v in EXTREMES:
+            decodes_or_frame_error(with_elem(buf, i, v))
+    for v in (0, 2**63, 2**64 - 1):
+        decodes_or_frame_error(with_elem(buf, L.HF_STEP, v))
+
+
+@settings(max_examples=400, deadline=None, print_blob=True)
+@given(
+    base=st.integers(0, len(FUZZ_BASES) - 1),
+    fields=st.lists(
+        st.tuples(st.sampled_from(U32_FIELDS), st.one_of(st.sampled_from(EXTREMES), st.integers(0, 2**32 - 1))),
+        min_size=2,
+        max_size=6,
+    ),
+)
+def test_header_field_combinations_give_frame_error_or_a_frame(base: int, fields: list[tuple[int, int]]) -> None:
+    buf = FUZZ_BASES[base]
+    for i, v in fields:
+        buf = with_elem(buf, i, v)
+    decodes_or_frame_error(buf)
 
 
 def test_counts_that_need_more_bytes_than_the_frame() -> None:
