@@ -208,17 +208,21 @@ def frame_layout(
 def prompt_tokens_fit(max_record: int, records: int, k: int) -> int:
     """The most prompt tokens (positions) a ``Kind.PROMPT`` frame of ``records`` records with
     logprobs and top-``k`` columns can carry in a ring whose ``max_record`` is given, whatever
-    the values: the size is taken with token offsets and with every token an exception (the
-    largest encoding). A producer splits a long prompt into frames of at most this many
-    tokens; 0 means not even an empty frame of that many records fits."""
+    the values: exactly the largest ``T`` whose largest encoding fits, that is with every
+    token an exception and, for two records or more, with counts that differ (the
+    ``token_offsets`` column; one record never has it, and a frame of no tokens or no records
+    has uniform counts). A producer splits a long prompt into frames of at most this many
+    tokens; 0 also when not even an empty frame of that many records fits, and always for 0
+    records (such a frame carries no tokens)."""
     if records < 0 or not 0 <= k <= L.MAX_TOPK:
         raise ValueError(f"records = {records}, k = {k}: expected records >= 0 and k in 0..{L.MAX_TOPK}")
 
     def fits(t: int) -> bool:
-        _, plen = frame_layout(records, t, 0, k, True, e=t, prompt=True)
+        uniform = records <= 1 or t == 0  # the only encodings such a frame can have
+        _, plen = frame_layout(records, t, 0, k, True, e=t, uniform_tokens=uniform, prompt=True)
         return L.align(L.FRAME_HEADER + plen, L.FRAME_ALIGN) <= max_record
 
-    if not fits(0):
+    if records == 0 or not fits(0):
         return 0
     lo, hi = 0, max(1, max_record)  # a token takes at least one byte: hi never fits
     while hi - lo > 1:

@@ -943,25 +943,31 @@ def test_logprobs_processed_round_trips_and_needs_logprobs() -> None:
     assert elem(plain, L.HF_FFLAGS) == L.FRAME_UNIFORM_TOKENS and not decode_frame(plain).logprobs_processed
 
 
-@pytest.mark.parametrize("records", [1, 3, 64])
-@pytest.mark.parametrize("k", [0, 1, 20, 300])
-@pytest.mark.parametrize("max_record", [4096, 65536, 1 << 20])
-def test_prompt_tokens_fit_is_the_largest_worst_case_frame(records: int, k: int, max_record: int) -> None:
+@pytest.mark.parametrize("records", [0, 1, 2, 3, 64])
+@pytest.mark.parametrize("k", [0, 1, 20, 255, 300])
+@pytest.mark.parametrize("max_record", [192, 256, 4096, 65536, 1 << 20])
+def test_prompt_tokens_fit_is_exactly_the_largest_worst_case_frame(records: int, k: int, max_record: int) -> None:
     n = prompt_tokens_fit(max_record, records, k)
 
     def worst(t: int) -> int:
-        # every token an exception (a prompt token outside its top-k), varying counts
-        counts = [t - (records - 1)] + [1] * (records - 1) if t >= records else [t] + [0] * (records - 1)
+        # the largest actual frame of t tokens: every token an exception (a prompt token outside
+        # its top-k) and, from two records on, counts that differ (the token_offsets column)
+        counts = [t] + [0] * (records - 1)
         cols = make_columns(t, counts, k=k, logprobs=True, prompt=True)
         cols["token_ids"] = np.full(t, -7, np.int32)
         buf = encode_frame(**cols, kind=Kind.PROMPT)
+        if 1 <= k <= L.SAMPLED_POS_MAX_K:
+            assert elem(buf, L.HF_E) == t
         return L.align(L.FRAME_HEADER + len(buf), L.FRAME_ALIGN)
 
-    if n == 0:
-        assert frame_layout(records, 0, 0, k, True, prompt=True)[1] + L.FRAME_HEADER > max_record
+    if records == 0:
+        assert n == 0  # a frame without records carries no tokens
         return
-    assert worst(n) <= max_record
-    _, plen = frame_layout(records, n + 1, 0, k, True, e=n + 1, prompt=True)
-    assert L.align(L.FRAME_HEADER + plen, L.FRAME_ALIGN) > max_record
+    if n == 0 and worst(0) > max_record:
+        return  # not even the empty frame fits
+    assert worst(n) <= max_record < worst(n + 1)
+
+
+def test_prompt_tokens_fit_arguments() -> None:
     with pytest.raises(ValueError, match=r"^records = -1, k = 0: expected records >= 0 and k in 0\.\.1024$"):
-        prompt_tokens_fit(max_record, -1, 0)
+        prompt_tokens_fit(4096, -1, 0)
