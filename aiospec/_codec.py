@@ -761,7 +761,10 @@ def _expand_sampled(
     # the rank each column implies: how many of the row's k logprobs are >= the token's; a
     # float32 matrix-vector product sums the comparisons faster than a row-wise count, and
     # exactly (k <= 255)
-    ranks = (np.greater_equal(tk_lps, lps[:, None]).astype(np.float32) @ np.ones(k, np.float32)).astype(np.int32)
+    # (NaN logprobs compare false, giving exact counts; numpy may still flag the product's
+    # inputs as invalid, which must not become an exception under ``-W error``)
+    with np.errstate(invalid="ignore"):
+        ranks = (np.greater_equal(tk_lps, lps[:, None]).astype(np.float32) @ np.ones(k, np.float32)).astype(np.int32)
     if e:
         ids[exc] = raw["exception_ids"]
         lps[exc] = raw["exception_logprobs"]

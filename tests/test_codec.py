@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import re
 import struct
+import warnings
 from typing import Any
 
 import numpy as np
@@ -971,3 +972,22 @@ def test_prompt_tokens_fit_is_exactly_the_largest_worst_case_frame(records: int,
 def test_prompt_tokens_fit_arguments() -> None:
     with pytest.raises(ValueError, match=r"^records = -1, k = 0: expected records >= 0 and k in 0\.\.1024$"):
         prompt_tokens_fit(4096, -1, 0)
+
+
+@pytest.mark.parametrize("k", [1, 5, 20, 255])
+def test_nan_top_k_logprobs_decode_without_warnings(k: int) -> None:
+    # NaN logprobs compare false (rank counts stay exact); whatever floating-point status the
+    # rank product leaves must not reach a caller that turns warnings (or numpy errors) into
+    # exceptions
+    for t in (1, 7, 64, 1000):
+        cols = make_columns(t + k, [t], k=k, logprobs=True)
+        tl = cols["topk_logprobs"]
+        tl[::2, 0] = np.nan
+        tl[1::3, -1] = np.inf
+        cols["logprobs"][::5] = np.nan
+        buf = encode_frame(**cols)
+        with warnings.catch_warnings(), np.errstate(all="raise"):
+            warnings.simplefilter("error")
+            for _ in range(20):
+                f = decode_frame(buf)
+        assert f.topk_logprobs is not None and np.isnan(f.topk_logprobs).any()
