@@ -22,7 +22,7 @@
 #include "shm/layout.h"
 
 // Bumped whenever a signature or a semantic changes: shm/_sys.py ignores a stale build.
-#define SHM_NATIVE_ABI 3
+#define SHM_NATIVE_ABI 4
 
 static inline uint64_t ld64(const uint8_t* base, size_t off) {
   return __atomic_load_n((const uint64_t*)(base + off), __ATOMIC_ACQUIRE);
@@ -329,9 +329,9 @@ static PyObject* native_poll(PyObject* self, PyObject* const* args, Py_ssize_t n
                (unsigned long long)length, (unsigned long long)ftype);
       break;
     }
-    if (ftype == SHM_FRAME_PAD && size != cap - off) {
-      snprintf(bad, sizeof bad, "PAD frame of length %llu ends %llu bytes before the data area's end",
-               (unsigned long long)length, (unsigned long long)(cap - off - size));
+    if (ftype == SHM_FRAME_PAD && length != cap - off) {
+      snprintf(bad, sizeof bad, "PAD frame of length %llu, expected %llu (the rest of the data area)",
+               (unsigned long long)length, (unsigned long long)(cap - off));
       break;
     }
     if (ftype == SHM_FRAME_DATA && size > max_record) {

@@ -189,8 +189,8 @@ class Reader:
             if ftype not in _DATA_TYPES or length < L.FRAME_HEADER or size > cap - off:
                 bad = f"commit word 0x{commit:016x} (length {length}, type {ftype})"
                 break
-            if ftype == L.FRAME_PAD and size != cap - off:
-                bad = f"PAD frame of length {length} ends {cap - off - size} bytes before the data area's end"
+            if ftype == L.FRAME_PAD and length != cap - off:
+                bad = f"PAD frame of length {length}, expected {cap - off} (the rest of the data area)"
                 break
             if ftype == L.FRAME_DATA and size > self._max_record:
                 bad = f"length {length} exceeds max_record {self._max_record}"

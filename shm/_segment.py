@@ -355,29 +355,54 @@ class Segment:
                 tail = self._start_at_oldest(slot, tail)
         return slot, gen, bell, tail
 
+    def write_bound(self, head: int) -> int:
+        """The position below which a producer whose head is ``head`` may be writing now (its
+        next frame, admitted before it saw a later tail): up to ``max_record`` bytes and the
+        next header from the head, or, when such a frame may not fit before the data area's
+        end, from the next lap's start (a PAD fills the rest of this lap first). Section 6."""
+        off = head & self.mask
+        start = head if self.capacity - off >= self.max_record else head - off + self.capacity
+        return start + self.max_record + L.FRAME_HEADER
+
+    def producer_may_write(self) -> bool:
+        """False when the producer closed the ring or its process is known dead (nothing of
+        it can be in flight); True otherwise, a pid of another namespace included."""
+        w, q = self.w, self.q
+        if w[L.OFF_PRODUCER_STATE // 4] == L.PRODUCER_CLOSED:
+            return False
+        return pid_state(w[L.OFF_PRODUCER_PID // 4], q[L.OFF_PRODUCER_PIDNS // 8]) is not False
+
     def _start_at_oldest(self, slot: int, head: int) -> int:
-        # Move the new tail back to the oldest whole frame. A live producer may write on
-        # meanwhile (it does not take the lock): once the tail is stored, it holds the producer
-        # back, so a head that still leaves the frames at the tail untouched proves them safe.
+        # Move the new tail back to the oldest whole frame. Once the tail is stored it holds
+        # the producer back, but a live producer (it does not take the lock) may be writing a
+        # frame it admitted before: everything below write_bound(head) of the head re-read
+        # after the fence. The frames at the tail are safe when that stays within a lap of it;
+        # a producer that is gone writes nothing, and then only the zeroed header at the head
+        # is in the way.
         q = self.q
         for _attempt in range(8):
-            start = self.oldest_frame(head)
+            live = self.producer_may_write()
+            start = self.oldest_frame(head, self.write_bound(head) if live else head + L.FRAME_HEADER)
             q[self.tail[slot]] = start
             full_fence()
             head = q[L.OFF_HEAD // 8]
-            if head + L.FRAME_HEADER - start <= self.capacity:
+            reach = self.write_bound(head) if live else head + L.FRAME_HEADER
+            if reach - start <= self.capacity:
                 return start
         q[self.tail[slot]] = head
         return head
 
-    def oldest_frame(self, head: int) -> int:
+    def oldest_frame(self, head: int, reach: int | None = None) -> int:
         """The position of the oldest frame still whole in the data area below ``head``: the
-        first 64-byte aligned position at or above ``head - capacity + FRAME_HEADER`` (the
-        bytes below were overwritten by the zeroed header at the head) whose frame header
-        stamps that position and from which committed frames lead exactly to ``head``
+        first 64-byte aligned position at or above ``reach - capacity`` (default ``head +
+        FRAME_HEADER``: the bytes below were overwritten by the zeroed header at the head;
+        ``write_bound(head)`` also skips what a live producer may be writing) whose frame
+        header stamps that position and from which committed frames lead exactly to ``head``
         (section 8). ``head`` itself when there is none."""
         q, mask, cap = self.q, self.mask, self.capacity
-        lo = max(0, L.align(head - cap + L.FRAME_HEADER, L.FRAME_ALIGN)) if head > cap else 0
+        if reach is None:
+            reach = head + L.FRAME_HEADER
+        lo = max(0, L.align(reach - cap, L.FRAME_ALIGN)) if reach > cap else 0
         for cand in range(lo, head, L.FRAME_ALIGN):
             w = (L.CONTROL_SIZE + (cand & mask)) >> 3
             if q[w] != cand or q[w + 1] == 0:
@@ -394,7 +419,7 @@ class Segment:
                     or length < L.FRAME_HEADER
                     or size > cap - off
                     or ftype not in (L.FRAME_DATA, L.FRAME_PAD)
-                    or (ftype == L.FRAME_PAD and size != cap - off)
+                    or (ftype == L.FRAME_PAD and length != cap - off)
                 ):
                     break
                 pos += size

@@ -41,10 +41,36 @@ def test_data_frame_flipped_to_pad_is_corrupt() -> None:
         raw.set_data_u64(COMMIT, _commit_word(16 + 100, L.FRAME_PAD))
         with pytest.raises(
             shm.CorruptFrame,
-            match=rf"^ring {ring.name}: frame at position 0: PAD frame of length 116 ends \d+ bytes "
-            r"before the data area's end$",
+            match=rf"^ring {ring.name}: frame at position 0: PAD frame of length 116, expected 65536 "
+            r"\(the rest of the data area\)$",
         ):
             reader.poll()
+
+
+@pytest.mark.parametrize("short", [8, 63])
+def test_a_pad_shorter_than_the_rest_of_the_data_area_is_corrupt(short: int) -> None:
+    # writers write a PAD of exactly capacity - off bytes; readers accept no other length, even
+    # one whose 64-byte alignment still ends at the data area's end
+    with shm.Ring.create(capacity=CAP, max_record=4096) as ring, RawCtx(ring.name) as raw:
+        reader = ring.reader()
+        while CAP - ring.stats().head % CAP >= 2048:
+            ring.write(bytes(1000))
+            reader.read(100)
+        off = ring.stats().head % CAP
+        ring.write(bytes(2000))  # a PAD of CAP - off bytes first
+        assert raw.data_u64(off + COMMIT) == _commit_word(CAP - off, L.FRAME_PAD)
+        raw.set_data_u64(off + COMMIT, _commit_word(CAP - off - short, L.FRAME_PAD))
+        with pytest.raises(
+            shm.CorruptFrame,
+            match=rf"^ring {ring.name}: frame at position {off}: PAD frame of length {CAP - off - short}, "
+            rf"expected {CAP - off} \(the rest of the data area\)$",
+        ):
+            reader.poll()
+        reader.close()
+        # nor does a chain of frames run through it for a recovery reader: it starts after it
+        with ring.reader(start="oldest") as rec:
+            assert rec.tail == CAP
+            assert rec.read() == [bytes(2000)]
 
 
 def test_wiped_commit_word_below_the_head_is_corrupt_not_a_stall() -> None:
