@@ -80,6 +80,7 @@ class Producer:
         size = (_FRAME_HEADER + n + _ALIGN_M1) & ~_ALIGN_M1
         if size > self._max_record:
             raise ValueError(f"reserve: n = {n}: a frame of {size} bytes exceeds max_record = {self._max_record}")
+        self._check_capacity()
         head = self._q[L.OFF_HEAD // 8]
         if head != self._head:
             self._adopt_head(head)
@@ -107,6 +108,16 @@ class Producer:
             raise CorruptControl(f"ring {self._name}: head word {head}: {why}; refusing to write")
         self.seg.claim_producer()  # another process's frames: ProducerBusy names it
         self._head = head
+
+    def _check_capacity(self) -> None:
+        # line 0 never changes (section 2): a capacity word that differs from the mapping's is
+        # corrupt, and is refused before anything is written (the native twins do the same)
+        cap = self._q[L.OFF_CAPACITY // 8]
+        if cap != self._capacity:
+            size = L.CONTROL_SIZE + self._capacity
+            raise CorruptControl(
+                f"segment: capacity word {cap}, expected {self._capacity} (the data area of the {size}-byte mapping)"
+            )
 
     def _impossible_head(self, head: int) -> str | None:
         mine = self._head

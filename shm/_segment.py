@@ -23,7 +23,7 @@ from contextlib import contextmanager, suppress
 import numpy as np
 
 from shm import layout as L
-from shm._errors import BadSegment, ProducerBusy, RingError, UnsafeBell
+from shm._errors import BadSegment, CorruptControl, ProducerBusy, RingError, UnsafeBell
 from shm._sys import PIDNS, full_fence, pid_state, release_fence
 
 SHM_DIR = "/dev/shm"  # segments and their bells (documented where shm exports it)
@@ -230,6 +230,26 @@ def _map_validated(fd: int, name: str) -> mmap.mmap:
         raise
 
 
+# line 0 of the control page, field by field (section 2): what check_line0 names
+_LINE0_FIELDS = (
+    ("magic", L.OFF_MAGIC, 8),
+    ("version", L.OFF_VERSION, 4),
+    ("control_size", L.OFF_CONTROL_SIZE, 4),
+    ("capacity", L.OFF_CAPACITY, 8),
+    ("max_record", L.OFF_MAX_RECORD, 4),
+    ("max_readers", L.OFF_MAX_READERS, 4),
+    ("frame_align", L.OFF_FRAME_ALIGN, 4),
+    ("creator_pid", L.OFF_CREATOR_PID, 4),
+    ("epoch", L.OFF_EPOCH, 8),
+    ("created_ns", L.OFF_CREATED_NS, 8),
+    ("creator_pidns", L.OFF_CREATOR_PIDNS, 8),
+)
+
+
+def _le(b: bytes, off: int, width: int) -> int:
+    return int.from_bytes(b[off : off + width], "little")
+
+
 def _slot_word(slot: int, field: int, width: int) -> int:
     """Index of a reader-slot field in the u32 (width 4) or u64 (width 8) view."""
     return (L.READERS_BASE + slot * L.READER_STRIDE + field) // width
@@ -259,6 +279,7 @@ class Segment:
         self.w = self.buf.cast("I")
         self.capacity: int = self.q[L.OFF_CAPACITY // 8]
         self.mask = self.capacity - 1
+        self.line0 = bytes(self.buf[: L.LINE])  # the creator's words, never changed (section 2)
         self.max_record: int = self.w[L.OFF_MAX_RECORD // 4]
         self.max_readers: int = self.w[L.OFF_MAX_READERS // 4]
         slots = range(self.max_readers)
@@ -324,6 +345,24 @@ class Segment:
             w[L.OFF_PRODUCER_STATE // 4] = L.PRODUCER_LIVE
         return epoch
 
+    def check_line0(self, what: str) -> None:
+        """Raise ``CorruptControl`` when the control page's line 0 (the creator's words) is no
+        longer what this handle mapped and validated: section 2 says it never changes."""
+        now = bytes(self.buf[: L.LINE])
+        if now == self.line0:
+            return
+        changed = [(f, _le(now, o, n), _le(self.line0, o, n)) for f, o, n in _LINE0_FIELDS]
+        changed = [c for c in changed if c[1] != c[2]]
+        if changed:
+            field, got, was = changed[0]
+        else:  # a reserved byte of the line
+            off = next(i for i in range(L.LINE) if now[i] != self.line0[i])
+            field, got, was = f"reserved byte {off}", now[off], self.line0[off]
+        raise CorruptControl(
+            f"ring {self.name}: {field} is {got} in the control page, expected {was} (the value mapped; "
+            f"line 0 never changes); refusing to {what}"
+        )
+
     def active_slots(self) -> list[int]:
         return [i for i in range(self.max_readers) if self.w[self.state[i]] == L.READER_ACTIVE]
 
@@ -333,6 +372,7 @@ class Segment:
         with ``oldest`` at the oldest frame still whole in the data area (section 8)."""
         w, q = self.w, self.q
         with self.slot_lock():
+            self.check_line0("take a reader slot")
             free = [i for i in range(self.max_readers) if w[self.state[i]] != L.READER_ACTIVE]
             if not free:
                 raise RingError(f"reader: all {self.max_readers} reader slots of ring {self.name} are taken")

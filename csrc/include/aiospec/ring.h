@@ -367,6 +367,7 @@ class RingProducer {
       throw RingError(RingErrc::invalid, "reserve: n = " + std::to_string(n) + ": a frame of " + std::to_string(size) +
                                              " bytes exceeds max_record = " + std::to_string(map_.max_record));
     }
+    check_capacity();
     adopt_head();
     const uint64_t off = head_ & map_.mask;
     const uint64_t pad = size > map_.capacity - off ? map_.capacity - off : 0;
@@ -396,6 +397,17 @@ class RingProducer {
     head_ = head;
     frames_written_ = load_relaxed(map_.ctl64(AIOSPEC_OFF_FRAMES_WRITTEN));
     bytes_written_ = load_relaxed(map_.ctl64(AIOSPEC_OFF_BYTES_WRITTEN));
+  }
+
+  // Line 0 never changes (section 2): a capacity word other than the one validated at open is
+  // corrupt, refused before anything is written (RingErrc::bad_segment; shm's CorruptControl).
+  void check_capacity() const {
+    const uint64_t cap = load_relaxed(map_.ctl64(AIOSPEC_OFF_CAPACITY));
+    if (cap != map_.capacity) {
+      throw RingError(RingErrc::bad_segment, "ring " + map_.name + ": capacity word " + std::to_string(cap) +
+                                                 ": expected " + std::to_string(map_.capacity) +
+                                                 " (the data area of the mapping); refusing to write");
+    }
   }
 
   // Why `head` cannot follow this producer's head, or "" (same rule as shm/_producer.py).
