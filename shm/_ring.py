@@ -271,8 +271,9 @@ class Ring:
             RingFull: no room after ``timeout`` seconds; the message names the lagging
                 readers.
             ValueError: ``n`` is negative or the frame would exceed ``max_record``.
-            CorruptControl: the capacity word changed, or the head word moved where no
-                writer's committed frames explain it; nothing is written.
+            CorruptControl: the capacity word changed, the head word moved where no writer's
+                committed frames explain it, or a committed frame sits at the head (another
+                writer's; the head word was set back); nothing is written.
             RingError: this handle is closed or not the producer, or a reservation is pending.
         """
         return self._producer.reserve(n, timeout)

@@ -194,7 +194,8 @@ def test_a_changed_creator_word_refuses_a_new_reader_slot() -> None:
 
 def test_every_writer_zeroes_the_padding_to_the_frame_boundary() -> None:
     with shm.Ring.create(capacity=CAP) as ring, ring.reader() as reader, RawCtx(ring.name) as raw:
-        raw.mm[L.CONTROL_SIZE : L.CONTROL_SIZE + 4096] = b"\xff" * 4096  # stale bytes of a lap
+        # stale bytes of a lap, all but the header at the head (which every writer keeps zero)
+        raw.mm[L.CONTROL_SIZE + 16 : L.CONTROL_SIZE + 4096] = b"\xff" * 4080
         ring.write(b"a" * 5)
         view = ring.reserve(30)
         view[:] = b"b" * 30

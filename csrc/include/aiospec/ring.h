@@ -385,9 +385,20 @@ class RingProducer {
   // overwrite unread frames) nor one past the committed frames (readers would stall on it and
   // lose what lies between); an impossible head throws RingErrc::bad_segment (shm's
   // CorruptControl family). Frames of another process mean another claim: claim() refuses.
+  //
+  // At our own head the 16 header bytes must be zero too (every writer zeroes the header after
+  // its frame): a frame committed there means another writer wrote past it and the head word
+  // was set back, and writing would overwrite that frame.
   void adopt_head() {
     const uint64_t head = load_acquire(map_.ctl64(AIOSPEC_OFF_HEAD));
-    if (head == head_) return;
+    if (head == head_) {
+      if (header_at(head)) {
+        throw RingError(RingErrc::bad_segment, "ring " + map_.name + ": head word " + std::to_string(head) +
+                                                   ": the frame header at the head is not zero (a committed frame "
+                                                   "is there); refusing to write");
+      }
+      return;
+    }
     const std::string why = impossible_head(head);
     if (!why.empty()) {
       throw RingError(RingErrc::bad_segment,
@@ -397,6 +408,13 @@ class RingProducer {
     head_ = head;
     frames_written_ = load_relaxed(map_.ctl64(AIOSPEC_OFF_FRAMES_WRITTEN));
     bytes_written_ = load_relaxed(map_.ctl64(AIOSPEC_OFF_BYTES_WRITTEN));
+  }
+
+  // Whether the 16 header bytes at `pos` are not zero.
+  bool header_at(uint64_t pos) const {
+    const uint8_t* at = map_.data() + (pos & map_.mask);
+    return load_acquire(reinterpret_cast<const uint64_t*>(at + AIOSPEC_FH_POSITION)) != 0 ||
+           load_acquire(reinterpret_cast<const uint64_t*>(at + AIOSPEC_FH_COMMIT)) != 0;
   }
 
   // Line 0 never changes (section 2): a capacity word other than the one validated at open is
@@ -418,9 +436,7 @@ class RingProducer {
     auto word = [&](uint64_t pos, size_t off) {
       return load_acquire(reinterpret_cast<const uint64_t*>(data + (pos & map_.mask) + off));
     };
-    if (word(head, AIOSPEC_FH_COMMIT) != 0) {
-      return "the frame header at the head is not cleared (past the committed frames)";
-    }
+    if (header_at(head)) return "the frame header at the head is not cleared (past the committed frames)";
     if (head - head_ > map_.capacity) return "";  // more than a lap since: our frames are gone
     uint64_t pos = head_;
     while (pos < head) {
