@@ -208,17 +208,21 @@ def frame_layout(
 def prompt_tokens_fit(max_record: int, records: int, k: int) -> int:
     """The most prompt tokens (positions) a ``Kind.PROMPT`` frame of ``records`` records with
     logprobs and top-``k`` columns can carry in a ring whose ``max_record`` is given, whatever
-    the values: the size is taken with token offsets and with every token an exception (the
-    largest encoding). A producer splits a long prompt into frames of at most this many
-    tokens; 0 means not even an empty frame of that many records fits."""
+    the values: exactly the largest ``T`` whose largest encoding fits, that is with every
+    token an exception and, for two records or more, with counts that differ (the
+    ``token_offsets`` column; one record never has it, and a frame of no tokens or no records
+    has uniform counts). A producer splits a long prompt into frames of at most this many
+    tokens; 0 also when not even an empty frame of that many records fits, and always for 0
+    records (such a frame carries no tokens)."""
     if records < 0 or not 0 <= k <= L.MAX_TOPK:
         raise ValueError(f"records = {records}, k = {k}: expected records >= 0 and k in 0..{L.MAX_TOPK}")
 
     def fits(t: int) -> bool:
-        _, plen = frame_layout(records, t, 0, k, True, e=t, prompt=True)
+        uniform = records <= 1 or t == 0  # the only encodings such a frame can have
+        _, plen = frame_layout(records, t, 0, k, True, e=t, uniform_tokens=uniform, prompt=True)
         return L.align(L.FRAME_HEADER + plen, L.FRAME_ALIGN) <= max_record
 
-    if not fits(0):
+    if records == 0 or not fits(0):
         return 0
     lo, hi = 0, max(1, max_record)  # a token takes at least one byte: hi never fits
     while hi - lo > 1:
@@ -631,9 +635,15 @@ def decode_frame(buffer: Any, *, validate_offsets: bool = True) -> Frame:
     r, t, d, e = hd.r, hd.t, hd.d, hd.e
     uni_t = bool(ff & L.FRAME_UNIFORM_TOKENS)
     uni_d = bool(ff & L.FRAME_UNIFORM_DRAFTS)
+    # the offset columns are i32 and run to T (resp. D): larger counts have no valid frame,
+    # and bounding them here keeps every count and per-record count an i32 below
+    if t > _I32_MAX or d > _I32_MAX:
+        raise FrameError(f"header: T={t} D={d}: expected at most {_I32_MAX} (the offset columns are i32)")
     if uni_t:
         if r * hd.nt != t:
             raise FrameError(f"header.NT: {r} records of NT={hd.nt} tokens, but T={t}")
+        if r == 0 and hd.nt:
+            raise FrameError(f"header.NT: expected 0 in a frame without records, got {hd.nt}")
     elif hd.nt:
         raise FrameError(f"header.NT: expected 0 without UNIFORM_TOKENS, got {hd.nt}")
     elif r == 0:
@@ -751,7 +761,10 @@ def _expand_sampled(
     # the rank each column implies: how many of the row's k logprobs are >= the token's; a
     # float32 matrix-vector product sums the comparisons faster than a row-wise count, and
     # exactly (k <= 255)
-    ranks = (np.greater_equal(tk_lps, lps[:, None]).astype(np.float32) @ np.ones(k, np.float32)).astype(np.int32)
+    # (NaN logprobs compare false, giving exact counts; numpy may still flag the product's
+    # inputs as invalid, which must not become an exception under ``-W error``)
+    with np.errstate(invalid="ignore"):
+        ranks = (np.greater_equal(tk_lps, lps[:, None]).astype(np.float32) @ np.ones(k, np.float32)).astype(np.int32)
     if e:
         ids[exc] = raw["exception_ids"]
         lps[exc] = raw["exception_logprobs"]

@@ -72,7 +72,9 @@ class RingFeed:
         """Poll up to ``max_frames`` frames: copy each out, release the ring space, decode.
 
         Raises what ``Reader.poll`` raises (``ReaderEvicted``, ``CorruptFrame``); a payload
-        that does not decode is returned as its ``FrameError`` (the ring itself is intact).
+        that does not decode is returned as its ``FrameError`` (the ring itself is intact),
+        and so is one on which the decoder raised anything else (a ``FrameError`` naming that
+        exception, which is its ``__cause__``): one bad frame never ends the ring.
         """
         views = self.reader.poll(max_frames)
         if not views:
@@ -92,6 +94,11 @@ class RingFeed:
                 f = decode_frame(b, validate_offsets=self._validate)
             except FrameError as exc:
                 bad.append(exc)
+                continue
+            except Exception as exc:  # a decoder bug must cost this frame only, never the ring
+                err = FrameError(f"frame: the decoder failed ({type(exc).__name__}: {exc})")
+                err.__cause__ = exc
+                bad.append(err)
                 continue
             frames.append(f)
             self.tokens_read += f.num_tokens

@@ -22,7 +22,7 @@
 #include "shm/layout.h"
 
 // Bumped whenever a signature or a semantic changes: shm/_sys.py ignores a stale build.
-#define SHM_NATIVE_ABI 3
+#define SHM_NATIVE_ABI 4
 
 static inline uint64_t ld64(const uint8_t* base, size_t off) {
   return __atomic_load_n((const uint64_t*)(base + off), __ATOMIC_ACQUIRE);
@@ -82,10 +82,11 @@ static int get_u64(PyObject* obj, const char* what, uint64_t* out) {
 // reserve(segment, n, head, min_tail, max_record) -> memoryview | None
 //
 // The producer's common case of reserve() (section 3): the ring's head is still ``head`` (no
-// other writer since), the frame fits before the end of the data area (no PAD) and there is
-// room above ``min_tail`` for it and the next frame's header. Returns the writable payload
-// slice of ``segment``; None for every other case, which the Python path handles (it waits,
-// pads, adopts the head or raises with the full explanation).
+// other writer since) and the 16 header bytes there are zero (no committed frame to overwrite),
+// the frame fits before the end of the data area (no PAD) and there is room above ``min_tail``
+// for it and the next frame's header. Returns the writable payload slice of ``segment``; None
+// for every other case, which the Python path handles (it waits, pads, adopts the head or
+// raises with the full explanation).
 static PyObject* native_reserve(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   (void)self;
   if (nargs != 5) {
@@ -106,7 +107,9 @@ static PyObject* native_reserve(PyObject* self, PyObject* const* args, Py_ssize_
   const uint8_t* base = (const uint8_t*)seg.buf;
   const uint64_t size = (SHM_FRAME_HEADER + n + SHM_FRAME_ALIGN - 1) & ~(uint64_t)(SHM_FRAME_ALIGN - 1);
   const uint64_t off = head & (cap - 1);
+  const size_t at = SHM_CONTROL_SIZE + off;
   const int fast = n <= max_record && size <= max_record && ld64(base, SHM_OFF_HEAD) == head &&
+                   ld64(base, at + SHM_FH_POSITION) == 0 && ld64(base, at + SHM_FH_COMMIT) == 0 &&
                    size <= cap - off && head >= min_tail && head - min_tail + size + SHM_FRAME_HEADER <= cap;
   PyBuffer_Release(&seg);
   if (!fast) Py_RETURN_NONE;
@@ -329,9 +332,9 @@ static PyObject* native_poll(PyObject* self, PyObject* const* args, Py_ssize_t n
                (unsigned long long)length, (unsigned long long)ftype);
       break;
     }
-    if (ftype == SHM_FRAME_PAD && size != cap - off) {
-      snprintf(bad, sizeof bad, "PAD frame of length %llu ends %llu bytes before the data area's end",
-               (unsigned long long)length, (unsigned long long)(cap - off - size));
+    if (ftype == SHM_FRAME_PAD && length != cap - off) {
+      snprintf(bad, sizeof bad, "PAD frame of length %llu, expected %llu (the rest of the data area)",
+               (unsigned long long)length, (unsigned long long)(cap - off));
       break;
     }
     if (ftype == SHM_FRAME_DATA && size > max_record) {

@@ -80,10 +80,18 @@ class Producer:
         size = (_FRAME_HEADER + n + _ALIGN_M1) & ~_ALIGN_M1
         if size > self._max_record:
             raise ValueError(f"reserve: n = {n}: a frame of {size} bytes exceeds max_record = {self._max_record}")
+        self._check_capacity()
         head = self._q[L.OFF_HEAD // 8]
         if head != self._head:
             self._adopt_head(head)
             head = self._head
+        elif self._header_at(head):
+            # our own head, but a frame is committed there: another writer of this process
+            # wrote past it and the head word was set back; writing would overwrite that frame
+            raise CorruptControl(
+                f"ring {self._name}: head word {head}: the frame header at the head is not zero "
+                "(a committed frame is there); refusing to write"
+            )
         off = head & self._mask
         pad = self._capacity - off if size > self._capacity - off else 0
         need = pad + size + L.FRAME_HEADER  # + the next frame's header, zeroed at commit
@@ -108,6 +116,22 @@ class Producer:
         self.seg.claim_producer()  # another process's frames: ProducerBusy names it
         self._head = head
 
+    def _header_at(self, pos: int) -> bool:
+        """Whether the 16 header bytes at ``pos`` are not zero (section 3: every writer zeroes
+        the header after its frame, so the head's always are)."""
+        w = (L.CONTROL_SIZE + (pos & self._mask)) >> 3
+        return self._q[w] != 0 or self._q[w + 1] != 0
+
+    def _check_capacity(self) -> None:
+        # line 0 never changes (section 2): a capacity word that differs from the mapping's is
+        # corrupt, and is refused before anything is written (the native twins do the same)
+        cap = self._q[L.OFF_CAPACITY // 8]
+        if cap != self._capacity:
+            size = L.CONTROL_SIZE + self._capacity
+            raise CorruptControl(
+                f"segment: capacity word {cap}, expected {self._capacity} (the data area of the {size}-byte mapping)"
+            )
+
     def _impossible_head(self, head: int) -> str | None:
         mine = self._head
         if head < mine:
@@ -115,7 +139,7 @@ class Producer:
         if head & _ALIGN_M1:
             return f"not a multiple of {L.FRAME_ALIGN}"
         q, mask, cap = self._q, self._mask, self._capacity
-        if q[((L.CONTROL_SIZE + (head & mask)) >> 3) + 1] != 0:
+        if self._header_at(head):
             return "the frame header at the head is not cleared (past the committed frames)"
         if head - mine > cap:
             return None  # more than a lap was written since: the frames at our head are gone

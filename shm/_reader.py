@@ -19,7 +19,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING
 
 from shm import layout as L
-from shm._errors import CorruptFrame, ProducerGone, ProducerStalled, ReaderEvicted, RingError
+from shm._errors import CorruptControl, CorruptFrame, ProducerGone, ProducerStalled, ReaderEvicted, RingError
 from shm._segment import Segment
 from shm._sys import PRIVATE, acquire_fence, full_fence, pid_state, release_fence
 
@@ -148,6 +148,8 @@ class Reader:
             CorruptFrame: a frame header is torn, stale or out of range; the good frames
                 before it are returned first (the next call raises).
             ReaderEvicted: the producer evicted this reader.
+            CorruptControl: the capacity word is no longer the mapping's (also from ``wait()``
+                and ``release()``).
             RingError: this reader is closed.
         """
         native = self._native
@@ -189,8 +191,8 @@ class Reader:
             if ftype not in _DATA_TYPES or length < L.FRAME_HEADER or size > cap - off:
                 bad = f"commit word 0x{commit:016x} (length {length}, type {ftype})"
                 break
-            if ftype == L.FRAME_PAD and size != cap - off:
-                bad = f"PAD frame of length {length} ends {cap - off - size} bytes before the data area's end"
+            if ftype == L.FRAME_PAD and length != cap - off:
+                bad = f"PAD frame of length {length}, expected {cap - off} (the rest of the data area)"
                 break
             if ftype == L.FRAME_DATA and size > self._max_record:
                 bad = f"length {length} exceeds max_record {self._max_record}"
@@ -401,6 +403,12 @@ class Reader:
     def _check_slot(self) -> None:
         if self._closed:
             raise RingError(f"reader slot {self._slot} of ring {self._name} is closed")
+        cap = self._q[L.OFF_CAPACITY // 8]
+        if cap != self._cap:  # line 0 never changes (section 2); the C twins check it the same way
+            raise CorruptControl(
+                f"segment: capacity word {cap}, expected {self._cap} "
+                f"(the data area of the {L.CONTROL_SIZE + self._cap}-byte mapping)"
+            )
         w = self._w
         if w[self._state_ix] != L.READER_ACTIVE or w[self._gen_ix] != self._gen:
             raise ReaderEvicted(

@@ -271,6 +271,9 @@ class Ring:
             RingFull: no room after ``timeout`` seconds; the message names the lagging
                 readers.
             ValueError: ``n`` is negative or the frame would exceed ``max_record``.
+            CorruptControl: the capacity word changed, the head word moved where no writer's
+                committed frames explain it, or a committed frame sits at the head (another
+                writer's; the head word was set back); nothing is written.
             RingError: this handle is closed or not the producer, or a reservation is pending.
         """
         return self._producer.reserve(n, timeout)
@@ -353,6 +356,8 @@ class Ring:
 
         Raises:
             RingError: this handle is closed, or every slot is taken.
+            CorruptControl: the control page's line 0 (the creator's words) is no longer what
+                this handle validated.
             UnsafeBell: the slot's bell path holds something another uid planted.
             ValueError: ``spin`` is negative, ``recheck`` not positive, or ``start`` unknown.
         """

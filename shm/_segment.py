@@ -23,7 +23,7 @@ from contextlib import contextmanager, suppress
 import numpy as np
 
 from shm import layout as L
-from shm._errors import BadSegment, ProducerBusy, RingError, UnsafeBell
+from shm._errors import BadSegment, CorruptControl, ProducerBusy, RingError, UnsafeBell
 from shm._sys import PIDNS, full_fence, pid_state, release_fence
 
 SHM_DIR = "/dev/shm"  # segments and their bells (documented where shm exports it)
@@ -230,6 +230,26 @@ def _map_validated(fd: int, name: str) -> mmap.mmap:
         raise
 
 
+# line 0 of the control page, field by field (section 2): what check_line0 names
+_LINE0_FIELDS = (
+    ("magic", L.OFF_MAGIC, 8),
+    ("version", L.OFF_VERSION, 4),
+    ("control_size", L.OFF_CONTROL_SIZE, 4),
+    ("capacity", L.OFF_CAPACITY, 8),
+    ("max_record", L.OFF_MAX_RECORD, 4),
+    ("max_readers", L.OFF_MAX_READERS, 4),
+    ("frame_align", L.OFF_FRAME_ALIGN, 4),
+    ("creator_pid", L.OFF_CREATOR_PID, 4),
+    ("epoch", L.OFF_EPOCH, 8),
+    ("created_ns", L.OFF_CREATED_NS, 8),
+    ("creator_pidns", L.OFF_CREATOR_PIDNS, 8),
+)
+
+
+def _le(b: bytes, off: int, width: int) -> int:
+    return int.from_bytes(b[off : off + width], "little")
+
+
 def _slot_word(slot: int, field: int, width: int) -> int:
     """Index of a reader-slot field in the u32 (width 4) or u64 (width 8) view."""
     return (L.READERS_BASE + slot * L.READER_STRIDE + field) // width
@@ -259,6 +279,7 @@ class Segment:
         self.w = self.buf.cast("I")
         self.capacity: int = self.q[L.OFF_CAPACITY // 8]
         self.mask = self.capacity - 1
+        self.line0 = bytes(self.buf[: L.LINE])  # the creator's words, never changed (section 2)
         self.max_record: int = self.w[L.OFF_MAX_RECORD // 4]
         self.max_readers: int = self.w[L.OFF_MAX_READERS // 4]
         slots = range(self.max_readers)
@@ -324,6 +345,24 @@ class Segment:
             w[L.OFF_PRODUCER_STATE // 4] = L.PRODUCER_LIVE
         return epoch
 
+    def check_line0(self, what: str) -> None:
+        """Raise ``CorruptControl`` when the control page's line 0 (the creator's words) is no
+        longer what this handle mapped and validated: section 2 says it never changes."""
+        now = bytes(self.buf[: L.LINE])
+        if now == self.line0:
+            return
+        changed = [(f, _le(now, o, n), _le(self.line0, o, n)) for f, o, n in _LINE0_FIELDS]
+        changed = [c for c in changed if c[1] != c[2]]
+        if changed:
+            field, got, was = changed[0]
+        else:  # a reserved byte of the line
+            off = next(i for i in range(L.LINE) if now[i] != self.line0[i])
+            field, got, was = f"reserved byte {off}", now[off], self.line0[off]
+        raise CorruptControl(
+            f"ring {self.name}: {field} is {got} in the control page, expected {was} (the value mapped; "
+            f"line 0 never changes); refusing to {what}"
+        )
+
     def active_slots(self) -> list[int]:
         return [i for i in range(self.max_readers) if self.w[self.state[i]] == L.READER_ACTIVE]
 
@@ -333,6 +372,7 @@ class Segment:
         with ``oldest`` at the oldest frame still whole in the data area (section 8)."""
         w, q = self.w, self.q
         with self.slot_lock():
+            self.check_line0("take a reader slot")
             free = [i for i in range(self.max_readers) if w[self.state[i]] != L.READER_ACTIVE]
             if not free:
                 raise RingError(f"reader: all {self.max_readers} reader slots of ring {self.name} are taken")
@@ -355,29 +395,54 @@ class Segment:
                 tail = self._start_at_oldest(slot, tail)
         return slot, gen, bell, tail
 
+    def write_bound(self, head: int) -> int:
+        """The position below which a producer whose head is ``head`` may be writing now (its
+        next frame, admitted before it saw a later tail): up to ``max_record`` bytes and the
+        next header from the head, or, when such a frame may not fit before the data area's
+        end, from the next lap's start (a PAD fills the rest of this lap first). Section 6."""
+        off = head & self.mask
+        start = head if self.capacity - off >= self.max_record else head - off + self.capacity
+        return start + self.max_record + L.FRAME_HEADER
+
+    def producer_may_write(self) -> bool:
+        """False when the producer closed the ring or its process is known dead (nothing of
+        it can be in flight); True otherwise, a pid of another namespace included."""
+        w, q = self.w, self.q
+        if w[L.OFF_PRODUCER_STATE // 4] == L.PRODUCER_CLOSED:
+            return False
+        return pid_state(w[L.OFF_PRODUCER_PID // 4], q[L.OFF_PRODUCER_PIDNS // 8]) is not False
+
     def _start_at_oldest(self, slot: int, head: int) -> int:
-        # Move the new tail back to the oldest whole frame. A live producer may write on
-        # meanwhile (it does not take the lock): once the tail is stored, it holds the producer
-        # back, so a head that still leaves the frames at the tail untouched proves them safe.
+        # Move the new tail back to the oldest whole frame. Once the tail is stored it holds
+        # the producer back, but a live producer (it does not take the lock) may be writing a
+        # frame it admitted before: everything below write_bound(head) of the head re-read
+        # after the fence. The frames at the tail are safe when that stays within a lap of it;
+        # a producer that is gone writes nothing, and then only the zeroed header at the head
+        # is in the way.
         q = self.q
         for _attempt in range(8):
-            start = self.oldest_frame(head)
+            live = self.producer_may_write()
+            start = self.oldest_frame(head, self.write_bound(head) if live else head + L.FRAME_HEADER)
             q[self.tail[slot]] = start
             full_fence()
             head = q[L.OFF_HEAD // 8]
-            if head + L.FRAME_HEADER - start <= self.capacity:
+            reach = self.write_bound(head) if live else head + L.FRAME_HEADER
+            if reach - start <= self.capacity:
                 return start
         q[self.tail[slot]] = head
         return head
 
-    def oldest_frame(self, head: int) -> int:
+    def oldest_frame(self, head: int, reach: int | None = None) -> int:
         """The position of the oldest frame still whole in the data area below ``head``: the
-        first 64-byte aligned position at or above ``head - capacity + FRAME_HEADER`` (the
-        bytes below were overwritten by the zeroed header at the head) whose frame header
-        stamps that position and from which committed frames lead exactly to ``head``
+        first 64-byte aligned position at or above ``reach - capacity`` (default ``head +
+        FRAME_HEADER``: the bytes below were overwritten by the zeroed header at the head;
+        ``write_bound(head)`` also skips what a live producer may be writing) whose frame
+        header stamps that position and from which committed frames lead exactly to ``head``
         (section 8). ``head`` itself when there is none."""
         q, mask, cap = self.q, self.mask, self.capacity
-        lo = max(0, L.align(head - cap + L.FRAME_HEADER, L.FRAME_ALIGN)) if head > cap else 0
+        if reach is None:
+            reach = head + L.FRAME_HEADER
+        lo = max(0, L.align(reach - cap, L.FRAME_ALIGN)) if reach > cap else 0
         for cand in range(lo, head, L.FRAME_ALIGN):
             w = (L.CONTROL_SIZE + (cand & mask)) >> 3
             if q[w] != cand or q[w + 1] == 0:
@@ -394,7 +459,7 @@ class Segment:
                     or length < L.FRAME_HEADER
                     or size > cap - off
                     or ftype not in (L.FRAME_DATA, L.FRAME_PAD)
-                    or (ftype == L.FRAME_PAD and size != cap - off)
+                    or (ftype == L.FRAME_PAD and length != cap - off)
                 ):
                     break
                 pos += size

@@ -41,7 +41,7 @@ acquire_fence = release_fence
 # built at install time when a compiler is there. SHM_PURE_PYTHON=1 keeps the Python paths;
 # both implement the same protocol. A ring handle takes the choice made here when it is created
 # or attached (tests switch it by setting ``native``).
-NATIVE_ABI = 3
+NATIVE_ABI = 4
 _native_mod: ModuleType | None
 try:
     from shm import _native as _native_mod

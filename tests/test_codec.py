@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 import struct
+import warnings
 from typing import Any
 
 import numpy as np
@@ -611,7 +613,7 @@ def test_absent_column_with_an_offset(column: str) -> None:
 
 def test_counts_too_large_for_the_frame() -> None:
     n = len(GOOD)
-    for field, value in ((L.HF_R, 2**32 - 1), (L.HF_T, 2**31), (L.HF_D, 10**9), (L.HF_K, 1024)):
+    for field, value in ((L.HF_R, 2**32 - 1), (L.HF_T, 2**31 - 1), (L.HF_D, 10**9), (L.HF_K, 1024)):
         buf = with_elem(GOOD, field, value)
         if field == L.HF_K:
             buf = with_elem(buf, L.HF_E, 0)  # k > 255 has no exceptions
@@ -620,6 +622,73 @@ def test_counts_too_large_for_the_frame() -> None:
             buf = with_elem(buf, L.HF_T, 2**20)
             t = 2**20
         rejects(buf, rf"header: counts R={r} T={t} D={d} k={k} exceed the {n}-byte frame")
+
+
+def test_counts_beyond_the_i32_offset_columns() -> None:
+    for field in (L.HF_T, L.HF_D):
+        for value in (2**31, 2**32 - 1):
+            buf = with_elem(GOOD, field, value)
+            t, d = elem(buf, L.HF_T), elem(buf, L.HF_D)
+            rejects(buf, rf"header: T={t} D={d}: expected at most 2147483647 \(the offset columns are i32\)")
+
+
+@pytest.mark.parametrize("nt", [1, 5, 2**31 - 1, 2**31, 2**32 - 1])
+@pytest.mark.parametrize("validate", [True, False])
+def test_a_frame_without_records_has_nt_0(nt: int, validate: bool) -> None:
+    # T = R * NT holds for any NT when R = 0: NT must be 0 there (never an OverflowError)
+    empty = encode_frame([], [0], [])
+    assert elem(empty, L.HF_FFLAGS) == L.FRAME_UNIFORM_TOKENS and elem(empty, L.HF_NT) == 0
+    decode_frame(empty, validate_offsets=validate)
+    rejects(
+        with_elem(empty, L.HF_NT, nt),
+        rf"header\.NT: expected 0 in a frame without records, got {nt}",
+        validate_offsets=validate,
+    )
+
+
+# frames of every shape the header can describe: the fuzzing below starts from each
+FUZZ_BASES = [
+    encode_frame([], [0], []),
+    encode_frame([3], [0, 2], [7, 9]),
+    GOOD,
+    encode_frame(**make_columns(5, [2, 2, 2], k=3, logprobs=True, drafts=[1, 1, 1])),
+    encode_frame(**make_columns(6, [1, 4], k=300, logprobs=True, prompt=True), kind=Kind.PROMPT),
+    encode_frame(**make_columns(7, [0, 3, 1], logprobs=True), kind=Kind.DRAFT),
+]
+EXTREMES = [0, 1, 2, 7, 8, 63, 64, 152, 255, 256, 1024, 1025, 2**16, 2**31 - 1, 2**31, 2**31 + 1, 2**32 - 2, 2**32 - 1]
+U32_FIELDS = [i for i in range(L.HEADER_FIELDS) if i != L.HF_STEP]
+
+
+def decodes_or_frame_error(buf: bytes) -> None:
+    for validate in (True, False):
+        with contextlib.suppress(FrameError):
+            decode_frame(buf, validate_offsets=validate)
+
+
+@pytest.mark.parametrize("base", range(len(FUZZ_BASES)))
+def test_every_header_field_at_extreme_values_gives_frame_error_or_a_frame(base: int) -> None:
+    buf = FUZZ_BASES[base]
+    for i in U32_FIELDS:
+        for v in EXTREMES:
+            decodes_or_frame_error(with_elem(buf, i, v))
+    for v in (0, 2**63, 2**64 - 1):
+        decodes_or_frame_error(with_elem(buf, L.HF_STEP, v))
+
+
+@settings(max_examples=400, deadline=None, print_blob=True)
+@given(
+    base=st.integers(0, len(FUZZ_BASES) - 1),
+    fields=st.lists(
+        st.tuples(st.sampled_from(U32_FIELDS), st.one_of(st.sampled_from(EXTREMES), st.integers(0, 2**32 - 1))),
+        min_size=2,
+        max_size=6,
+    ),
+)
+def test_header_field_combinations_give_frame_error_or_a_frame(base: int, fields: list[tuple[int, int]]) -> None:
+    buf = FUZZ_BASES[base]
+    for i, v in fields:
+        buf = with_elem(buf, i, v)
+    decodes_or_frame_error(buf)
 
 
 def test_counts_that_need_more_bytes_than_the_frame() -> None:
@@ -875,25 +944,50 @@ def test_logprobs_processed_round_trips_and_needs_logprobs() -> None:
     assert elem(plain, L.HF_FFLAGS) == L.FRAME_UNIFORM_TOKENS and not decode_frame(plain).logprobs_processed
 
 
-@pytest.mark.parametrize("records", [1, 3, 64])
-@pytest.mark.parametrize("k", [0, 1, 20, 300])
-@pytest.mark.parametrize("max_record", [4096, 65536, 1 << 20])
-def test_prompt_tokens_fit_is_the_largest_worst_case_frame(records: int, k: int, max_record: int) -> None:
+@pytest.mark.parametrize("records", [0, 1, 2, 3, 64])
+@pytest.mark.parametrize("k", [0, 1, 20, 255, 300])
+@pytest.mark.parametrize("max_record", [192, 256, 4096, 65536, 1 << 20])
+def test_prompt_tokens_fit_is_exactly_the_largest_worst_case_frame(records: int, k: int, max_record: int) -> None:
     n = prompt_tokens_fit(max_record, records, k)
 
     def worst(t: int) -> int:
-        # every token an exception (a prompt token outside its top-k), varying counts
-        counts = [t - (records - 1)] + [1] * (records - 1) if t >= records else [t] + [0] * (records - 1)
+        # the largest actual frame of t tokens: every token an exception (a prompt token outside
+        # its top-k) and, from two records on, counts that differ (the token_offsets column)
+        counts = [t] + [0] * (records - 1)
         cols = make_columns(t, counts, k=k, logprobs=True, prompt=True)
         cols["token_ids"] = np.full(t, -7, np.int32)
         buf = encode_frame(**cols, kind=Kind.PROMPT)
+        if 1 <= k <= L.SAMPLED_POS_MAX_K:
+            assert elem(buf, L.HF_E) == t
         return L.align(L.FRAME_HEADER + len(buf), L.FRAME_ALIGN)
 
-    if n == 0:
-        assert frame_layout(records, 0, 0, k, True, prompt=True)[1] + L.FRAME_HEADER > max_record
+    if records == 0:
+        assert n == 0  # a frame without records carries no tokens
         return
-    assert worst(n) <= max_record
-    _, plen = frame_layout(records, n + 1, 0, k, True, e=n + 1, prompt=True)
-    assert L.align(L.FRAME_HEADER + plen, L.FRAME_ALIGN) > max_record
+    if n == 0 and worst(0) > max_record:
+        return  # not even the empty frame fits
+    assert worst(n) <= max_record < worst(n + 1)
+
+
+def test_prompt_tokens_fit_arguments() -> None:
     with pytest.raises(ValueError, match=r"^records = -1, k = 0: expected records >= 0 and k in 0\.\.1024$"):
-        prompt_tokens_fit(max_record, -1, 0)
+        prompt_tokens_fit(4096, -1, 0)
+
+
+@pytest.mark.parametrize("k", [1, 5, 20, 255])
+def test_nan_top_k_logprobs_decode_without_warnings(k: int) -> None:
+    # NaN logprobs compare false (rank counts stay exact); whatever floating-point status the
+    # rank product leaves must not reach a caller that turns warnings (or numpy errors) into
+    # exceptions
+    for t in (1, 7, 64, 1000):
+        cols = make_columns(t + k, [t], k=k, logprobs=True)
+        tl = cols["topk_logprobs"]
+        tl[::2, 0] = np.nan
+        tl[1::3, -1] = np.inf
+        cols["logprobs"][::5] = np.nan
+        buf = encode_frame(**cols)
+        with warnings.catch_warnings(), np.errstate(all="raise"):
+            warnings.simplefilter("error")
+            for _ in range(20):
+                f = decode_frame(buf)
+        assert f.topk_logprobs is not None and np.isnan(f.topk_logprobs).any()

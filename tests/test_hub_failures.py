@@ -11,7 +11,8 @@ import pytest
 from _hubhelpers import T, drain, enc, get, poke, until, waiting_get
 
 import shm
-from aiospec._codec import Flag, FrameError
+from aiospec import _routing
+from aiospec._codec import Flag, Frame, FrameError, encode_frame
 from aiospec._hub import Hub
 from aiospec._stream_errors import HubClosed, ProducerLost, StreamError, StreamFramesLost
 from shm import layout as L
@@ -103,6 +104,61 @@ async def test_undecodable_frame_counts_as_lost(ring: shm.Ring) -> None:
             await get(s)
         assert isinstance(info.value.__cause__, FrameError)
         assert hub.stats().rings[0].frames_undecodable == 1
+
+
+def nt_overflow_frame() -> bytes:
+    """A frame of no records whose NT is 2**31 (T = R * NT holds): undecodable, not a bug."""
+    out = bytearray(encode_frame([], [0], []))
+    out[58:62] = (2**31).to_bytes(4, "big")  # header element 10, NT
+    return bytes(out)
+
+
+@pytest.mark.asyncio
+async def test_a_frame_of_no_records_with_nt_costs_that_frame_only(ring: shm.Ring) -> None:
+    async with Hub(ring.name) as hub:
+        s = hub.open(9)
+        ring.write(nt_overflow_frame())
+        with pytest.raises(
+            StreamFramesLost,
+            match=rf"^request 0x9: a frame of ring {ring.name} could not be decoded \(header\.NT: expected 0 in a "
+            r"frame without records, got 2147483648\); its records may be missing$",
+        ) as info:
+            await get(s)
+        assert isinstance(info.value.__cause__, FrameError)
+        s2 = hub.open(10)
+        ring.write(enc([(10, [4], Flag.FINISHED)]))
+        assert (await get(s2)).token_list() == [4]
+        st = hub.stats().rings[0]
+        assert (st.state, st.frames_undecodable) == ("live", 1)
+
+
+@pytest.mark.asyncio
+async def test_a_decoder_failure_costs_that_frame_only(ring: shm.Ring, monkeypatch: pytest.MonkeyPatch) -> None:
+    # whatever the decoder raises (a bug) is that frame's loss, never the ring's end
+    real = _routing.decode_frame
+
+    def decode(buf: bytes, **kw: bool) -> Frame:
+        f = real(buf, **kw)
+        if f.num_records == 2:
+            raise OverflowError("Python integer out of bounds")
+        return f
+
+    monkeypatch.setattr(_routing, "decode_frame", decode)
+    async with Hub(ring.name) as hub:
+        s = hub.open(1)
+        ring.write(enc([(1, [1], 0), (2, [2], 0)]))
+        with pytest.raises(
+            StreamFramesLost,
+            match=rf"^request 0x1: a frame of ring {ring.name} could not be decoded \(frame: the decoder failed "
+            r"\(OverflowError: Python integer out of bounds\)\); its records may be missing$",
+        ) as info:
+            await get(s)
+        assert isinstance(info.value.__cause__, FrameError)
+        assert isinstance(info.value.__cause__.__cause__, OverflowError)
+        s2 = hub.open(3)
+        ring.write(enc([(3, [5], Flag.FINISHED)]))
+        assert (await get(s2)).token_list() == [5]
+        assert hub.stats().rings[0].state == "live"
 
 
 @pytest.mark.asyncio

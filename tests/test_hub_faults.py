@@ -39,7 +39,7 @@ async def test_hub_reports_a_corrupt_commit_word(ring: shm.Ring, fault: str) -> 
         s = hub.open(1)
         ring.notify()
         _two_frames_wiped(ring, 0 if fault == "wiped" else (16 + 8) | L.FRAME_PAD << 32)
-        expected = "commit word 0 below the head" if fault == "wiped" else "PAD frame of length 24 ends"
+        expected = "commit word 0 below the head" if fault == "wiped" else "PAD frame of length 24, expected"
         with pytest.raises(StreamError, match=r"cannot be read any more \(CorruptFrame\(") as info:
             await get(s)
         assert isinstance(info.value.__cause__, shm.CorruptFrame)

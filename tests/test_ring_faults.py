@@ -41,10 +41,36 @@ def test_data_frame_flipped_to_pad_is_corrupt() -> None:
         raw.set_data_u64(COMMIT, _commit_word(16 + 100, L.FRAME_PAD))
         with pytest.raises(
             shm.CorruptFrame,
-            match=rf"^ring {ring.name}: frame at position 0: PAD frame of length 116 ends \d+ bytes "
-            r"before the data area's end$",
+            match=rf"^ring {ring.name}: frame at position 0: PAD frame of length 116, expected 65536 "
+            r"\(the rest of the data area\)$",
         ):
             reader.poll()
+
+
+@pytest.mark.parametrize("short", [8, 63])
+def test_a_pad_shorter_than_the_rest_of_the_data_area_is_corrupt(short: int) -> None:
+    # writers write a PAD of exactly capacity - off bytes; readers accept no other length, even
+    # one whose 64-byte alignment still ends at the data area's end
+    with shm.Ring.create(capacity=CAP, max_record=4096) as ring, RawCtx(ring.name) as raw:
+        reader = ring.reader()
+        while CAP - ring.stats().head % CAP >= 2048:
+            ring.write(bytes(1000))
+            reader.read(100)
+        off = ring.stats().head % CAP
+        ring.write(bytes(2000))  # a PAD of CAP - off bytes first
+        assert raw.data_u64(off + COMMIT) == _commit_word(CAP - off, L.FRAME_PAD)
+        raw.set_data_u64(off + COMMIT, _commit_word(CAP - off - short, L.FRAME_PAD))
+        with pytest.raises(
+            shm.CorruptFrame,
+            match=rf"^ring {ring.name}: frame at position {off}: PAD frame of length {CAP - off - short}, "
+            rf"expected {CAP - off} \(the rest of the data area\)$",
+        ):
+            reader.poll()
+        reader.close()
+        # nor does a chain of frames run through it for a recovery reader: it starts after it
+        with ring.reader(start="oldest") as rec:
+            assert rec.tail == CAP
+            assert rec.read() == [bytes(2000)]
 
 
 def test_wiped_commit_word_below_the_head_is_corrupt_not_a_stall() -> None:
@@ -119,23 +145,48 @@ def test_head_moved_backwards_is_refused_by_the_producer() -> None:
 # -- corrupt capacity word (item 4) -----------------------------------------------------------------
 
 
-def test_corrupt_capacity_word_is_typed_on_every_path(ring_paths: str) -> None:
+def test_corrupt_capacity_word_is_typed_on_every_path() -> None:
+    # line 0 never changes (section 2): readers and the writer refuse a changed capacity word,
+    # on the C and the Python paths alike, and so does taking a reader slot
     with shm.Ring.create(capacity=CAP) as ring, RawCtx(ring.name) as raw:
         reader = ring.reader(spin=0.0, recheck=0.01)
+        idle = ring.reader(spin=0.0, recheck=0.01)
         ring.write(b"a")
+        assert idle.read() == [b"a"]
         raw.set_u64(L.OFF_CAPACITY, CAP * 2)
-        if ring_paths == "native":
-            with pytest.raises(shm.CorruptControl, match=r"^segment: capacity word 131072, expected 65536"):
-                reader.poll()
-            with ring.reader(spin=0.0, recheck=0.01) as idle, pytest.raises(shm.CorruptControl, match=r"capacity word"):
-                idle.wait(0.05)  # nothing pending: the native sleep reads the word
-            with pytest.raises(shm.CorruptControl, match=r"capacity word 131072"):
-                ring.write(b"b")
-        else:  # the Python path keeps the capacity it mapped: the word is never used
-            assert reader.read() == [b"a"]
+        word = r"^segment: capacity word 131072, expected 65536 \(the data area of the 69632-byte mapping\)$"
+        with pytest.raises(shm.CorruptControl, match=word):
+            reader.poll()
+        with pytest.raises(shm.CorruptControl, match=word):
+            idle.wait(0.05)  # nothing pending: the sleep reads the word
+        with pytest.raises(shm.CorruptControl, match=word):
             ring.write(b"b")
+        msg = (
+            rf"^ring {ring.name}: capacity is 131072 in the control page, expected 65536 \(the value mapped; "
+            r"line 0 never changes\); refusing to take a reader slot$"
+        )
+        with pytest.raises(shm.CorruptControl, match=msg):
+            ring.reader()
+        assert ring.stats().capacity == CAP  # what the handle validated
         raw.set_u64(L.OFF_CAPACITY, CAP)
+        assert reader.read() == [b"a"]
         reader.close()
+        idle.close()
+
+
+def test_a_changed_creator_word_refuses_a_new_reader_slot() -> None:
+    with shm.Ring.create(capacity=CAP) as ring, RawCtx(ring.name) as raw:
+        epoch = raw.u64(L.OFF_EPOCH)
+        raw.set_u64(L.OFF_EPOCH, epoch ^ 1)
+        msg = rf"^ring {ring.name}: epoch is {epoch ^ 1} in the control page, expected {epoch} \(the value mapped; "
+        with pytest.raises(shm.CorruptControl, match=msg):
+            ring.reader()
+        raw.set_u64(L.OFF_EPOCH, epoch)
+        raw.set_u64(96, 7)  # a reserved word of line 0
+        with pytest.raises(shm.CorruptControl, match=r": reserved byte 96 is 7 in the control page, expected 0 "):
+            ring.reader()
+        raw.set_u64(96, 0)
+        ring.reader().close()
 
 
 # -- the format's promise of zero padding ------------------------------------------------------------
@@ -143,7 +194,8 @@ def test_corrupt_capacity_word_is_typed_on_every_path(ring_paths: str) -> None:
 
 def test_every_writer_zeroes_the_padding_to_the_frame_boundary() -> None:
     with shm.Ring.create(capacity=CAP) as ring, ring.reader() as reader, RawCtx(ring.name) as raw:
-        raw.mm[L.CONTROL_SIZE : L.CONTROL_SIZE + 4096] = b"\xff" * 4096  # stale bytes of a lap
+        # stale bytes of a lap, all but the header at the head (which every writer keeps zero)
+        raw.mm[L.CONTROL_SIZE + 16 : L.CONTROL_SIZE + 4096] = b"\xff" * 4080
         ring.write(b"a" * 5)
         view = ring.reserve(30)
         view[:] = b"b" * 30

@@ -266,3 +266,30 @@ def test_recovery_reader_starts_at_the_oldest_whole_frame() -> None:
             att.reader(start="tail")
     finally:
         att.close()
+
+
+def test_recovery_reader_with_a_live_producer_skips_what_its_next_frame_may_overwrite() -> None:
+    # capacity 64 KiB, max_record 4096, the head near the lap end: the producer's next frame
+    # needs a PAD, so it is written from the next lap's start, up to max_record + 16 past it
+    # (not merely past the head). A recovery reader joining while that frame is being written
+    # (admitted before its tail existed) must start above what it may overwrite.
+    cap, mr = 1 << 16, 4096
+    with shm.Ring.create(capacity=cap, max_record=mr) as ring:
+        ring.write(bytes(128 - 16))  # [0, 128)
+        ring.write(b"\x11" * (256 - 16))  # [128, 384)
+        while ring.stats().head + 4096 <= cap - 4032:
+            ring.write(bytes(4096 - 16))
+        while ring.stats().head < cap - 4032:
+            ring.write(bytes(64 - 16))
+        head = ring.stats().head
+        assert cap - head < mr  # a max-size frame needs a PAD first
+        view = ring.reserve(mr - 16)  # the PAD, then a frame in flight at the next lap's start
+        assert ring.stats().head == cap
+        rec = ring.reader(start="oldest")
+        assert rec.tail >= cap + mr + 16 - cap  # above everything the frame in flight may write
+        view[:] = b"\x22" * (mr - 16)
+        ring.commit()
+        got = rec.read(1000)  # every frame whole: none was overwritten under the reader
+        assert got[-1] == b"\x22" * (mr - 16)
+        assert all(p == bytes(len(p)) for p in got[:-1]) and len(got) > 10
+        rec.close()

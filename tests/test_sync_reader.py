@@ -10,8 +10,8 @@ from _hubhelpers import check_logprobs, enc, poke
 from _ringhelpers import XPROC_TIMEOUT, wait_for
 
 import shm
-from aiospec import FramesLost
-from aiospec._codec import Flag, FrameError, Kind
+from aiospec import FramesLost, _routing
+from aiospec._codec import Flag, Frame, FrameError, Kind, encode_frame
 from aiospec._sync import Record, SyncReader
 from shm import layout as L
 
@@ -144,6 +144,53 @@ def test_frames_lost_and_undecodable_frames(rings: tuple[shm.Ring, shm.Ring]) ->
         a.write(enc([(2, [2], 0)]))  # reading goes on
         assert [r.handle for r in rd.read(timeout=XPROC_TIMEOUT)] == [2]
         assert rd.stats().frames_lost == 3
+
+
+def test_a_frame_of_no_records_with_nt_is_one_lost_frame(rings: tuple[shm.Ring, shm.Ring]) -> None:
+    a, _ = rings
+    bad = bytearray(encode_frame([], [0], []))
+    bad[58:62] = (2**31).to_bytes(4, "big")  # header element 10 (NT) of a frame without records
+    with SyncReader(a.name) as rd:
+        a.write(enc([(1, [1], 0)]))
+        a.write(bytes(bad))
+        a.write(enc([(2, [2], 0)]))
+        assert [r.handle for r in rd.read(timeout=XPROC_TIMEOUT)] == [1, 2]
+        with pytest.raises(
+            FramesLost,
+            match=rf"^ring {a.name}: a frame could not be decoded \(header\.NT: expected 0 in a frame without "
+            r"records, got 2147483648\); records may be missing$",
+        ) as info:
+            rd.read(timeout=0)
+        assert isinstance(info.value.__cause__, FrameError)
+        a.write(enc([(3, [3], 0)]))  # reading goes on
+        assert [r.handle for r in rd.read(timeout=XPROC_TIMEOUT)] == [3]
+
+
+def test_a_decoder_failure_is_one_lost_frame(rings: tuple[shm.Ring, shm.Ring], monkeypatch: pytest.MonkeyPatch) -> None:
+    a, _ = rings
+    real = _routing.decode_frame
+
+    def decode(buf: bytes, **kw: bool) -> Frame:
+        f = real(buf, **kw)
+        if int(f.handles[0]) == 2:
+            raise OverflowError("Python integer out of bounds")
+        return f
+
+    monkeypatch.setattr(_routing, "decode_frame", decode)
+    with SyncReader(a.name) as rd:
+        for h in (1, 2, 3):
+            a.write(enc([(h, [h], 0)]))
+        assert [r.handle for r in rd.read(timeout=XPROC_TIMEOUT)] == [1, 3]
+        with pytest.raises(
+            FramesLost,
+            match=rf"^ring {a.name}: a frame could not be decoded \(frame: the decoder failed \(OverflowError: "
+            r"Python integer out of bounds\)\); records may be missing$",
+        ) as info:
+            rd.read(timeout=0)
+        assert isinstance(info.value.__cause__, FrameError)
+        a.write(enc([(4, [4], 0)]))
+        assert [r.handle for r in rd.read(timeout=XPROC_TIMEOUT)] == [4]
+        assert rd.stats().frames_lost == 1
 
 
 def test_argument_errors(rings: tuple[shm.Ring, shm.Ring]) -> None:

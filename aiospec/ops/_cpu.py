@@ -10,9 +10,9 @@ from typing import Any
 
 from aiospec.ops._abi import EMIT_ABI_VERSION, EmitArgs, ErrorWord, FrameLayout, Status
 from aiospec.ops._build import BuildError, build_cpu_library
-from aiospec.ops._errors import EmitError, producer_busy
+from aiospec.ops._errors import EmitError, bad_segment, producer_busy
 from aiospec.ops._inputs import Inputs
-from shm import BadSegment, RingError, RingFull
+from shm import RingError, RingFull
 
 __all__ = ("load_library", "CpuBackend", "build_payload", "validate", "error_message")
 
@@ -86,7 +86,7 @@ def _raise(lib: ctypes.CDLL, status: int) -> None:
     if status == Status.RING_FULL:
         raise RingFull(msg)
     if status == Status.BAD_SEGMENT:
-        raise BadSegment(msg)
+        raise bad_segment(msg)
     if status == Status.CLOSED:
         raise RingError(msg)
     if status == Status.BUSY:

@@ -12,12 +12,16 @@ import enum
 import re
 
 from aiospec import _payload_layout as L
-from shm import AiospecError, ProducerBusy
+from shm import AiospecError, BadSegment, CorruptControl, ProducerBusy
 
-__all__ = ("EmitError", "ErrorCode", "Arg", "format_error", "emit_error", "is_producer_busy", "producer_busy")
+__all__ = (
+    "EmitError", "ErrorCode", "Arg", "format_error", "emit_error", "is_producer_busy", "producer_busy", "bad_segment",
+)  # fmt: skip
 
 # the C++ ring writer's refusal of a second producer (ring.h RingProducer::claim)
 _BUSY = re.compile(r"producer claim held by pid (\d+) \(epoch (\d+)\)")
+# its refusal of a head or capacity word the protocol forbids (ring.h adopt_head, check_capacity)
+_CORRUPT_CONTROL = re.compile(r"^ring \S+: (head|capacity) word \d+: .*; refusing to write$")
 
 
 def is_producer_busy(message: str) -> bool:
@@ -31,6 +35,15 @@ def producer_busy(message: str) -> ProducerBusy:
     m = _BUSY.search(message)
     pid, epoch = (int(m.group(1)), int(m.group(2))) if m else (0, 0)
     return ProducerBusy(message, pid=pid, epoch=epoch)
+
+
+def bad_segment(message: str) -> BadSegment:
+    """``shm.BadSegment`` for the C++ writer's bad-segment status, as ``shm.CorruptControl``
+    (its subclass, the same message) where the writer refused a head or capacity word that
+    changed under it, as the Python writer does."""
+    if _CORRUPT_CONTROL.match(message):
+        return CorruptControl(message)
+    return BadSegment(message)
 
 
 class EmitError(AiospecError, ValueError):

@@ -26,9 +26,9 @@ from types import ModuleType
 from typing import Any
 
 from aiospec.ops._build import BuildError, cache_root, shm_include_dir, source_root
-from aiospec.ops._errors import EmitError
+from aiospec.ops._errors import EmitError, bad_segment
 from aiospec.ops._step import EmitStep, as_step
-from shm import BadSegment, RingError, RingFull
+from shm import RingError, RingFull
 
 __all__ = ("load_ops", "emit", "emit_step", "notify", "release", "paddle_available")
 
@@ -108,7 +108,7 @@ def _translate(exc: Exception) -> Exception:
     if kind == "ring_full":
         return RingFull(message)
     if kind == "bad_segment":
-        return BadSegment(message)
+        return bad_segment(message)
     if kind == "os":
         errno, _, text = message.partition(" ")
         return OSError(int(errno) if errno.isdigit() else 0, text)

@@ -367,6 +367,7 @@ class RingProducer {
       throw RingError(RingErrc::invalid, "reserve: n = " + std::to_string(n) + ": a frame of " + std::to_string(size) +
                                              " bytes exceeds max_record = " + std::to_string(map_.max_record));
     }
+    check_capacity();
     adopt_head();
     const uint64_t off = head_ & map_.mask;
     const uint64_t pad = size > map_.capacity - off ? map_.capacity - off : 0;
@@ -384,9 +385,20 @@ class RingProducer {
   // overwrite unread frames) nor one past the committed frames (readers would stall on it and
   // lose what lies between); an impossible head throws RingErrc::bad_segment (shm's
   // CorruptControl family). Frames of another process mean another claim: claim() refuses.
+  //
+  // At our own head the 16 header bytes must be zero too (every writer zeroes the header after
+  // its frame): a frame committed there means another writer wrote past it and the head word
+  // was set back, and writing would overwrite that frame.
   void adopt_head() {
     const uint64_t head = load_acquire(map_.ctl64(AIOSPEC_OFF_HEAD));
-    if (head == head_) return;
+    if (head == head_) {
+      if (header_at(head)) {
+        throw RingError(RingErrc::bad_segment, "ring " + map_.name + ": head word " + std::to_string(head) +
+                                                   ": the frame header at the head is not zero (a committed frame "
+                                                   "is there); refusing to write");
+      }
+      return;
+    }
     const std::string why = impossible_head(head);
     if (!why.empty()) {
       throw RingError(RingErrc::bad_segment,
@@ -398,6 +410,24 @@ class RingProducer {
     bytes_written_ = load_relaxed(map_.ctl64(AIOSPEC_OFF_BYTES_WRITTEN));
   }
 
+  // Whether the 16 header bytes at `pos` are not zero.
+  bool header_at(uint64_t pos) const {
+    const uint8_t* at = map_.data() + (pos & map_.mask);
+    return load_acquire(reinterpret_cast<const uint64_t*>(at + AIOSPEC_FH_POSITION)) != 0 ||
+           load_acquire(reinterpret_cast<const uint64_t*>(at + AIOSPEC_FH_COMMIT)) != 0;
+  }
+
+  // Line 0 never changes (section 2): a capacity word other than the one validated at open is
+  // corrupt, refused before anything is written (RingErrc::bad_segment; shm's CorruptControl).
+  void check_capacity() const {
+    const uint64_t cap = load_relaxed(map_.ctl64(AIOSPEC_OFF_CAPACITY));
+    if (cap != map_.capacity) {
+      throw RingError(RingErrc::bad_segment, "ring " + map_.name + ": capacity word " + std::to_string(cap) +
+                                                 ": expected " + std::to_string(map_.capacity) +
+                                                 " (the data area of the mapping); refusing to write");
+    }
+  }
+
   // Why `head` cannot follow this producer's head, or "" (same rule as shm/_producer.py).
   std::string impossible_head(uint64_t head) const {
     if (head < head_) return "behind this producer's head " + std::to_string(head_) + " (moved backwards)";
@@ -406,9 +436,7 @@ class RingProducer {
     auto word = [&](uint64_t pos, size_t off) {
       return load_acquire(reinterpret_cast<const uint64_t*>(data + (pos & map_.mask) + off));
     };
-    if (word(head, AIOSPEC_FH_COMMIT) != 0) {
-      return "the frame header at the head is not cleared (past the committed frames)";
-    }
+    if (header_at(head)) return "the frame header at the head is not cleared (past the committed frames)";
     if (head - head_ > map_.capacity) return "";  // more than a lap since: our frames are gone
     uint64_t pos = head_;
     while (pos < head) {
