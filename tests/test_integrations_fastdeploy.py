@@ -56,7 +56,7 @@ def pair(ring: shm.Ring, bsz: int, **kw: Any) -> tuple[FastDeployProducer, FastD
     producer = FastDeployProducer(ring, max_num_seqs=bsz, **{k: v for k, v in kw.items() if k != "packed"})
     _OPEN.extend([reader, producer])
     for row in range(bsz):
-        producer.insert(row)
+        producer.insert(row, row)
     return producer, reader
 
 
@@ -246,6 +246,81 @@ def test_speculate_save_output_topk(ring: shm.Ring, message_flag: int, n: int) -
     reader.close()
 
 
+def _packed(per_slot: dict[int, list[int]], bsz: int, n: int, rng: np.random.Generator) -> tuple[np.ndarray, ...]:
+    """FastDeploy's speculative sampler output: each slot's accepted tokens concatenated
+    (``masked_select(accept_tokens, idx < accept_num)``), ``cu_batch_token_offset`` ``[B + 1]``,
+    and one logprob row per token."""
+    counts = np.array([len(per_slot.get(i, [])) for i in range(bsz)], np.int32)
+    cu = np.zeros(bsz + 1, np.int32)
+    np.cumsum(counts, out=cu[1:])
+    packed = np.array([t for i in range(bsz) for t in per_slot.get(i, [])], np.int64)
+    ids = rng.integers(0, 1000, (packed.shape[0], n + 1)).astype(np.int64)
+    ids[:, 0] = packed
+    scores = -rng.random((packed.shape[0], n + 1)).astype(np.float32)
+    ranks = rng.integers(1, 9, packed.shape[0]).astype(np.int64)
+    return packed, counts, cu, ids, scores, ranks
+
+
+@pytest.mark.parametrize("shape", ["[T]", "[T, 1]"])
+def test_speculate_save_output_topk_reads_fastdeploys_token_packed_tokens(ring: shm.Ring, shape: str) -> None:
+    want = {0: [11, 12], 1: [21], 2: [31, 32, 33]}
+    bsz, n = 4, 3
+    packed, counts, cu, ids, scores, ranks = _packed(want, bsz, n, np.random.default_rng(5))
+    tokens = packed if shape == "[T]" else packed[:, None]
+    producer, reader = pair(ring, bsz)
+    producer.speculate_save_output_topk(tokens, ids, scores, ranks, counts, cu, np.array([True]))
+    (events,) = list(reader.events(wait=False))
+    assert [(e.slot, e.token_ids) for e in events] == [(0, [11, 12]), (1, [21]), (2, [31, 32, 33])]
+    assert events[2].logprob_token_ids == ids[3:6].tolist()
+    producer.speculate_save_output_topk(tokens, ids, scores, ranks, counts, cu, np.array([True]))
+    tb, _, _ = _read_spec_topk(reader)
+    assert tb[3 : 3 + bsz].tolist() == [2, 1, 3, 0]
+    tok = tb[3 + MAX_BSZ :].reshape(MAX_BSZ, MAX_DRAFT_TOKENS, W21)
+    assert [tok[i, : len(v), 0].tolist() for i, v in want.items()] == list(want.values())
+
+
+def test_draft_message_with_the_proposers_offsets(ring: shm.Ring) -> None:
+    # the MTP proposer's draft send: message_flag 4, cu_batch_token_offset[:real_bsz] ([B], no total)
+    want = {0: [101], 2: [301]}
+    packed, counts, cu, ids, scores, ranks = _packed(want, 3, 2, np.random.default_rng(6))
+    producer, reader = pair(ring, 3)
+    producer.speculate_save_output_topk(packed[:, None], ids, scores, ranks, counts, cu[:3], None, None, None, None, 4)
+    (events,) = list(reader.events(wait=False))
+    assert [(e.slot, e.token_ids, e.draft) for e in events] == [(0, [101], True), (2, [301], True)]
+
+
+def test_token_packed_offsets_outside_the_tokens_are_refused(ring: shm.Ring) -> None:
+    packed, counts, cu, ids, scores, ranks = _packed({0: [1, 2], 1: [3]}, 2, 1, np.random.default_rng(7))
+    producer, _ = pair(ring, 2)
+    cu_bad = np.array([0, 2, 3], np.int32)
+    counts_bad = np.array([2, 2], np.int32)  # slot 1 claims tokens 2..3 of 3
+    message = (
+        r"^cu_batch_token_offset\[1\] = 2 with token_num_per_batch\[1\] = 2: slot 1's tokens 2\.\.3 lie "
+        r"outside the 3 tokens of the token-packed sampled_token_ids"
+    )
+    with pytest.raises(EmitError, match=message):
+        producer.speculate_save_output_topk(packed, ids, scores, ranks, counts_bad, cu_bad)
+    with pytest.raises(EmitError, match=r"^cu_batch_token_offset: expected 2 or 3 entries, got 1$"):
+        producer.speculate_save_output_topk(packed, ids, scores, ranks, counts, cu[:1])
+    assert ring.stats().frames_written == 0
+
+
+def test_rows_layout_is_kept_where_unambiguous(ring: shm.Ring) -> None:
+    producer, reader = pair(ring, 2)
+    rows = np.array([[5, 6], [7, 8]], np.int64)  # [B, W], W >= 2: one row per slot
+    counts, cu = np.array([2, 1], np.int32), np.array([0, 2, 3], np.int32)
+    ids, scores, ranks = np.zeros((3, 1), np.int64), np.zeros((3, 1), np.float32), np.zeros(3, np.int64)
+    producer.speculate_save_output_topk(rows, ids, scores, ranks, counts, cu)
+    one = np.array([[5], [7]], np.int64)  # [B, 1] rows need layout="rows" ([T, 1] is FastDeploy's packed)
+    producer.speculate_save_output_topk(one, ids[:2], scores[:2], ranks[:2], np.array([1, 1], np.int32),
+                                        np.array([0, 1, 2], np.int32), layout="rows")  # fmt: skip
+    first, second = (evs for evs in reader.events(wait=False))
+    assert [e.token_ids for e in first] == [[5, 6], [7]]
+    assert [e.token_ids for e in second] == [[5], [7]]
+    with pytest.raises(EmitError, match=r"^sampled_token_ids: a token-packed tensor is \[T\] or \[T, 1\]"):
+        producer.speculate_save_output_topk(rows, ids, scores, ranks, counts, cu, layout="packed")
+
+
 # -- the PD prefill node's first token -------------------------------------------------------------------
 
 
@@ -319,22 +394,40 @@ def test_swapped_rows_reach_their_engine_slots(ring: shm.Ring) -> None:
     got = read_normal(reader)
     assert got[2:6].tolist() == [0, 11, -1, 30]
     producer.clear(1)
-    h = producer.insert(1)
+    h = producer.insert(1, 1)
     assert slot_of(h) == 1 and h != producer.slots.handles[0]
 
 
 def test_rank_above_zero_is_silent_unless_save_each_rank(ring: shm.Ring) -> None:
     silent = FastDeployProducer(ring, max_num_seqs=2, rank_id=1)
     _OPEN.append(silent)
-    silent.insert(0)
-    assert silent.save_output(np.array([[1], [-1]], np.int64)) is False
+    silent.insert(0, 0)
+    assert silent.speculate_save_output(np.array([[1], [2]], np.int64), np.array([1, 0], np.int32)) is False
     assert ring.stats().frames_written == 0
     with shm.Ring.create(ring_name(8123, 1) + "-" + str(id(ring)), capacity=1 << 16) as own:
         each = FastDeployProducer(own, max_num_seqs=2, rank_id=1, save_each_rank=True)
-        each.insert(0)
-        assert each.save_output(np.array([[1], [-1]], np.int64)) is True
+        each.insert(0, 0)
+        assert each.speculate_save_output(np.array([[1], [2]], np.int64), np.array([1, 0], np.int32)) is True
         assert own.stats().frames_written == 1
         each.close()
+
+
+def test_save_output_ops_write_on_rank_zero_only_whatever_save_each_rank() -> None:
+    # FastDeploy's save_output and save_output_topk return for rank_id > 0 (save_each_rank is
+    # taken and not used); the speculative and first-token ops honour save_each_rank
+    with shm.Ring.create(capacity=1 << 16) as own:
+        each = FastDeployProducer(own, max_num_seqs=2, rank_id=1, save_each_rank=True)
+        _OPEN.append(each)
+        each.insert(0, 0)
+        x = np.array([[1], [-1]], np.int64)
+        ids, scores = np.array([[1, 3], [0, 0]], np.int64), np.zeros((2, 2), np.float32)
+        assert each.save_output(x, np.array([True]), None, 1, True) is False
+        assert each.save_output_topk(x, ids, scores, np.zeros(2, np.int64), np.array([True]), None, 1) is False
+        assert own.stats().frames_written == 0
+        assert each.save_output(x, np.array([True]), None, 0, True) is True  # rank 0 given per call
+        first = np.array([[7, 8], [0, 0]], np.int64)
+        assert each.mtp_save_first_token(first, None, None, None, np.array([1, 0]), 1, True) is True
+        assert own.stats().frames_written == 2
 
 
 def test_step_reschedule_is_a_recovery_stop(ring: shm.Ring) -> None:
@@ -371,6 +464,19 @@ def test_paddle_tensors_through_the_paddle_op(ring: shm.Ring) -> None:
     first, second = (e for e in reader.events(wait=False))
     assert [(e.slot, e.draft_token_ids) for e in first] == [(0, [101, 201]), (2, [103, 203])]
     assert [(e.slot, e.token_ids) for e in second] == []  # both rows ended with the first token
+
+
+def test_paddle_token_packed_tokens_through_paddles_gather(ring: shm.Ring) -> None:
+    paddle = pytest.importorskip("paddle", reason="paddlepaddle is not installed")
+    packed, counts, cu, ids, scores, ranks = _packed({0: [11, 12], 2: [31]}, 3, 2, np.random.default_rng(8))
+    producer, reader = pair(ring, 3)
+    t = [paddle.to_tensor(a) for a in (packed, ids, scores, ranks, counts, cu)]
+    try:
+        producer.speculate_save_output_topk(*t[:6])
+    finally:
+        producer.close()
+    (events,) = list(reader.events(wait=False))
+    assert [(e.slot, e.token_ids) for e in events] == [(0, [11, 12]), (2, [31])]
 
 
 def test_bench_reports_bytes_per_step_against_fastdeploys_messages() -> None:
