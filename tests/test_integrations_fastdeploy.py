@@ -164,6 +164,26 @@ def test_save_output_topk_layout(ring: shm.Ring, packed: bool, n: int) -> None:
     assert rb[live].tolist() == rk[live].tolist()
 
 
+def test_top_k_above_20_is_cut_to_fastdeploys_20_columns(ring: shm.Ring) -> None:
+    bsz, n = 2, 25
+    producer, reader = pair(ring, bsz)
+    x = np.array([[7], [8]], np.int64)
+    ids = np.arange(bsz * (n + 1), dtype=np.int64).reshape(bsz, n + 1)
+    ids[:, 0] = x[:, 0]
+    scores = -np.arange(bsz * (n + 1), dtype=np.float32).reshape(bsz, n + 1)
+    producer.save_output_topk(x, ids, scores, np.ones(bsz, np.int64))
+    producer.save_output_topk(x, ids, scores, np.ones(bsz, np.int64))
+    events = next(reader.events(wait=False))
+    assert events[0].logprob_token_ids == [ids[0].tolist()]  # the events keep every column
+    xb = np.full((MAX_BSZ * W21 + 2, 1), 2, np.int64)
+    sb = np.full((MAX_BSZ * W21, 1), 2, np.float32)
+    reader.get_output_topk(xb, sb, np.zeros(MAX_BSZ, np.int64), K, 0, False)
+    assert xb[1, 0] == bsz | (W21 << 16)  # the header says 21 columns, as many as each row holds
+    rows = xb[2 : 2 + bsz * W21, 0].reshape(bsz, W21)
+    assert rows.tolist() == ids[:, :W21].tolist()
+    np.testing.assert_array_equal(sb[: bsz * W21, 0].reshape(bsz, W21), scores[:, :W21])
+
+
 # -- speculative decoding ------------------------------------------------------------------------------
 
 
@@ -321,6 +341,29 @@ def test_rows_layout_is_kept_where_unambiguous(ring: shm.Ring) -> None:
         producer.speculate_save_output_topk(rows, ids, scores, ranks, counts, cu, layout="packed")
 
 
+def test_more_tokens_than_fastdeploys_message_holds(ring: shm.Ring) -> None:
+    tokens = np.arange(100, 116, dtype=np.int64).reshape(2, 8)
+    accept = np.array([7, 1], np.int32)  # 7 > MAX_DRAFT_TOKENS
+    # producer side, asked for FastDeploy's layout: refused before anything is written
+    strict = FastDeployProducer(ring, max_num_seqs=2, max_tokens_per_slot=MAX_DRAFT_TOKENS)
+    _OPEN.append(strict)
+    strict.insert(0, 0)
+    strict.insert(1, 1)
+    message = r"^accept_num\[0\] = 7: slot 0 would carry 7 tokens, expected at most 6 \(max_tokens_per_slot"
+    with pytest.raises(EmitError, match=message):
+        strict.speculate_save_output(tokens, accept)
+    assert ring.stats().frames_written == 0
+    # without the limit the frame is written; the reading side refuses it without consuming it
+    producer, reader = pair(ring, 2)
+    producer.speculate_save_output(tokens, accept)
+    buf = np.full(SPECULATE_MAX_BSZ * (MAX_DRAFT_TOKENS + 1) + 2, 777, np.int64)
+    with pytest.raises(ValueError, match=r"^record 0 \(slot 0\): 7 tokens, FastDeploy's message holds 6 per slot"):
+        reader.speculate_get_output(buf, 0, False, False)
+    assert (buf == 777).all()  # untouched
+    (events,) = list(reader.events(wait=False))  # the frame is still there
+    assert [(e.slot, e.token_ids) for e in events] == [(0, tokens[0, :7].tolist()), (1, [108])]
+
+
 # -- the PD prefill node's first token -------------------------------------------------------------------
 
 
@@ -396,6 +439,39 @@ def test_swapped_rows_reach_their_engine_slots(ring: shm.Ring) -> None:
     producer.clear(1)
     h = producer.insert(1, 1)
     assert slot_of(h) == 1 and h != producer.slots.handles[0]
+
+
+def test_insert_after_a_pd_reorder_takes_the_engine_slot(ring: shm.Ring) -> None:
+    # insert_tasks_v1: the row is get_index_by_batch_id(request.idx), the slot request.idx
+    producer = FastDeployProducer(ring, max_num_seqs=3)
+    reader = FastDeployReader(ring, max_num_seqs=3)
+    _OPEN.extend([reader, producer])
+    producer.insert(0, 0)
+    producer.insert(1, 1)
+    producer.swap(0, 1)  # PD reorder: slot 1's request now in row 0, slot 0's in row 1
+    index_to_batch_id = {0: 1, 1: 0, 2: 2}
+    get_index_by_batch_id = {v: k for k, v in index_to_batch_id.items()}.__getitem__
+    request_idx = 2
+    producer.insert(get_index_by_batch_id(request_idx), request_idx)
+    producer.save_output(np.array([[10], [20], [30]], np.int64))
+    (events,) = list(reader.events(wait=False))
+    assert sorted((e.slot, e.token_ids) for e in events) == [(0, [20]), (1, [10]), (2, [30])]
+    # the row given as the slot: two rows would report slot 1, refused
+    producer.clear(1)
+    with pytest.raises(
+        ValueError, match=r"^slot = 1: row 0 holds a request of that engine slot already \(row 1 was given\)"
+    ):
+        producer.insert(1, 1)
+
+
+def test_a_missing_ring_is_named_with_its_rank() -> None:
+    name = ring_name(f"missing{id(object())}", 1)
+    producer = FastDeployProducer(name, max_num_seqs=2, rank_id=1, save_each_rank=True)
+    producer.insert(0, 0)
+    message = rf"^ring '{name}' of rank_id 1 does not exist: the engine creates the ring of every rank that writes"
+    with pytest.raises(FileNotFoundError, match=message):
+        producer.speculate_save_output(np.array([[5, 6], [0, 0]], np.int64), np.array([1, 0], np.int32))
+    producer.close()
 
 
 def test_rank_above_zero_is_silent_unless_save_each_rank(ring: shm.Ring) -> None:
