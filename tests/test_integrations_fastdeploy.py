@@ -11,6 +11,7 @@ stride of 21), the expected message is the corrected one.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -516,6 +517,63 @@ def test_step_reschedule_is_a_recovery_stop(ring: shm.Ring) -> None:
 def test_no_message_is_the_minus_two_sentinel(ring: shm.Ring) -> None:
     _, reader = pair(ring, 2)
     assert read_normal(reader)[0] == -2
+
+
+def _calls(text: str, prefix: str) -> Iterator[tuple[str, str]]:
+    """``(name, arguments)`` of every ``<prefix>.name(arguments)`` call in ``text``."""
+    for m in re.finditer(rf"\b{prefix}\.(\w+)\(", text):
+        depth, i = 1, m.end()
+        while depth and i < len(text):
+            depth += {"(": 1, "[": 1, "{": 1, ")": -1, "]": -1, "}": -1}.get(text[i], 0)
+            i += 1
+        yield m.group(1), text[m.end() : i - 1]
+
+
+def _split_args(args: str) -> list[str]:
+    out, depth, cur = [], 0, ""
+    for ch in args:
+        depth += {"(": 1, "[": 1, "{": 1, ")": -1, "]": -1, "}": -1}.get(ch, 0)
+        if ch == "," and depth == 0:
+            out.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    if cur.strip():
+        out.append(cur.strip())
+    return out
+
+
+def test_the_guides_calls_match_the_adapters_signatures() -> None:
+    # every call the guide asks the integrator to write binds to the method it names
+    import inspect
+    from pathlib import Path
+
+    import aiospec.integrations.fastdeploy as fd
+
+    guide = (Path(__file__).resolve().parent.parent / "docs" / "fastdeploy.md").read_text()
+    blocks = re.findall(r"```text\n(.*?)```", guide, re.S)
+    added = "\n".join(ln[1:] for b in blocks for ln in b.splitlines() if ln.startswith(("+", " ", "#")))
+    targets = {"output": fd.FastDeployProducer, "output_reader": fd.FastDeployReader}
+    checked = 0
+    for prefix, cls in targets.items():
+        for name, args in _calls(added, prefix):
+            assert hasattr(cls, name), f"the guide calls {prefix}.{name}, which {cls.__name__} lacks"
+            parts = _split_args(args)
+            kws = {p.split("=", 1)[0].strip(): None for p in parts if re.match(r"^\w+=(?!=)", p)}
+            pos = [None] * (len(parts) - len(kws))
+            sig = inspect.signature(getattr(cls, name))
+            try:
+                sig.bind(None, *pos, **kws)
+            except TypeError as exc:
+                raise AssertionError(f"the guide's {prefix}.{name}({args.strip()[:60]}...): {exc}") from None
+            checked += 1
+    for row in re.findall(r"^\| `[^`]*` \| `(\w+)\(same(?:, )?([^)`]*)\)` \|", guide, re.M):
+        name, rest = row
+        kws = [k.split("=")[0].strip() for k in rest.split(",") if "=" in k]
+        params = inspect.signature(getattr(fd.FastDeployProducer, name)).parameters
+        assert all(k in params for k in kws), f"the guide's table gives {name} {kws}; it takes {list(params)}"
+        checked += 1
+    assert checked >= 15
 
 
 def test_import_needs_no_framework() -> None:
