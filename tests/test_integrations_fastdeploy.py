@@ -657,3 +657,23 @@ def test_cuda_tensors_through_the_cuda_kernel(ring: shm.Ring) -> None:
     ]
     assert events[0].logprob_token_ids is not None
     assert [row[1:] for row in events[0].logprob_token_ids] == ids[0:3, 1:].tolist()
+
+
+@pytest.mark.gpu
+def test_cuda_token_packed_tokens_are_gathered_on_the_device(ring: shm.Ring) -> None:
+    torch = pytest.importorskip("torch", reason="PyTorch is not installed (the GPU test feeds it CUDA tensors)")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device visible to PyTorch")
+    from aiospec.ops import _cuda
+
+    if not _cuda.available():
+        pytest.skip("the CUDA emit library cannot be built here (no nvcc and no AIOSPEC_CUDA_LIB)")
+    packed, counts, cu, ids, scores, ranks = _packed({0: [11, 12], 2: [31, 32, 33]}, 3, 4, np.random.default_rng(3))
+    producer, reader = pair(ring, 3)
+    cuda = [torch.from_numpy(a).cuda() for a in (packed, ids, scores, ranks)]
+    producer.speculate_save_output_topk(*cuda, counts, cu)
+    producer.notify()
+    torch.cuda.synchronize()
+    assert producer._producer.device == "cuda"  # the gathered rows stayed on the GPU
+    (events,) = list(reader.events(timeout=10.0))
+    assert [(e.slot, e.token_ids) for e in events] == [(0, [11, 12]), (2, [31, 32, 33])]

@@ -15,7 +15,12 @@ would otherwise write by hand:
 - the logprob rows are located (``arange(B + 1)`` in normal decoding, ``cu_batch_token_offset``
   in speculative decoding), ``k`` is the batch's real top-k (the logprob tensors' width - 1),
   ``message_flag`` 4 is ``Kind.DRAFT``;
-- the counts are validated against the token tensor's width before anything is written.
+- the token tensor is read in the layout FastDeploy passes: one row per slot (``x``,
+  ``accept_tokens``, ``base_model_draft_tokens``), or token-packed (``speculate_save_output_topk``'s
+  ``sampled_token_ids``: slot ``i``'s token ``j`` at ``cu_batch_token_offset[i] + j``);
+- the counts and offsets are validated against the token tensor before anything is written;
+- ranks as FastDeploy's ops: ``save_output(_topk)`` write on rank 0 only, the speculative and
+  first-token ops on rank 0 and, with ``save_each_rank``, on every rank.
 
 Tensors: numpy, PyTorch or Paddle, on the host or a GPU. Paddle tensors go through the Paddle
 custom op (``aiospec.ops._paddle``), everything else through ``aiospec.ops.Producer`` (the C++
@@ -160,11 +165,16 @@ class FastDeployProducer:
 
     ``ring``: a ``shm.Ring`` or a ring name, one per emitting rank (``ring_name`` in
     ``aiospec.integrations.fastdeploy`` names them); ``max_num_seqs``: rows of the worker's
-    batch; ``rank_id`` / ``save_each_rank``: like the ops, a rank above 0 emits nothing unless
-    ``save_each_rank`` (then every rank writes its own ring, ``producer = rank_id``);
+    batch; ``rank_id`` / ``save_each_rank``: the defaults of the calls' own (like the ops, a
+    rank above 0 writes only from the ops that honour ``save_each_rank``, into its own ring,
+    ``producer = rank_id``); a ring given by name is attached on the first write
+    (``FileNotFoundError`` naming the ring and the rank when the engine has not created it);
     ``timeout``: seconds to wait for ring space before ``shm.RingFull``; ``device``: the
     ``aiospec.ops.Producer`` device (None: from the tensors); ``backend``: ``"paddle"``,
-    ``"ops"`` or None (Paddle tensors: the Paddle op; others: ``aiospec.ops.Producer``).
+    ``"ops"`` or None (Paddle tensors: the Paddle op; others: ``aiospec.ops.Producer``);
+    ``max_tokens_per_slot``: refuse (``EmitError``, nothing written) a slot with more tokens
+    than this, ``MAX_DRAFT_TOKENS`` where the engine reads FastDeploy's 6-token speculative
+    messages (None: no limit).
 
     ``slots`` is the row-to-request table; ``step`` counts the frames written.
     """

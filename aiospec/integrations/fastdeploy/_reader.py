@@ -20,7 +20,12 @@ FastDeploy's sentinels (``PREEMPTED`` -9, ``RECOVERY_STOP`` -3); a slot without 
 (normal) or count 0 (speculative). A first-token record with drafts is the prefill node's
 message: count ``1 + drafts``, the first token with its logprobs, then the draft ids with
 scores 0.0 and rank 0 (never stale values). Empty buffer entries never hold an earlier step's
-data: every buffer is rewritten whole up to its batch.
+data: every buffer is rewritten whole up to its batch. A frame with more than ``K`` top-k
+columns gives the buffers its first ``K`` (the header's ``k + 1`` says ``K + 1``); a frame that
+does not fit the message (a slot outside the batch, more than ``MAX_DRAFT_TOKENS`` tokens in a
+speculative slot) raises ``ValueError`` before any buffer is written and stays unread, so
+``events()`` still yields it. ``msg_id`` is always ``+INFERENCE_MSG_ID`` (the frame does not
+carry ``not_need_stop``, whose False FastDeploy's ops send as ``-INFERENCE_MSG_ID``).
 
 ``events()`` yields ``SlotEvent``s instead: one per record, with the slot, the tokens, the
 drafts, the logprob rows in FastDeploy's ``[sampled, top-k...]`` order and the end flags.
