@@ -457,6 +457,9 @@ def test_insert_after_a_pd_reorder_takes_the_engine_slot(ring: shm.Ring) -> None
     producer.save_output(np.array([[10], [20], [30]], np.int64))
     (events,) = list(reader.events(wait=False))
     assert sorted((e.slot, e.token_ids) for e in events) == [(0, [20]), (1, [10]), (2, [30])]
+    # every prefill chunk of the same request in the same row: the same handle
+    h = producer.slots.handle(2)
+    assert producer.insert(2, 2) == h
     # the row given as the slot: two rows would report slot 1, refused
     producer.clear(1)
     with pytest.raises(

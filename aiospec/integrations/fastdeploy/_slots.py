@@ -64,10 +64,14 @@ class SlotTable:
         """A new request in worker row ``row`` whose engine slot is ``slot`` (the index of the
         request in the engine's ``tasks_list``, FastDeploy's ``request.idx``; the row is
         ``get_index_by_batch_id(request.idx)``, another number once PD reordering moved rows);
-        returns its handle. Raises ``ValueError`` when another row holds a request of that slot
-        (two rows would report the same slot)."""
+        returns its handle. A row that holds a request of that slot already keeps its handle
+        (a later prefill chunk of the same request: call it for every prefill task); one that
+        ended (its frame cleared the row) or was cleared gets a new one. Raises ``ValueError``
+        when another row holds a request of that slot (two rows would report the same slot)."""
         row = _index("row", row, self.size)
         slot = _index("slot", slot, self.size)
+        if self.handles[row] >= 0 and int(slot_of(int(self.handles[row]))) == slot:
+            return int(self.handles[row])
         live = self.handles >= 0
         same = np.flatnonzero(live & (slot_of(np.where(live, self.handles, 0)) == slot))
         other = [int(r) for r in same if int(r) != row]
