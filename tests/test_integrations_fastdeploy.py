@@ -136,6 +136,20 @@ def test_events_carry_the_end_flags(ring: shm.Ring) -> None:
     assert producer.slots.handles.tolist()[1:] == [-1, -1, -1]
 
 
+def test_a_row_out_of_kv_blocks_is_stopped_not_finished(ring: shm.Ring) -> None:
+    # update_inputs(_v1) sets stop_flags on a row that ran out of blocks (is_block_step) and
+    # keeps its token: the request goes on after rescheduling, so it must not end here
+    producer, reader = pair(ring, 3)
+    stop = np.array([True, True, False])
+    block = np.array([False, True, False])
+    producer.save_output(np.array([[1], [2], [3]], np.int64), stop_flags=stop, is_block_step=block)
+    accept = np.array([[4, 5], [6, 7], [8, 9]], np.int64)
+    producer.speculate_save_output(accept, np.array([0, 2, 1], np.int32), stop_flags=stop, is_block_step=block)
+    first, second = (evs for evs in reader.events(wait=False))
+    assert [(e.slot, e.token_ids, e.finished) for e in first] == [(0, [1], True), (1, [2], False), (2, [3], False)]
+    assert [(e.slot, e.token_ids, e.finished) for e in second] == [(1, [6, 7], False), (2, [8], False)]
+
+
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "fixed21"])
 @pytest.mark.parametrize("n", [0, 3, 20])
 def test_save_output_topk_layout(ring: shm.Ring, packed: bool, n: int) -> None:

@@ -243,6 +243,7 @@ class FastDeployProducer:
         save_each_rank: bool | None = None,
         *,
         stop_flags: Any = None,
+        is_block_step: Any = None,
     ) -> bool:
         """``save_output(x, not_need_stop, preempted_idx, rank_id, save_each_rank)``: ``x`` the
         sampled ids ``[B, 1]`` (-1 on a slot with nothing, -9 preempted, -3 recovery stop),
@@ -251,7 +252,7 @@ class FastDeployProducer:
         ``not_need_stop`` is not needed (every step is a frame). As FastDeploy's op, only rank 0
         writes: ``save_each_rank`` is taken and not used. Returns whether a frame was written."""
         del save_each_rank  # FastDeploy's op takes it and does not use it: only rank 0 writes
-        return self._normal(x, None, preempted_idx, rank_id, stop_flags, None)
+        return self._normal(x, None, preempted_idx, rank_id, (stop_flags, is_block_step), None)
 
     def save_output_topk(
         self,
@@ -264,13 +265,15 @@ class FastDeployProducer:
         rank_id: int | None = None,
         *,
         stop_flags: Any = None,
+        is_block_step: Any = None,
         k: int | None = None,
     ) -> bool:
         """``save_output_topk``: as ``save_output``, with the sampler's logprob rows
         ``topk_ids`` / ``logprob_scores`` ``[B, n + 1]`` (column 0 the sampled token) and
         ``ranks`` ``[B]``; row ``i``'s logprobs are row ``i``. ``k``: top-k to emit (default
         ``n``, the batch's ``max_num_logprobs``)."""
-        return self._normal(x, (topk_ids, logprob_scores, ranks, k), preempted_idx, rank_id, stop_flags, None)
+        lp = (topk_ids, logprob_scores, ranks, k)
+        return self._normal(x, lp, preempted_idx, rank_id, (stop_flags, is_block_step), None)
 
     def speculate_save_output(
         self,
@@ -285,6 +288,7 @@ class FastDeployProducer:
         skip_chunk_prefill: bool = False,
         *,
         stop_flags: Any = None,
+        is_block_step: Any = None,
     ) -> bool:
         """``speculate_save_output``, for every proposer (MTP, n-gram, suffix, naive):
         ``accept_tokens`` ``[B, W]``, ``accept_num`` ``[B]`` (0..W tokens; -9 preempted, -3
@@ -292,7 +296,7 @@ class FastDeployProducer:
         ``seq_lens_decoder < prompt_lens`` is still in chunked prefill and says nothing."""
         return self._speculative(
             accept_tokens, accept_num, None, seq_lens_decoder if skip_chunk_prefill else None, prompt_lens,
-            preempted_idx, MESSAGE_TARGET, rank_id, save_each_rank, stop_flags, "accept_num",
+            preempted_idx, MESSAGE_TARGET, rank_id, save_each_rank, (stop_flags, is_block_step), "accept_num",
         )  # fmt: skip
 
     def speculate_save_output_topk(
@@ -312,6 +316,7 @@ class FastDeployProducer:
         save_each_rank: bool | None = None,
         *,
         stop_flags: Any = None,
+        is_block_step: Any = None,
         k: int | None = None,
         layout: str | None = None,
     ) -> bool:
@@ -326,7 +331,7 @@ class FastDeployProducer:
         lp = (logprob_token_ids, logprob_scores, logprob_ranks, cu_batch_token_offset, k)
         return self._speculative(
             sampled_token_ids, token_num_per_batch, lp, seq_lens_decoder, prompt_lens, preempted_idx, message_flag,
-            rank_id, save_each_rank, stop_flags, "token_num_per_batch", layout,
+            rank_id, save_each_rank, (stop_flags, is_block_step), "token_num_per_batch", layout,
         )  # fmt: skip
 
     def mtp_save_first_token(
@@ -490,10 +495,17 @@ class FastDeployProducer:
         raise EmitError(f"message_flag = {message_flag!r}: expected 3 (target) or 4 (draft)")
 
     @staticmethod
-    def _stops(stop_flags: Any, rows: int) -> np.ndarray[Any, Any]:
+    def _stops(stops: tuple[Any, Any], rows: int) -> np.ndarray[Any, Any]:
+        """The rows whose token ends their request: ``stop_flags`` set, ``is_block_step`` not
+        (``update_inputs(_v1)`` also stops a row that ran out of KV blocks, whose request goes
+        on once it is rescheduled)."""
+        stop_flags, is_block_step = stops
         if stop_flags is None:
             return np.zeros(rows, dtype=bool)
-        return _rows(host_array(stop_flags, "stop_flags"), "stop_flags", rows).astype(bool)
+        stops_now = _rows(host_array(stop_flags, "stop_flags"), "stop_flags", rows).astype(bool)
+        if is_block_step is not None:
+            stops_now &= ~_rows(host_array(is_block_step, "is_block_step"), "is_block_step", rows).astype(bool)
+        return stops_now
 
     def _logprobs(
         self, ids: Any, values: Any, ranks: Any, offsets: Any, k: int | None, rows: int
@@ -511,7 +523,7 @@ class FastDeployProducer:
         lp: tuple[Any, Any, Any, int | None] | None,
         preempted_idx: Any,
         rank_id: int | None,
-        stop_flags: Any,
+        stop_flags: tuple[Any, Any],
         step: int | None,
     ) -> bool:
         if self._skip(rank_id, False):  # save_output(_topk): rank 0 only, whatever save_each_rank says
@@ -553,7 +565,7 @@ class FastDeployProducer:
         message_flag: int,
         rank_id: int | None,
         save_each_rank: bool | None,
-        stop_flags: Any,
+        stop_flags: tuple[Any, Any],
         counts_name: str,
         layout: str | None = "rows",
     ) -> bool:
