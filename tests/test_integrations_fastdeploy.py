@@ -11,6 +11,7 @@ stride of 21), the expected message is the corrected one.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -56,7 +57,7 @@ def pair(ring: shm.Ring, bsz: int, **kw: Any) -> tuple[FastDeployProducer, FastD
     producer = FastDeployProducer(ring, max_num_seqs=bsz, **{k: v for k, v in kw.items() if k != "packed"})
     _OPEN.extend([reader, producer])
     for row in range(bsz):
-        producer.insert(row)
+        producer.insert(row, row)
     return producer, reader
 
 
@@ -135,6 +136,20 @@ def test_events_carry_the_end_flags(ring: shm.Ring) -> None:
     assert producer.slots.handles.tolist()[1:] == [-1, -1, -1]
 
 
+def test_a_row_out_of_kv_blocks_is_stopped_not_finished(ring: shm.Ring) -> None:
+    # update_inputs(_v1) sets stop_flags on a row that ran out of blocks (is_block_step) and
+    # keeps its token: the request goes on after rescheduling, so it must not end here
+    producer, reader = pair(ring, 3)
+    stop = np.array([True, True, False])
+    block = np.array([False, True, False])
+    producer.save_output(np.array([[1], [2], [3]], np.int64), stop_flags=stop, is_block_step=block)
+    accept = np.array([[4, 5], [6, 7], [8, 9]], np.int64)
+    producer.speculate_save_output(accept, np.array([0, 2, 1], np.int32), stop_flags=stop, is_block_step=block)
+    first, second = (evs for evs in reader.events(wait=False))
+    assert [(e.slot, e.token_ids, e.finished) for e in first] == [(0, [1], True), (1, [2], False), (2, [3], False)]
+    assert [(e.slot, e.token_ids, e.finished) for e in second] == [(1, [6, 7], False), (2, [8], False)]
+
+
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "fixed21"])
 @pytest.mark.parametrize("n", [0, 3, 20])
 def test_save_output_topk_layout(ring: shm.Ring, packed: bool, n: int) -> None:
@@ -162,6 +177,26 @@ def test_save_output_topk_layout(ring: shm.Ring, packed: bool, n: int) -> None:
     assert got_tok[3].tolist() == [-9] * stride and got_tok[1, 0] == -1
     np.testing.assert_array_equal(got_sc[live], sc[live])
     assert rb[live].tolist() == rk[live].tolist()
+
+
+def test_top_k_above_20_is_cut_to_fastdeploys_20_columns(ring: shm.Ring) -> None:
+    bsz, n = 2, 25
+    producer, reader = pair(ring, bsz)
+    x = np.array([[7], [8]], np.int64)
+    ids = np.arange(bsz * (n + 1), dtype=np.int64).reshape(bsz, n + 1)
+    ids[:, 0] = x[:, 0]
+    scores = -np.arange(bsz * (n + 1), dtype=np.float32).reshape(bsz, n + 1)
+    producer.save_output_topk(x, ids, scores, np.ones(bsz, np.int64))
+    producer.save_output_topk(x, ids, scores, np.ones(bsz, np.int64))
+    events = next(reader.events(wait=False))
+    assert events[0].logprob_token_ids == [ids[0].tolist()]  # the events keep every column
+    xb = np.full((MAX_BSZ * W21 + 2, 1), 2, np.int64)
+    sb = np.full((MAX_BSZ * W21, 1), 2, np.float32)
+    reader.get_output_topk(xb, sb, np.zeros(MAX_BSZ, np.int64), K, 0, False)
+    assert xb[1, 0] == bsz | (W21 << 16)  # the header says 21 columns, as many as each row holds
+    rows = xb[2 : 2 + bsz * W21, 0].reshape(bsz, W21)
+    assert rows.tolist() == ids[:, :W21].tolist()
+    np.testing.assert_array_equal(sb[: bsz * W21, 0].reshape(bsz, W21), scores[:, :W21])
 
 
 # -- speculative decoding ------------------------------------------------------------------------------
@@ -246,6 +281,104 @@ def test_speculate_save_output_topk(ring: shm.Ring, message_flag: int, n: int) -
     reader.close()
 
 
+def _packed(per_slot: dict[int, list[int]], bsz: int, n: int, rng: np.random.Generator) -> tuple[np.ndarray, ...]:
+    """FastDeploy's speculative sampler output: each slot's accepted tokens concatenated
+    (``masked_select(accept_tokens, idx < accept_num)``), ``cu_batch_token_offset`` ``[B + 1]``,
+    and one logprob row per token."""
+    counts = np.array([len(per_slot.get(i, [])) for i in range(bsz)], np.int32)
+    cu = np.zeros(bsz + 1, np.int32)
+    np.cumsum(counts, out=cu[1:])
+    packed = np.array([t for i in range(bsz) for t in per_slot.get(i, [])], np.int64)
+    ids = rng.integers(0, 1000, (packed.shape[0], n + 1)).astype(np.int64)
+    ids[:, 0] = packed
+    scores = -rng.random((packed.shape[0], n + 1)).astype(np.float32)
+    ranks = rng.integers(1, 9, packed.shape[0]).astype(np.int64)
+    return packed, counts, cu, ids, scores, ranks
+
+
+@pytest.mark.parametrize("shape", ["[T]", "[T, 1]"])
+def test_speculate_save_output_topk_reads_fastdeploys_token_packed_tokens(ring: shm.Ring, shape: str) -> None:
+    want = {0: [11, 12], 1: [21], 2: [31, 32, 33]}
+    bsz, n = 4, 3
+    packed, counts, cu, ids, scores, ranks = _packed(want, bsz, n, np.random.default_rng(5))
+    tokens = packed if shape == "[T]" else packed[:, None]
+    producer, reader = pair(ring, bsz)
+    producer.speculate_save_output_topk(tokens, ids, scores, ranks, counts, cu, np.array([True]))
+    (events,) = list(reader.events(wait=False))
+    assert [(e.slot, e.token_ids) for e in events] == [(0, [11, 12]), (1, [21]), (2, [31, 32, 33])]
+    assert events[2].logprob_token_ids == ids[3:6].tolist()
+    producer.speculate_save_output_topk(tokens, ids, scores, ranks, counts, cu, np.array([True]))
+    tb, _, _ = _read_spec_topk(reader)
+    assert tb[3 : 3 + bsz].tolist() == [2, 1, 3, 0]
+    tok = tb[3 + MAX_BSZ :].reshape(MAX_BSZ, MAX_DRAFT_TOKENS, W21)
+    assert [tok[i, : len(v), 0].tolist() for i, v in want.items()] == list(want.values())
+
+
+def test_draft_message_with_the_proposers_offsets(ring: shm.Ring) -> None:
+    # the MTP proposer's draft send: message_flag 4, cu_batch_token_offset[:real_bsz] ([B], no total)
+    want = {0: [101], 2: [301]}
+    packed, counts, cu, ids, scores, ranks = _packed(want, 3, 2, np.random.default_rng(6))
+    producer, reader = pair(ring, 3)
+    producer.speculate_save_output_topk(packed[:, None], ids, scores, ranks, counts, cu[:3], None, None, None, None, 4)
+    (events,) = list(reader.events(wait=False))
+    assert [(e.slot, e.token_ids, e.draft) for e in events] == [(0, [101], True), (2, [301], True)]
+
+
+def test_token_packed_offsets_outside_the_tokens_are_refused(ring: shm.Ring) -> None:
+    packed, counts, cu, ids, scores, ranks = _packed({0: [1, 2], 1: [3]}, 2, 1, np.random.default_rng(7))
+    producer, _ = pair(ring, 2)
+    cu_bad = np.array([0, 2, 3], np.int32)
+    counts_bad = np.array([2, 2], np.int32)  # slot 1 claims tokens 2..3 of 3
+    message = (
+        r"^cu_batch_token_offset\[1\] = 2 with token_num_per_batch\[1\] = 2: slot 1's tokens 2\.\.3 lie "
+        r"outside the 3 tokens of the token-packed sampled_token_ids"
+    )
+    with pytest.raises(EmitError, match=message):
+        producer.speculate_save_output_topk(packed, ids, scores, ranks, counts_bad, cu_bad)
+    with pytest.raises(EmitError, match=r"^cu_batch_token_offset: expected 2 or 3 entries, got 1$"):
+        producer.speculate_save_output_topk(packed, ids, scores, ranks, counts, cu[:1])
+    assert ring.stats().frames_written == 0
+
+
+def test_rows_layout_is_kept_where_unambiguous(ring: shm.Ring) -> None:
+    producer, reader = pair(ring, 2)
+    rows = np.array([[5, 6], [7, 8]], np.int64)  # [B, W], W >= 2: one row per slot
+    counts, cu = np.array([2, 1], np.int32), np.array([0, 2, 3], np.int32)
+    ids, scores, ranks = np.zeros((3, 1), np.int64), np.zeros((3, 1), np.float32), np.zeros(3, np.int64)
+    producer.speculate_save_output_topk(rows, ids, scores, ranks, counts, cu)
+    one = np.array([[5], [7]], np.int64)  # [B, 1] rows need layout="rows" ([T, 1] is FastDeploy's packed)
+    producer.speculate_save_output_topk(one, ids[:2], scores[:2], ranks[:2], np.array([1, 1], np.int32),
+                                        np.array([0, 1, 2], np.int32), layout="rows")  # fmt: skip
+    first, second = (evs for evs in reader.events(wait=False))
+    assert [e.token_ids for e in first] == [[5, 6], [7]]
+    assert [e.token_ids for e in second] == [[5], [7]]
+    with pytest.raises(EmitError, match=r"^sampled_token_ids: a token-packed tensor is \[T\] or \[T, 1\]"):
+        producer.speculate_save_output_topk(rows, ids, scores, ranks, counts, cu, layout="packed")
+
+
+def test_more_tokens_than_fastdeploys_message_holds(ring: shm.Ring) -> None:
+    tokens = np.arange(100, 116, dtype=np.int64).reshape(2, 8)
+    accept = np.array([7, 1], np.int32)  # 7 > MAX_DRAFT_TOKENS
+    # producer side, asked for FastDeploy's layout: refused before anything is written
+    strict = FastDeployProducer(ring, max_num_seqs=2, max_tokens_per_slot=MAX_DRAFT_TOKENS)
+    _OPEN.append(strict)
+    strict.insert(0, 0)
+    strict.insert(1, 1)
+    message = r"^accept_num\[0\] = 7: slot 0 would carry 7 tokens, expected at most 6 \(max_tokens_per_slot"
+    with pytest.raises(EmitError, match=message):
+        strict.speculate_save_output(tokens, accept)
+    assert ring.stats().frames_written == 0
+    # without the limit the frame is written; the reading side refuses it without consuming it
+    producer, reader = pair(ring, 2)
+    producer.speculate_save_output(tokens, accept)
+    buf = np.full(SPECULATE_MAX_BSZ * (MAX_DRAFT_TOKENS + 1) + 2, 777, np.int64)
+    with pytest.raises(ValueError, match=r"^record 0 \(slot 0\): 7 tokens, FastDeploy's message holds 6 per slot"):
+        reader.speculate_get_output(buf, 0, False, False)
+    assert (buf == 777).all()  # untouched
+    (events,) = list(reader.events(wait=False))  # the frame is still there
+    assert [(e.slot, e.token_ids) for e in events] == [(0, tokens[0, :7].tolist()), (1, [108])]
+
+
 # -- the PD prefill node's first token -------------------------------------------------------------------
 
 
@@ -319,22 +452,76 @@ def test_swapped_rows_reach_their_engine_slots(ring: shm.Ring) -> None:
     got = read_normal(reader)
     assert got[2:6].tolist() == [0, 11, -1, 30]
     producer.clear(1)
-    h = producer.insert(1)
+    h = producer.insert(1, 1)
     assert slot_of(h) == 1 and h != producer.slots.handles[0]
+
+
+def test_insert_after_a_pd_reorder_takes_the_engine_slot(ring: shm.Ring) -> None:
+    # insert_tasks_v1: the row is get_index_by_batch_id(request.idx), the slot request.idx
+    producer = FastDeployProducer(ring, max_num_seqs=3)
+    reader = FastDeployReader(ring, max_num_seqs=3)
+    _OPEN.extend([reader, producer])
+    producer.insert(0, 0)
+    producer.insert(1, 1)
+    producer.swap(0, 1)  # PD reorder: slot 1's request now in row 0, slot 0's in row 1
+    index_to_batch_id = {0: 1, 1: 0, 2: 2}
+    get_index_by_batch_id = {v: k for k, v in index_to_batch_id.items()}.__getitem__
+    request_idx = 2
+    producer.insert(get_index_by_batch_id(request_idx), request_idx)
+    producer.save_output(np.array([[10], [20], [30]], np.int64))
+    (events,) = list(reader.events(wait=False))
+    assert sorted((e.slot, e.token_ids) for e in events) == [(0, [20]), (1, [10]), (2, [30])]
+    # every prefill chunk of the same request in the same row: the same handle
+    h = producer.slots.handle(2)
+    assert producer.insert(2, 2) == h
+    # the row given as the slot: two rows would report slot 1, refused
+    producer.clear(1)
+    with pytest.raises(
+        ValueError, match=r"^slot = 1: row 0 holds a request of that engine slot already \(row 1 was given\)"
+    ):
+        producer.insert(1, 1)
+
+
+def test_a_missing_ring_is_named_with_its_rank() -> None:
+    name = ring_name(f"missing{id(object())}", 1)
+    producer = FastDeployProducer(name, max_num_seqs=2, rank_id=1, save_each_rank=True)
+    producer.insert(0, 0)
+    message = rf"^ring '{name}' of rank_id 1 does not exist: the engine creates the ring of every rank that writes"
+    with pytest.raises(FileNotFoundError, match=message):
+        producer.speculate_save_output(np.array([[5, 6], [0, 0]], np.int64), np.array([1, 0], np.int32))
+    producer.close()
 
 
 def test_rank_above_zero_is_silent_unless_save_each_rank(ring: shm.Ring) -> None:
     silent = FastDeployProducer(ring, max_num_seqs=2, rank_id=1)
     _OPEN.append(silent)
-    silent.insert(0)
-    assert silent.save_output(np.array([[1], [-1]], np.int64)) is False
+    silent.insert(0, 0)
+    assert silent.speculate_save_output(np.array([[1], [2]], np.int64), np.array([1, 0], np.int32)) is False
     assert ring.stats().frames_written == 0
     with shm.Ring.create(ring_name(8123, 1) + "-" + str(id(ring)), capacity=1 << 16) as own:
         each = FastDeployProducer(own, max_num_seqs=2, rank_id=1, save_each_rank=True)
-        each.insert(0)
-        assert each.save_output(np.array([[1], [-1]], np.int64)) is True
+        each.insert(0, 0)
+        assert each.speculate_save_output(np.array([[1], [2]], np.int64), np.array([1, 0], np.int32)) is True
         assert own.stats().frames_written == 1
         each.close()
+
+
+def test_save_output_ops_write_on_rank_zero_only_whatever_save_each_rank() -> None:
+    # FastDeploy's save_output and save_output_topk return for rank_id > 0 (save_each_rank is
+    # taken and not used); the speculative and first-token ops honour save_each_rank
+    with shm.Ring.create(capacity=1 << 16) as own:
+        each = FastDeployProducer(own, max_num_seqs=2, rank_id=1, save_each_rank=True)
+        _OPEN.append(each)
+        each.insert(0, 0)
+        x = np.array([[1], [-1]], np.int64)
+        ids, scores = np.array([[1, 3], [0, 0]], np.int64), np.zeros((2, 2), np.float32)
+        assert each.save_output(x, np.array([True]), None, 1, True) is False
+        assert each.save_output_topk(x, ids, scores, np.zeros(2, np.int64), np.array([True]), None, 1) is False
+        assert own.stats().frames_written == 0
+        assert each.save_output(x, np.array([True]), None, 0, True) is True  # rank 0 given per call
+        first = np.array([[7, 8], [0, 0]], np.int64)
+        assert each.mtp_save_first_token(first, None, None, None, np.array([1, 0]), 1, True) is True
+        assert own.stats().frames_written == 2
 
 
 def test_step_reschedule_is_a_recovery_stop(ring: shm.Ring) -> None:
@@ -347,6 +534,63 @@ def test_step_reschedule_is_a_recovery_stop(ring: shm.Ring) -> None:
 def test_no_message_is_the_minus_two_sentinel(ring: shm.Ring) -> None:
     _, reader = pair(ring, 2)
     assert read_normal(reader)[0] == -2
+
+
+def _calls(text: str, prefix: str) -> Iterator[tuple[str, str]]:
+    """``(name, arguments)`` of every ``<prefix>.name(arguments)`` call in ``text``."""
+    for m in re.finditer(rf"\b{prefix}\.(\w+)\(", text):
+        depth, i = 1, m.end()
+        while depth and i < len(text):
+            depth += {"(": 1, "[": 1, "{": 1, ")": -1, "]": -1, "}": -1}.get(text[i], 0)
+            i += 1
+        yield m.group(1), text[m.end() : i - 1]
+
+
+def _split_args(args: str) -> list[str]:
+    out, depth, cur = [], 0, ""
+    for ch in args:
+        depth += {"(": 1, "[": 1, "{": 1, ")": -1, "]": -1, "}": -1}.get(ch, 0)
+        if ch == "," and depth == 0:
+            out.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    if cur.strip():
+        out.append(cur.strip())
+    return out
+
+
+def test_the_guides_calls_match_the_adapters_signatures() -> None:
+    # every call the guide asks the integrator to write binds to the method it names
+    import inspect
+    from pathlib import Path
+
+    import aiospec.integrations.fastdeploy as fd
+
+    guide = (Path(__file__).resolve().parent.parent / "docs" / "fastdeploy.md").read_text()
+    blocks = re.findall(r"```text\n(.*?)```", guide, re.S)
+    added = "\n".join(ln[1:] for b in blocks for ln in b.splitlines() if ln.startswith(("+", " ", "#")))
+    targets = {"output": fd.FastDeployProducer, "output_reader": fd.FastDeployReader}
+    checked = 0
+    for prefix, cls in targets.items():
+        for name, args in _calls(added, prefix):
+            assert hasattr(cls, name), f"the guide calls {prefix}.{name}, which {cls.__name__} lacks"
+            parts = _split_args(args)
+            kws = {p.split("=", 1)[0].strip(): None for p in parts if re.match(r"^\w+=(?!=)", p)}
+            pos = [None] * (len(parts) - len(kws))
+            sig = inspect.signature(getattr(cls, name))
+            try:
+                sig.bind(None, *pos, **kws)
+            except TypeError as exc:
+                raise AssertionError(f"the guide's {prefix}.{name}({args.strip()[:60]}...): {exc}") from None
+            checked += 1
+    for row in re.findall(r"^\| `[^`]*` \| `(\w+)\(same(?:, )?([^)`]*)\)` \|", guide, re.M):
+        name, rest = row
+        kws = [k.split("=")[0].strip() for k in rest.split(",") if "=" in k]
+        params = inspect.signature(getattr(fd.FastDeployProducer, name)).parameters
+        assert all(k in params for k in kws), f"the guide's table gives {name} {kws}; it takes {list(params)}"
+        checked += 1
+    assert checked >= 15
 
 
 def test_import_needs_no_framework() -> None:
@@ -371,6 +615,19 @@ def test_paddle_tensors_through_the_paddle_op(ring: shm.Ring) -> None:
     first, second = (e for e in reader.events(wait=False))
     assert [(e.slot, e.draft_token_ids) for e in first] == [(0, [101, 201]), (2, [103, 203])]
     assert [(e.slot, e.token_ids) for e in second] == []  # both rows ended with the first token
+
+
+def test_paddle_token_packed_tokens_through_paddles_gather(ring: shm.Ring) -> None:
+    paddle = pytest.importorskip("paddle", reason="paddlepaddle is not installed")
+    packed, counts, cu, ids, scores, ranks = _packed({0: [11, 12], 2: [31]}, 3, 2, np.random.default_rng(8))
+    producer, reader = pair(ring, 3)
+    t = [paddle.to_tensor(a) for a in (packed, ids, scores, ranks, counts, cu)]
+    try:
+        producer.speculate_save_output_topk(*t[:6])
+    finally:
+        producer.close()
+    (events,) = list(reader.events(wait=False))
+    assert [(e.slot, e.token_ids) for e in events] == [(0, [11, 12]), (2, [31])]
 
 
 def test_bench_reports_bytes_per_step_against_fastdeploys_messages() -> None:
@@ -417,3 +674,23 @@ def test_cuda_tensors_through_the_cuda_kernel(ring: shm.Ring) -> None:
     ]
     assert events[0].logprob_token_ids is not None
     assert [row[1:] for row in events[0].logprob_token_ids] == ids[0:3, 1:].tolist()
+
+
+@pytest.mark.gpu
+def test_cuda_token_packed_tokens_are_gathered_on_the_device(ring: shm.Ring) -> None:
+    torch = pytest.importorskip("torch", reason="PyTorch is not installed (the GPU test feeds it CUDA tensors)")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device visible to PyTorch")
+    from aiospec.ops import _cuda
+
+    if not _cuda.available():
+        pytest.skip("the CUDA emit library cannot be built here (no nvcc and no AIOSPEC_CUDA_LIB)")
+    packed, counts, cu, ids, scores, ranks = _packed({0: [11, 12], 2: [31, 32, 33]}, 3, 4, np.random.default_rng(3))
+    producer, reader = pair(ring, 3)
+    cuda = [torch.from_numpy(a).cuda() for a in (packed, ids, scores, ranks)]
+    producer.speculate_save_output_topk(*cuda, counts, cu)
+    producer.notify()
+    torch.cuda.synchronize()
+    assert producer._producer.device == "cuda"  # the gathered rows stayed on the GPU
+    (events,) = list(reader.events(timeout=10.0))
+    assert [(e.slot, e.token_ids) for e in events] == [(0, [11, 12]), (2, [31, 32, 33])]

@@ -15,7 +15,12 @@ would otherwise write by hand:
 - the logprob rows are located (``arange(B + 1)`` in normal decoding, ``cu_batch_token_offset``
   in speculative decoding), ``k`` is the batch's real top-k (the logprob tensors' width - 1),
   ``message_flag`` 4 is ``Kind.DRAFT``;
-- the counts are validated against the token tensor's width before anything is written.
+- the token tensor is read in the layout FastDeploy passes: one row per slot (``x``,
+  ``accept_tokens``, ``base_model_draft_tokens``), or token-packed (``speculate_save_output_topk``'s
+  ``sampled_token_ids``: slot ``i``'s token ``j`` at ``cu_batch_token_offset[i] + j``);
+- the counts and offsets are validated against the token tensor before anything is written;
+- ranks as FastDeploy's ops: ``save_output(_topk)`` write on rank 0 only, the speculative and
+  first-token ops on rank 0 and, with ``save_each_rank``, on every rank.
 
 Tensors: numpy, PyTorch or Paddle, on the host or a GPU. Paddle tensors go through the Paddle
 custom op (``aiospec.ops._paddle``), everything else through ``aiospec.ops.Producer`` (the C++
@@ -78,6 +83,73 @@ def host_array(x: Any, name: str) -> np.ndarray[Any, Any]:
         raise EmitError(f"{name}: expected a tensor or array, got {type(x).__name__}") from exc
 
 
+def _shape(x: Any, name: str) -> tuple[int, ...]:
+    """A tensor's shape, read without copying it (a GPU tensor stays where it is)."""
+    shape = getattr(x, "shape", None)
+    if shape is None:
+        raise EmitError(f"{name}: expected a tensor or array, got {type(x).__name__}")
+    return tuple(int(d) for d in shape)
+
+
+_LAYOUTS = (None, "packed", "rows")
+
+
+def _packed_layout(shape: tuple[int, ...], layout: str | None, name: str) -> bool:
+    """Whether the token tensor is token-packed (``[T]`` / ``[T, 1]``, FastDeploy's sampler
+    output) rather than one row per slot (``[B, W]``). ``layout`` None decides by shape: 1-D or
+    one column is packed, two columns or more are rows (a ``[B, 1]`` row tensor needs
+    ``layout="rows"``)."""
+    if layout not in _LAYOUTS:
+        raise EmitError(f"layout = {layout!r}: expected 'packed', 'rows' or None (by shape)")
+    if len(shape) not in (1, 2):
+        raise EmitError(f"{name}: expected a 1-D or 2-D tensor, got shape {list(shape)}")
+    if layout == "rows":
+        return False
+    if layout == "packed":
+        if len(shape) == 2 and shape[1] != 1:
+            raise EmitError(f"{name}: a token-packed tensor is [T] or [T, 1], got shape {list(shape)}")
+        return True
+    return len(shape) == 1 or shape[1] == 1
+
+
+def _offsets(offsets: Any, rows: int, total: int) -> np.ndarray[Any, Any]:
+    """``cu_batch_token_offset`` as int32 ``[rows + 1]``: FastDeploy passes ``[B + 1]`` (the
+    sampler's) or ``[B]`` (the MTP proposer's ``[:real_bsz]``), whose end is ``total``."""
+    o = host_array(offsets, "cu_batch_token_offset").reshape(-1).astype(np.int64)
+    if o.shape[0] == rows:
+        o = np.append(o, total)
+    if o.shape[0] < rows + 1:
+        raise EmitError(f"cu_batch_token_offset: expected {rows} or {rows + 1} entries, got {o.shape[0]}")
+    return o[: rows + 1].astype(np.int32)
+
+
+def _gather_packed(tokens: Any, starts: np.ndarray[Any, Any], num_tokens: np.ndarray[Any, Any], name: str) -> Any:
+    """``[rows, W]`` token rows from a token-packed tensor: row ``i`` column ``j`` is
+    ``tokens[starts[i] + j]`` (W the largest count). The gather runs in the tensor's own
+    framework on its own device; only the small index goes there."""
+    rows = int(starts.shape[0])
+    total = _shape(tokens, name)[0]
+    width = max(1, int(num_tokens.max()) if rows else 1)
+    if total == 0:  # nothing to gather: no slot has a token (checked by the caller)
+        return np.zeros((rows, 1), dtype=np.int64)
+    idx = np.clip(starts.astype(np.int64)[:, None] + np.arange(width, dtype=np.int64)[None, :], 0, total - 1)
+    fw = _framework(tokens)
+    if isinstance(tokens, np.ndarray):
+        return np.ascontiguousarray(tokens.reshape(-1)[idx])
+    if fw == "torch":
+        import torch
+
+        flat = tokens.reshape(-1)
+        return flat[torch.as_tensor(idx, device=flat.device)]
+    if fw == "paddle":
+        import paddle
+
+        flat = tokens.reshape([-1])
+        index = paddle.to_tensor(idx.reshape(-1), place=flat.place)
+        return paddle.gather(flat, index).reshape([rows, width])
+    return np.ascontiguousarray(host_array(tokens, name).reshape(-1)[idx])
+
+
 def _rows(x: np.ndarray[Any, Any], name: str, rows: int) -> np.ndarray[Any, Any]:
     """A per-row input as a 1-D array of its first ``rows`` values ([B], [B, 1] or longer)."""
     flat = x.reshape(-1) if x.ndim != 1 else x
@@ -93,11 +165,16 @@ class FastDeployProducer:
 
     ``ring``: a ``shm.Ring`` or a ring name, one per emitting rank (``ring_name`` in
     ``aiospec.integrations.fastdeploy`` names them); ``max_num_seqs``: rows of the worker's
-    batch; ``rank_id`` / ``save_each_rank``: like the ops, a rank above 0 emits nothing unless
-    ``save_each_rank`` (then every rank writes its own ring, ``producer = rank_id``);
+    batch; ``rank_id`` / ``save_each_rank``: the defaults of the calls' own (like the ops, a
+    rank above 0 writes only from the ops that honour ``save_each_rank``, into its own ring,
+    ``producer = rank_id``); a ring given by name is attached on the first write
+    (``FileNotFoundError`` naming the ring and the rank when the engine has not created it);
     ``timeout``: seconds to wait for ring space before ``shm.RingFull``; ``device``: the
     ``aiospec.ops.Producer`` device (None: from the tensors); ``backend``: ``"paddle"``,
-    ``"ops"`` or None (Paddle tensors: the Paddle op; others: ``aiospec.ops.Producer``).
+    ``"ops"`` or None (Paddle tensors: the Paddle op; others: ``aiospec.ops.Producer``);
+    ``max_tokens_per_slot``: refuse (``EmitError``, nothing written) a slot with more tokens
+    than this, ``MAX_DRAFT_TOKENS`` where the engine reads FastDeploy's 6-token speculative
+    messages (None: no limit).
 
     ``slots`` is the row-to-request table; ``step`` counts the frames written.
     """
@@ -112,7 +189,12 @@ class FastDeployProducer:
         timeout: float | None = 5.0,
         device: str | None = None,
         backend: str | None = None,
+        max_tokens_per_slot: int | None = None,
     ) -> None:
+        if max_tokens_per_slot is not None and (
+            isinstance(max_tokens_per_slot, bool) or not isinstance(max_tokens_per_slot, int) or max_tokens_per_slot < 1
+        ):
+            raise ValueError(f"max_tokens_per_slot = {max_tokens_per_slot!r}: expected an integer >= 1 or None")
         if backend not in (None, "paddle", "ops"):
             raise ValueError(f"backend = {backend!r}: expected 'paddle', 'ops' or None")
         if isinstance(rank_id, bool) or not isinstance(rank_id, int) or rank_id < 0:
@@ -126,11 +208,15 @@ class FastDeployProducer:
         self._device = device
         self._backend = backend
         self._producer: Any = None
+        self._attached: Any = None  # the ring this producer attached by name (closed with it)
+        self.max_tokens_per_slot = max_tokens_per_slot
 
     # -- the slot table ----------------------------------------------------------------------
 
-    def insert(self, row: int, slot: int | None = None) -> int:
-        """A task inserted into ``row`` (``slot``: its engine slot, default ``row``)."""
+    def insert(self, row: int, slot: int) -> int:
+        """A task inserted into worker row ``row`` whose engine slot is ``slot``: in FastDeploy's
+        ``insert_tasks_v1`` the row is ``idx = get_index_by_batch_id(request.idx)`` and the slot
+        ``request.idx`` (they differ once PD reordering moved rows). Returns the handle."""
         return self.slots.insert(row, slot)
 
     def swap(self, i: int, j: int) -> None:
@@ -157,14 +243,16 @@ class FastDeployProducer:
         save_each_rank: bool | None = None,
         *,
         stop_flags: Any = None,
+        is_block_step: Any = None,
     ) -> bool:
         """``save_output(x, not_need_stop, preempted_idx, rank_id, save_each_rank)``: ``x`` the
         sampled ids ``[B, 1]`` (-1 on a slot with nothing, -9 preempted, -3 recovery stop),
         ``preempted_idx`` ``[B]`` (1 = preempted). ``stop_flags`` ``[B]`` / ``[B, 1]`` (the
         batch's ``stop_flags`` after post-processing) marks the token that ends a request.
-        ``not_need_stop`` is not needed (every step is a frame). Returns whether a frame was
-        written (False on a silent rank)."""
-        return self._normal(x, None, preempted_idx, rank_id, save_each_rank, stop_flags, None)
+        ``not_need_stop`` is not needed (every step is a frame). As FastDeploy's op, only rank 0
+        writes: ``save_each_rank`` is taken and not used. Returns whether a frame was written."""
+        del save_each_rank  # FastDeploy's op takes it and does not use it: only rank 0 writes
+        return self._normal(x, None, preempted_idx, rank_id, (stop_flags, is_block_step), None)
 
     def save_output_topk(
         self,
@@ -177,13 +265,15 @@ class FastDeployProducer:
         rank_id: int | None = None,
         *,
         stop_flags: Any = None,
+        is_block_step: Any = None,
         k: int | None = None,
     ) -> bool:
         """``save_output_topk``: as ``save_output``, with the sampler's logprob rows
         ``topk_ids`` / ``logprob_scores`` ``[B, n + 1]`` (column 0 the sampled token) and
         ``ranks`` ``[B]``; row ``i``'s logprobs are row ``i``. ``k``: top-k to emit (default
         ``n``, the batch's ``max_num_logprobs``)."""
-        return self._normal(x, (topk_ids, logprob_scores, ranks, k), preempted_idx, rank_id, None, stop_flags, None)
+        lp = (topk_ids, logprob_scores, ranks, k)
+        return self._normal(x, lp, preempted_idx, rank_id, (stop_flags, is_block_step), None)
 
     def speculate_save_output(
         self,
@@ -198,6 +288,7 @@ class FastDeployProducer:
         skip_chunk_prefill: bool = False,
         *,
         stop_flags: Any = None,
+        is_block_step: Any = None,
     ) -> bool:
         """``speculate_save_output``, for every proposer (MTP, n-gram, suffix, naive):
         ``accept_tokens`` ``[B, W]``, ``accept_num`` ``[B]`` (0..W tokens; -9 preempted, -3
@@ -205,7 +296,7 @@ class FastDeployProducer:
         ``seq_lens_decoder < prompt_lens`` is still in chunked prefill and says nothing."""
         return self._speculative(
             accept_tokens, accept_num, None, seq_lens_decoder if skip_chunk_prefill else None, prompt_lens,
-            preempted_idx, MESSAGE_TARGET, rank_id, save_each_rank, stop_flags, "accept_num",
+            preempted_idx, MESSAGE_TARGET, rank_id, save_each_rank, (stop_flags, is_block_step), "accept_num",
         )  # fmt: skip
 
     def speculate_save_output_topk(
@@ -225,16 +316,22 @@ class FastDeployProducer:
         save_each_rank: bool | None = None,
         *,
         stop_flags: Any = None,
+        is_block_step: Any = None,
         k: int | None = None,
+        layout: str | None = None,
     ) -> bool:
-        """``speculate_save_output_topk``: ``sampled_token_ids`` ``[B, W]``, the token-level
+        """``speculate_save_output_topk``: ``sampled_token_ids`` token-packed as FastDeploy's
+        speculative sampler gives it (``[T]`` or ``[T, 1]``: token ``j`` of slot ``i`` is
+        ``sampled_token_ids[cu_batch_token_offset[i] + j]``; the batch size is
+        ``len(token_num_per_batch)``), or one row per slot ``[B, W]`` (``W >= 2``, or
+        ``layout="rows"``); the token-level
         logprob rows ``[N, n + 1]`` / ``[N]`` (row ``cu_batch_token_offset[i] + j`` is token
         ``j`` of slot ``i``), ``token_num_per_batch`` the counts (``accept_num``),
         ``message_flag`` 3 target or 4 draft (``Kind.DRAFT``: the draft model's tokens)."""
         lp = (logprob_token_ids, logprob_scores, logprob_ranks, cu_batch_token_offset, k)
         return self._speculative(
             sampled_token_ids, token_num_per_batch, lp, seq_lens_decoder, prompt_lens, preempted_idx, message_flag,
-            rank_id, save_each_rank, stop_flags, "token_num_per_batch",
+            rank_id, save_each_rank, (stop_flags, is_block_step), "token_num_per_batch", layout,
         )  # fmt: skip
 
     def mtp_save_first_token(
@@ -316,11 +413,12 @@ class FastDeployProducer:
                 f"token_num_per_batch[{i}] = {int(counts[i])}: expected -9, -1 or 0..{width - 1} "
                 f"(the first token and its drafts must fit the {width} columns of sampled_token_ids)"
             )
+        self._check_per_slot(np.where(live, counts, 0), "token_num_per_batch", 1)
         ones = live.astype(np.int32)
         num_draft = np.where(live, counts, 0).astype(np.int32)
         flags = np.where(live, int(Flag.FIRST_TOKEN | Flag.FINISHED), 0).astype(np.int32)
         flags[pre] = int(Flag.PREEMPTED)
-        lp = self._logprobs(logprob_token_ids, logprob_scores, logprob_ranks, cu_batch_token_offset, k, rows, tok)
+        lp = self._logprobs(logprob_token_ids, logprob_scores, logprob_ranks, cu_batch_token_offset, k, rows)
         drafts = (sampled_token_ids[:, 1:], num_draft) if width > 1 else None
         return self._emit(sampled_token_ids[:, :1], ones, flags, lp, drafts, Kind.TARGET, rows)
 
@@ -353,6 +451,28 @@ class FastDeployProducer:
             raise EmitError(f"{name}: {rows} rows, expected at most {self.slots.size} (max_num_seqs)")
         return rows
 
+    def _batch_shape(self, shape: tuple[int, ...], name: str) -> int:
+        if len(shape) not in (1, 2):
+            raise EmitError(f"{name}: expected a 1-D or 2-D tensor, got shape {list(shape)}")
+        if shape[0] > self.slots.size:
+            raise EmitError(f"{name}: {shape[0]} rows, expected at most {self.slots.size} (max_num_seqs)")
+        return int(shape[0])
+
+    def _check_per_slot(self, counts: np.ndarray[Any, Any], name: str, extra: int) -> None:
+        """Refuse, before anything is written, a slot with more tokens than FastDeploy's
+        speculative messages hold (``max_tokens_per_slot``)."""
+        limit = self.max_tokens_per_slot
+        if limit is None:
+            return
+        over = counts + extra > limit
+        if over.any():
+            i = int(np.argmax(over))
+            total = f"{int(counts[i])} + {extra}" if extra else f"{int(counts[i])}"
+            raise EmitError(
+                f"{name}[{i}] = {int(counts[i])}: slot {i} would carry {total} tokens, expected at most "
+                f"{limit} (max_tokens_per_slot: FastDeploy's speculative messages hold {limit} per slot)"
+            )
+
     def _preempted(self, preempted_idx: Any, rows: int) -> np.ndarray[Any, Any]:
         if preempted_idx is None:
             return np.zeros(rows, dtype=bool)
@@ -375,24 +495,26 @@ class FastDeployProducer:
         raise EmitError(f"message_flag = {message_flag!r}: expected 3 (target) or 4 (draft)")
 
     @staticmethod
-    def _stops(stop_flags: Any, rows: int) -> np.ndarray[Any, Any]:
+    def _stops(stops: tuple[Any, Any], rows: int) -> np.ndarray[Any, Any]:
+        """The rows whose token ends their request: ``stop_flags`` set, ``is_block_step`` not
+        (``update_inputs(_v1)`` also stops a row that ran out of KV blocks, whose request goes
+        on once it is rescheduled)."""
+        stop_flags, is_block_step = stops
         if stop_flags is None:
             return np.zeros(rows, dtype=bool)
-        return _rows(host_array(stop_flags, "stop_flags"), "stop_flags", rows).astype(bool)
+        stops_now = _rows(host_array(stop_flags, "stop_flags"), "stop_flags", rows).astype(bool)
+        if is_block_step is not None:
+            stops_now &= ~_rows(host_array(is_block_step, "is_block_step"), "is_block_step", rows).astype(bool)
+        return stops_now
 
     def _logprobs(
-        self, ids: Any, values: Any, ranks: Any, offsets: Any, k: int | None, rows: int, tok: np.ndarray[Any, Any]
+        self, ids: Any, values: Any, ranks: Any, offsets: Any, k: int | None, rows: int
     ) -> tuple[Any, Any, Any, np.ndarray[Any, Any], int | None]:
-        n = int(getattr(ids, "shape", (0,))[0])
+        n = int(_shape(ids, "logprob_token_ids")[0])
         if offsets is None:  # normal decoding: slot i's logprobs are row i
             offs = np.minimum(np.arange(rows + 1, dtype=np.int32), n).astype(np.int32)
         else:
-            o = host_array(offsets, "cu_batch_token_offset").reshape(-1).astype(np.int64)
-            if o.shape[0] == rows:  # the offsets of each slot without the total
-                o = np.append(o, n)
-            if o.shape[0] < rows + 1:
-                raise EmitError(f"cu_batch_token_offset: expected {rows + 1} entries, got {o.shape[0]}")
-            offs = o[: rows + 1].astype(np.int32)
+            offs = _offsets(offsets, rows, n)
         return ids, values, ranks, offs, k
 
     def _normal(
@@ -401,11 +523,10 @@ class FastDeployProducer:
         lp: tuple[Any, Any, Any, int | None] | None,
         preempted_idx: Any,
         rank_id: int | None,
-        save_each_rank: bool | None,
-        stop_flags: Any,
+        stop_flags: tuple[Any, Any],
         step: int | None,
     ) -> bool:
-        if self._skip(rank_id, save_each_rank):
+        if self._skip(rank_id, False):  # save_output(_topk): rank 0 only, whatever save_each_rank says
             return False
         tok = host_array(x, "x")
         rows = self._batch(tok, "x")
@@ -430,7 +551,7 @@ class FastDeployProducer:
         lpt = None
         if lp is not None:
             ids, values, ranks, k = lp
-            lpt = self._logprobs(ids, values, ranks, None, k, rows, tok)
+            lpt = self._logprobs(ids, values, ranks, None, k, rows)
         return self._emit(token_ids, tokens.astype(np.int32), flags, lpt, None, Kind.TARGET, rows, step)
 
     def _speculative(
@@ -444,33 +565,58 @@ class FastDeployProducer:
         message_flag: int,
         rank_id: int | None,
         save_each_rank: bool | None,
-        stop_flags: Any,
+        stop_flags: tuple[Any, Any],
         counts_name: str,
+        layout: str | None = "rows",
     ) -> bool:
         if self._skip(rank_id, save_each_rank):
             return False
         kind = self._message_kind(message_flag)
         name = "accept_tokens" if counts_name == "accept_num" else "sampled_token_ids"
-        tok = host_array(tokens_in, name)
-        rows = self._batch(tok, name)
-        if tok.ndim != 2:
-            raise EmitError(f"{name}: expected a 2-D tensor [{rows}, W], got shape {list(tok.shape)}")
-        width = int(tok.shape[1])
-        counts = _rows(host_array(counts_in, counts_name), counts_name, rows).astype(np.int64)
+        shape = _shape(tokens_in, name)
+        counts_host = host_array(counts_in, counts_name)
+        packed = _packed_layout(shape, layout, name)
+        if packed:  # FastDeploy's sampler: the accepted tokens of every slot, concatenated
+            rows = self._batch(counts_host, counts_name)
+        else:
+            rows = self._batch_shape(shape, name)
+            if len(shape) != 2:
+                raise EmitError(f"{name}: expected a 2-D tensor [{rows}, W], got shape {list(shape)}")
+        counts = _rows(counts_host, counts_name, rows).astype(np.int64)
         has = self.slots.handles[:rows] >= 0
         draft = kind == Kind.DRAFT
         pre = (self._preempted(preempted_idx, rows) | (counts == PREEMPTED_TOKEN_ID)) & has
         rec = (counts == RECOVERY_STOP_SIGNAL) & has & ~pre
         quiet = self._in_prefill(seq_lens_decoder, prompt_lens, rows) | (counts == NO_TOKEN) | ~has
         live = ~pre & ~rec & ~quiet
+        width = int(shape[0]) if packed else int(shape[1])
         bad = live & ((counts < 0) | (counts > width))
         if bad.any():
             i = int(np.argmax(bad))
+            what = f"the {width} tokens of {name}" if packed else f"the columns of {name}"
             raise EmitError(
                 f"{counts_name}[{i}] = {int(counts[i])}: expected -9 (preempted), -3 (recovery stop), -1 or "
-                f"0..{width} (the columns of {name})"
+                f"0..{width} ({what})"
             )
+        self._check_per_slot(np.where(live, counts, 0), counts_name, 0)
         num_tokens = np.where(live, counts, 0).astype(np.int32)
+        token_ids = tokens_in
+        if packed:
+            if lp is None or lp[3] is None:
+                raise EmitError(
+                    f"cu_batch_token_offset: required to find each slot's tokens in the token-packed {name}"
+                )
+            starts = _offsets(lp[3], rows, width)
+            bad = (num_tokens > 0) & ((starts[:rows] < 0) | (starts[:rows] + num_tokens > width))
+            if bad.any():
+                i = int(np.argmax(bad))
+                a, n = int(starts[i]), int(num_tokens[i])
+                raise EmitError(
+                    f"cu_batch_token_offset[{i}] = {a} with {counts_name}[{i}] = {n}: slot {i}'s tokens "
+                    f"{a}..{a + n - 1} lie outside the {width} tokens of the token-packed {name} (token j of "
+                    f"slot i is {name}[cu_batch_token_offset[i] + j])"
+                )
+            token_ids = _gather_packed(tokens_in, starts[:rows], num_tokens, name)
         flags = np.zeros(rows, dtype=np.int32)
         if not draft:
             flags[(num_tokens > 0) & self._stops(stop_flags, rows)] = int(Flag.FINISHED)
@@ -479,8 +625,8 @@ class FastDeployProducer:
         lpt = None
         if lp is not None:
             ids, values, ranks, offsets, k = lp
-            lpt = self._logprobs(ids, values, ranks, offsets, k, rows, tok)
-        return self._emit(tokens_in, num_tokens, flags, lpt, None, kind, rows)
+            lpt = self._logprobs(ids, values, ranks, offsets, k, rows)
+        return self._emit(token_ids, num_tokens, flags, lpt, None, kind, rows)
 
     def _emit(
         self,
@@ -521,6 +667,7 @@ class FastDeployProducer:
         if paddle:
             from aiospec.ops import _paddle
 
+            self._ring_handle()
             _paddle.emit_step(self._ring_name(), emit_step, producer=self.rank_id, timeout=self._timeout)
         else:
             self._ops_producer().emit_step(emit_step)
@@ -532,11 +679,29 @@ class FastDeployProducer:
     def _ring_name(self) -> str:
         return str(getattr(self._ring, "name", self._ring))
 
+    def _ring_handle(self) -> Any:
+        """The ring, attached by name on first use; a missing one is named with this rank."""
+        if not isinstance(self._ring, str):
+            return self._ring
+        if self._attached is None:
+            import shm
+
+            try:
+                self._attached = shm.Ring.attach(self._ring)
+            except FileNotFoundError:
+                raise FileNotFoundError(
+                    f"ring {self._ring!r} of rank_id {self.rank_id} does not exist: the engine creates the ring of "
+                    f"every rank that writes (shm.Ring.create(fd.ring_name(queue_id, rank))) before the workers "
+                    f"start; a rank > 0 writes only with save_each_rank"
+                ) from None
+        return self._attached
+
     def _ops_producer(self) -> Any:
         if self._producer is None:
             from aiospec.ops import Producer
 
-            self._producer = Producer(self._ring, device=self._device, producer=self.rank_id, timeout=self._timeout)
+            ring = self._ring_handle()
+            self._producer = Producer(ring, device=self._device, producer=self.rank_id, timeout=self._timeout)
         return self._producer
 
     def notify(self) -> None:
@@ -559,6 +724,9 @@ class FastDeployProducer:
                 from aiospec.ops import _paddle
 
                 _paddle.release(self._ring_name())
+        if self._attached is not None:
+            attached, self._attached = self._attached, None
+            attached.close()
 
     def __enter__(self) -> FastDeployProducer:
         return self

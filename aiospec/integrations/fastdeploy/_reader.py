@@ -20,7 +20,12 @@ FastDeploy's sentinels (``PREEMPTED`` -9, ``RECOVERY_STOP`` -3); a slot without 
 (normal) or count 0 (speculative). A first-token record with drafts is the prefill node's
 message: count ``1 + drafts``, the first token with its logprobs, then the draft ids with
 scores 0.0 and rank 0 (never stale values). Empty buffer entries never hold an earlier step's
-data: every buffer is rewritten whole up to its batch.
+data: every buffer is rewritten whole up to its batch. A frame with more than ``K`` top-k
+columns gives the buffers its first ``K`` (the header's ``k + 1`` says ``K + 1``); a frame that
+does not fit the message (a slot outside the batch, more than ``MAX_DRAFT_TOKENS`` tokens in a
+speculative slot) raises ``ValueError`` before any buffer is written and stays unread, so
+``events()`` still yields it. ``msg_id`` is always ``+INFERENCE_MSG_ID`` (the frame does not
+carry ``not_need_stop``, whose False FastDeploy's ops send as ``-INFERENCE_MSG_ID``).
 
 ``events()`` yields ``SlotEvent``s instead: one per record, with the slot, the tokens, the
 drafts, the logprob rows in FastDeploy's ``[sampled, top-k...]`` order and the end flags.
@@ -160,8 +165,9 @@ def topk_buffers(
     frame: Frame, x: np.ndarray[Any, Any], scores: np.ndarray[Any, Any], ranks: np.ndarray[Any, Any], *, bsz: int,
     packed: bool = True,
 ) -> None:  # fmt: skip
-    """``get_output_topk``'s three buffers from a normal-decoding frame with logprobs."""
-    cols = frame.k + 1 if packed else _W
+    """``get_output_topk``'s three buffers from a normal-decoding frame with logprobs (a
+    frame with more than ``K`` top-k columns gives its first ``K``: the header says so)."""
+    cols = min(frame.k, K) + 1 if packed else _W
     xf, sf, rf = x.reshape(-1), scores.reshape(-1), ranks.reshape(-1)
     xf[0] = _msg_id()
     xf[1] = bsz | (cols << 16) if packed else bsz
@@ -202,8 +208,25 @@ def _counts_and_tokens(frame: Frame, r: int) -> tuple[int | None, list[int]]:
     return sent, tokens
 
 
+def _check_fits(frame: Frame, *, bsz: int, slots: int, speculative: bool) -> None:
+    """Raise ``ValueError`` when ``frame`` does not fit FastDeploy's message (a slot outside
+    its ``min(bsz, slots)`` slots, more than ``MAX_DRAFT_TOKENS`` tokens in a speculative slot); the buffers are
+    filled only after this passed, so a refused frame leaves them untouched."""
+    _slots(frame, bsz, slots)
+    if not speculative:
+        return
+    for r in range(int(frame.handles.shape[0])):
+        _, tokens = _counts_and_tokens(frame, r)
+        if len(tokens) > MAX_DRAFT_TOKENS:
+            raise ValueError(
+                f"record {r} (slot {int(slot_of(int(frame.handles[r])))}): {len(tokens)} tokens, FastDeploy's "
+                f"message holds {MAX_DRAFT_TOKENS} per slot (the frame stays unread: events() still yields it)"
+            )
+
+
 def speculate_buffer(frame: Frame, out: np.ndarray[Any, Any], *, bsz: int) -> None:
     """``speculate_get_output``'s buffer from a speculative (or first-token) frame."""
+    _check_fits(frame, bsz=bsz, slots=SPECULATE_MAX_BSZ, speculative=True)
     flat = out.reshape(-1)
     flat[0] = _msg_id()
     flat[1] = bsz
@@ -224,10 +247,11 @@ def speculate_topk_buffers(
     *, bsz: int, packed: bool = True,
 ) -> None:  # fmt: skip
     """``speculate_get_output_topk``'s three buffers from a speculative frame with logprobs."""
+    _check_fits(frame, bsz=bsz, slots=MAX_BSZ, speculative=True)
     tf, sf, rf = tokens_out.reshape(-1), scores_out.reshape(-1), ranks_out.reshape(-1)
     mtype = MESSAGE_DRAFT if frame.kind == Kind.DRAFT else MESSAGE_TARGET
     tf[0] = _msg_id()
-    tf[1] = mtype | ((frame.k + 1) << 8) if packed else mtype
+    tf[1] = mtype | ((min(frame.k, K) + 1) << 8) if packed else mtype
     tf[2] = bsz
     tf[3 : 3 + MAX_BSZ] = 0
     tok = tf[3 + MAX_BSZ : 3 + MAX_BSZ + bsz * MAX_DRAFT_TOKENS * _W].reshape(bsz, MAX_DRAFT_TOKENS, _W)
@@ -290,6 +314,14 @@ class FastDeployReader:
 
     def next_frame(self, wait: bool = True, timeout: float | None = None) -> Frame | None:
         """The next frame, or None (``wait`` False and nothing there, or the timeout)."""
+        f = self._peek(wait, timeout)
+        if f is not None:
+            self._pending.pop(0)
+        return f
+
+    def _peek(self, wait: bool, timeout: float | None = None) -> Frame | None:
+        """The next frame, left unread (the ``get_*`` calls consume it once its buffers are
+        filled, so a frame that does not fit FastDeploy's layout is never lost)."""
         while not self._pending:
             got = self._reader.read()
             if got:
@@ -299,43 +331,60 @@ class FastDeployReader:
                 return None
             if not self._reader.wait(timeout=1.0 if timeout is None else timeout) and timeout is not None:
                 return None
-        return decode_frame(self._pending.pop(0))
+        return decode_frame(self._pending[0])
 
     def get_output(self, x: Any, rank_id: int = 0, wait_flag: bool = True) -> None:
         """``get_output(x, rank_id, wait_flag)``."""
-        f = self.next_frame(wait_flag)
+        f = self._peek(wait_flag)
+        if f is not None:
+            _check_fits(f, bsz=self.bsz, slots=MAX_BSZ, speculative=False)
         _write(x, (lambda v: _none(v)) if f is None else (lambda v: normal_buffer(f, v, bsz=self.bsz)))
+        self._consumed(f)
 
     def get_output_topk(
         self, x: Any, scores: Any, ranks: Any, k: int = K, rank_id: int = 0, wait_flag: bool = True
     ) -> None:
         """``get_output_topk(x, scores, ranks, k, rank_id, wait_flag)``."""
-        f = self.next_frame(wait_flag)
+        f = self._peek(wait_flag)
         if f is None:
             _write(x, _none)
             return
+        _check_fits(f, bsz=self.bsz, slots=MAX_BSZ, speculative=False)
         _fill3(x, scores, ranks, lambda a, b, c: topk_buffers(f, a, b, c, bsz=self.bsz, packed=self.packed))
+        self._consumed(f)
 
     def speculate_get_output(
         self, x: Any, rank_id: int = 0, wait_flag: bool = True, get_each_rank: bool = False
     ) -> None:
-        """``speculate_get_output(x, rank_id, wait_flag, get_each_rank)``."""
-        f = self.next_frame(wait_flag)
+        """``speculate_get_output(x, rank_id, wait_flag, get_each_rank)``. A frame that does not
+        fit the message (more than ``MAX_DRAFT_TOKENS`` tokens in a slot) raises ``ValueError``
+        and stays unread: the buffer is untouched and ``events()`` still yields the frame."""
+        f = self._peek(wait_flag)
+        if f is not None:
+            _check_fits(f, bsz=self.bsz, slots=SPECULATE_MAX_BSZ, speculative=True)
         _write(x, (lambda v: _none(v)) if f is None else (lambda v: speculate_buffer(f, v, bsz=self.bsz)))
+        self._consumed(f)
 
     def speculate_get_output_topk(
         self, output_tokens: Any, output_scores: Any, output_ranks: Any, real_k: int = K, rank_id: int = 0,
         wait_flag: bool = True,
     ) -> None:  # fmt: skip
-        """``speculate_get_output_topk(output_tokens, output_scores, output_ranks, real_k, ...)``."""
-        f = self.next_frame(wait_flag)
+        """``speculate_get_output_topk(output_tokens, output_scores, output_ranks, real_k, ...)``;
+        a frame that does not fit the message raises and stays unread, as ``speculate_get_output``."""
+        f = self._peek(wait_flag)
         if f is None:
             _write(output_tokens, _none_spec)
             return
+        _check_fits(f, bsz=self.bsz, slots=MAX_BSZ, speculative=True)
         _fill3(
             output_tokens, output_scores, output_ranks,
             lambda a, b, c: speculate_topk_buffers(f, a, b, c, bsz=self.bsz, packed=self.packed),
         )  # fmt: skip
+        self._consumed(f)
+
+    def _consumed(self, f: Frame | None) -> None:
+        if f is not None:
+            self._pending.pop(0)
 
     def events(self, wait: bool = True, timeout: float | None = None) -> Iterator[list[SlotEvent]]:
         """Each frame's ``SlotEvent``s, frame by frame (stops when nothing comes: ``wait``

@@ -60,11 +60,26 @@ class SlotTable:
         """Rows of the table (``max_num_seqs``)."""
         return int(self.handles.shape[0])
 
-    def insert(self, row: int, slot: int | None = None) -> int:
-        """A new request in ``row``, whose engine slot is ``slot`` (default: ``row``, which
-        it is when FastDeploy inserts a task); returns its handle."""
+    def insert(self, row: int, slot: int) -> int:
+        """A new request in worker row ``row`` whose engine slot is ``slot`` (the index of the
+        request in the engine's ``tasks_list``, FastDeploy's ``request.idx``; the row is
+        ``get_index_by_batch_id(request.idx)``, another number once PD reordering moved rows);
+        returns its handle. A row that holds a request of that slot already keeps its handle
+        (a later prefill chunk of the same request: call it for every prefill task); one that
+        ended (its frame cleared the row) or was cleared gets a new one. Raises ``ValueError``
+        when another row holds a request of that slot (two rows would report the same slot)."""
         row = _index("row", row, self.size)
-        slot = row if slot is None else _index("slot", slot, self.size)
+        slot = _index("slot", slot, self.size)
+        if self.handles[row] >= 0 and int(slot_of(int(self.handles[row]))) == slot:
+            return int(self.handles[row])
+        live = self.handles >= 0
+        same = np.flatnonzero(live & (slot_of(np.where(live, self.handles, 0)) == slot))
+        other = [int(r) for r in same if int(r) != row]
+        if other:
+            raise ValueError(
+                f"slot = {slot}: row {other[0]} holds a request of that engine slot already (row {row} was "
+                f"given): pass the request's engine slot (FastDeploy's request.idx), not its row"
+            )
         self._generations[slot] += 1
         handle = make_handle(slot, int(self._generations[slot]))
         self.handles[row] = handle
