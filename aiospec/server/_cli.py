@@ -187,7 +187,8 @@ def _http_argv(a: argparse.Namespace) -> list[str]:
             "--max-headers", str(a.max_headers), "--max-head-bytes", str(a.max_head_bytes),
             "--header-timeout", str(a.header_timeout), "--body-timeout", str(a.body_timeout),
             "--keep-alive-timeout", str(a.keep_alive_timeout), "--max-connections", str(a.max_connections),
-            "--max-restarts", str(a.max_restarts), "--restart-backoff", str(a.restart_backoff)]  # fmt: skip
+            "--max-restarts", str(a.max_restarts), "--restart-backoff", str(a.restart_backoff),
+            "--graceful-timeout", str(a.graceful_timeout)]  # fmt: skip
 
 
 def _limits(a: argparse.Namespace) -> Any:
@@ -253,6 +254,9 @@ def _serve(a: argparse.Namespace) -> int:
     if not 0 < a.restart_backoff <= 3600:
         print(f"aiospec serve: --restart-backoff = {a.restart_backoff}: expected seconds in (0, 3600]", file=sys.stderr)
         return 2
+    if not 0 <= a.graceful_timeout <= 3600:
+        print(f"aiospec serve: --graceful-timeout = {a.graceful_timeout}: expected seconds in 0..3600", file=sys.stderr)
+        return 2
     settings.max_restarts = a.max_restarts
     settings.restart_backoff = a.restart_backoff
     settings.allowed_origins = tuple(o.strip() for o in (a.allowed_origins or "").split(",") if o.strip())
@@ -303,11 +307,11 @@ def _serve(a: argparse.Namespace) -> int:
         env = _child_env({"AIOSPEC_API_KEY": ",".join(keys)})
         return run_servers(
             settings, a.api_servers, socks, _engine_argv(a) + _http_argv(a), env=env, on_ready=on_ready,
-            watch_fd=a.watch_fd, log_level=a.log_level,
+            watch_fd=a.watch_fd, log_level=a.log_level, graceful_timeout=a.graceful_timeout,
         )  # fmt: skip
     return serve(
         settings, sock=sock, on_ready=on_ready, watch_fd=a.watch_fd, log_level=a.log_level,
-        limits=limits, keep_alive_timeout=a.keep_alive_timeout,
+        limits=limits, keep_alive_timeout=a.keep_alive_timeout, graceful_timeout=a.graceful_timeout,
     )  # fmt: skip
 
 
@@ -396,6 +400,14 @@ def _add_http_args(p: argparse.ArgumentParser) -> None:
         default=0.5,
         metavar="S",
         help="seconds before the first restart, doubled for each next one, at most 30 (%(default)s)",
+    )
+    g.add_argument(
+        "--graceful-timeout",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="on SIGTERM/SIGINT, seconds the running requests get to finish; those still running then end "
+        "with a 'server_shutdown' error (%(default)s)",
     )
 
 
