@@ -366,6 +366,14 @@ class Handlers:
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
         """Start the loop-lag ticker and the engines, serve, then stop both."""
         st = self.state
+        beats = None
+        if st.settings.heartbeat_file:  # one of several server processes: the parent watches the ticker
+            from aiospec.server._multi import Heartbeats
+
+            beats = Heartbeats(st.settings.heartbeat_file)
+            index = st.settings.server_index
+            beats.beat(index)
+            st.metrics.loop_lag.on_tick = lambda: beats.beat(index)
         st.metrics.loop_lag.start()
         cpu: _Metric = ("process_cpu_seconds_total", "counter", "CPU time of the server process.", 0.0, None)
         st.metrics.start_share(  # several server processes: each shares its figures (_metrics.py)
@@ -378,6 +386,8 @@ class Handlers:
             await st.metrics.stop_share()
             await st.metrics.loop_lag.stop()
             await st.link.stop()
+            if beats is not None:
+                beats.close()
             raise
         log.info("serving %s (token path %s, engines %s)", st.settings.model, st.link.token_path,
                  st.link.engines.pids if st.link.engines else [])  # fmt: skip
@@ -392,6 +402,9 @@ class Handlers:
             await st.metrics.stop_share()
             await st.metrics.loop_lag.stop()
             await st.link.stop()
+            if beats is not None:
+                st.metrics.loop_lag.on_tick = None
+                beats.close()
 
 
 class _Generate:
