@@ -205,6 +205,53 @@ def test_a_killed_server_process_is_aborted_in_the_engine_and_the_others_go_on()
 
 
 @pytest.mark.slow
+def test_a_stopped_server_process_is_killed_by_the_parent_and_the_others_go_on() -> None:
+    # a server that stops making progress (SIGSTOP here) would hold the engine's ring (its
+    # reader releases nothing) and keep taking new connections: the parent kills it once its
+    # heartbeat is older than --api-server-timeout
+    srv = ServerProcess(["--api-servers", "2", "--max-batch", "64", "--step-ms", "5", "--num-draft", "0",
+                         "--api-server-timeout", "2"])  # fmt: skip
+    srv.start(timeout=180)
+    try:
+        stats = _get(srv.url + "/stats")
+        victim = next(s for s in stats["servers"] if s["index"] == 0)
+        ring = stats["hub"]["rings"][0]["name"]
+        with concurrent.futures.ThreadPoolExecutor(12) as ex:
+            futs = [ex.submit(_stream, srv.url, 300 + i, 1200) for i in range(12)]
+
+            def both_serve() -> bool:
+                st = _get(srv.url + "/stats")
+                return bool(st["engines"][0]["admitted"] == 12 and all(s["streams_open"] > 0 for s in st["servers"]))
+
+            _wait(both_serve, 60, "12 requests admitted, some by each server")
+            os.kill(victim["pid"], signal.SIGSTOP)
+            t0 = time.monotonic()
+            _wait(lambda: not _alive(victim["pid"]), 30, "the stopped server killed")
+            killed_after = time.monotonic() - t0
+            done = [f.exception() or f.result() for f in futs]
+        assert 2.0 <= killed_after < 15.0, killed_after
+        failed = [d for d in done if isinstance(d, BaseException)]
+        ok = [d for d in done if not isinstance(d, BaseException)]
+        assert failed and ok, (len(failed), len(ok))
+        assert all(isinstance(e, openai.APIError) for e in failed), failed  # the connection dropped
+        assert all(n == 1200 for _, _, n in ok)  # the other server's streams complete in full
+        eng = _get(srv.url + "/stats")["engines"][0]
+        assert eng["running"] == 0 and eng["aborted"] >= len(failed), eng
+        r = shm.Ring.attach(ring)
+        try:
+            assert victim["pid"] not in {x.pid for x in r.stats().readers if x.state == "active"}
+        finally:
+            r.close()
+        for i in range(6):  # new connections reach the live server only
+            assert _stream(srv.url, 7 + i, 8)[2] == 8
+        servers = _get(srv.url + "/stats")["servers"]
+        assert [s["alive"] for s in sorted(servers, key=lambda s: s["index"])] == [False, True]
+        assert _get(srv.url + "/health") == "ok"
+    finally:
+        assert srv.stop() == 0
+
+
+@pytest.mark.slow
 def test_engine_restart_reaches_every_server_and_sigterm_stops_all() -> None:
     srv = ServerProcess(["--api-servers", "2", "--max-batch", "64", "--step-ms", "5", "--restart-backoff", "0.2"])
     srv.start(timeout=180)

@@ -96,6 +96,9 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     device: str = "auto"
     logprobs_mode: LogprobsMode = "raw"
     api_servers: int = 1  # API server processes reading the ring (one reader slot each)
+    # seconds: a reader that holds the full ring and gave no sign of life for this long is
+    # evicted (a stuck API server must not block the others); 0: only readers known dead
+    reader_timeout: float = 5.0
     # the ring's segment name (default: random); one that a bridge on the engine's host reads
     ring_name: str = ""
     # PD decode engine: a handed-off request is scheduled this many steps after it arrived (a
@@ -117,6 +120,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             ("device", self.device, self.device in ("auto", "cpu", "python", "cuda"), "auto, cpu, python or cuda"),
             ("logprobs_mode", self.logprobs_mode, self.logprobs_mode in ("raw", "processed"), "raw or processed"),
             ("api_servers", self.api_servers, 1 <= self.api_servers <= 16, "1..16"),
+            ("reader_timeout", self.reader_timeout, 0 <= self.reader_timeout <= 3600, "0..3600 seconds"),
         )
         for name, value, ok, expected in checks:
             if not ok:

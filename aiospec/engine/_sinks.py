@@ -92,9 +92,13 @@ class RingSink:
         capacity, max_record = ring_geometry(config)
         # one reader per API server (--api-servers, at most 16 here) and room for tools
         readers = min(shm.layout.MAX_READERS, max(8, config.api_servers + 4))
+        # a reader that holds the full ring and is silent (a stopped API server) is evicted,
+        # so that it does not block the other servers' readers (docs/wire-format.md section 6)
+        reader_timeout = config.reader_timeout or None
         self.ring = shm.Ring.create(
-            config.ring_name or None, capacity=capacity, max_readers=readers, max_record=max_record
-        )
+            config.ring_name or None, capacity=capacity, max_readers=readers, max_record=max_record,
+            reader_timeout=reader_timeout,
+        )  # fmt: skip
         self.transport = self.ring.name
         self.max_record: int | None = self.ring.max_record
         self.device = _pick_device(config.device)
@@ -102,8 +106,9 @@ class RingSink:
             # the backend opens (and the C++ writer builds, once) here, before the engine
             # reports ready, not at the first step
             self.producer = ops.Producer(
-                self.ring, device=self.device, producer=config.producer, timeout=0.5, max_rows=config.max_batch
-            )
+                self.ring, device=self.device, producer=config.producer, timeout=0.5, max_rows=config.max_batch,
+                reader_timeout=reader_timeout,
+            )  # fmt: skip
         except BaseException:
             self.ring.close()
             raise

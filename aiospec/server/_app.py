@@ -28,6 +28,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 import aiospec
 from aiospec.openai import PromptLogprobs
+from aiospec.server._drain import Drain
 from aiospec.server._engine_link import EngineLink, ServerSettings
 from aiospec.server._generation import Choice, Generation, send_json
 from aiospec.server._guard import Guard, check_json_content_type
@@ -47,15 +48,18 @@ _Metric = tuple[str, str, str, float, dict[str, str] | None]  # name, type, help
 
 
 class AppState:
-    """What one server process's handlers share: settings, the engine link, metrics, pacer."""
+    """What one server process's handlers share: settings, the engine link, metrics, pacer,
+    and its graceful stop (``drain``)."""
 
     def __init__(
         self,
         settings: ServerSettings,
         on_ready: Callable[[], None] | None,
         on_fatal: Callable[[str], None] | None = None,
+        drain: Drain | None = None,
     ) -> None:
         self.settings = settings
+        self.drain = drain or Drain()
         self.link = EngineLink(settings)
         self.link.on_fatal = on_fatal
         self.metrics = Metrics()
@@ -99,6 +103,8 @@ class Handlers:
             # a burst of new requests is set up a few per loop iteration, within the share of
             # the budget that leaves the running streams their turns
             await st.pacer.admission()
+            if st.drain.stopping:
+                raise st.drain.refusal()
             t0 = time.perf_counter()
             parse = parse_chat if chat else parse_completion
             parsed = parse(body, st.limits)
@@ -360,6 +366,14 @@ class Handlers:
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
         """Start the loop-lag ticker and the engines, serve, then stop both."""
         st = self.state
+        beats = None
+        if st.settings.heartbeat_file:  # one of several server processes: the parent watches the ticker
+            from aiospec.server._multi import Heartbeats
+
+            beats = Heartbeats(st.settings.heartbeat_file)
+            index = st.settings.server_index
+            beats.beat(index)
+            st.metrics.loop_lag.on_tick = lambda: beats.beat(index)
         st.metrics.loop_lag.start()
         cpu: _Metric = ("process_cpu_seconds_total", "counter", "CPU time of the server process.", 0.0, None)
         st.metrics.start_share(  # several server processes: each shares its figures (_metrics.py)
@@ -372,6 +386,8 @@ class Handlers:
             await st.metrics.stop_share()
             await st.metrics.loop_lag.stop()
             await st.link.stop()
+            if beats is not None:
+                beats.close()
             raise
         log.info("serving %s (token path %s, engines %s)", st.settings.model, st.link.token_path,
                  st.link.engines.pids if st.link.engines else [])  # fmt: skip
@@ -386,6 +402,9 @@ class Handlers:
             await st.metrics.stop_share()
             await st.metrics.loop_lag.stop()
             await st.link.stop()
+            if beats is not None:
+                st.metrics.loop_lag.on_tick = None
+                beats.close()
 
 
 class _Generate:
@@ -440,16 +459,19 @@ def create_app(
     *,
     on_ready: Callable[[], None] | None = None,
     on_fatal: Callable[[str], None] | None = None,
+    drain: Drain | None = None,
 ) -> ASGIApp:
     """The ASGI app; its lifespan starts the engines and the token path and stops them.
 
     ``on_ready`` is called once the engines are up and the app can serve; ``on_fatal`` with a
-    message when the engine is down for good (its restarts failed), to stop the server.
+    message when the engine is down for good (its restarts failed), to stop the server;
+    ``drain`` is told when the server begins to stop (``Drain.begin``), and then ends the
+    requests still running after the grace period.
     With ``settings.api_keys`` every path but ``settings.public_paths`` needs a key; with
     ``settings.allowed_origins`` CORS headers are sent for those origins.
     """
     settings = settings or ServerSettings()
-    app: ASGIApp = _App(Handlers(AppState(settings, on_ready, on_fatal)))
+    app: ASGIApp = _App(Handlers(AppState(settings, on_ready, on_fatal, drain)))
     if settings.api_keys:
         app = Guard(app, settings.api_keys, settings.public_paths)
     if settings.allowed_origins:

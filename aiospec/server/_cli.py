@@ -84,6 +84,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "(%(default)s)",
     )
     g.add_argument(
+        "--reader-timeout",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="the engine evicts a ring reader that holds its full ring and gave no sign of life for this "
+        "many seconds (a stuck API server), 0 = never (%(default)s)",
+    )
+    g.add_argument(
         "--api-servers",
         type=int,
         default=1,
@@ -140,6 +148,7 @@ def _settings(a: argparse.Namespace) -> Any:
         device=a.device,
         max_top_logprobs=a.max_logprobs,
         logprobs_mode=a.logprobs_mode,
+        reader_timeout=a.reader_timeout,
         ring_name=a.prefill_ring,
         handoff_steps=a.handoff_steps,
     )
@@ -176,7 +185,8 @@ def _engine_argv(a: argparse.Namespace) -> list[str]:
             "--token-path", a.token_path, "--device", a.device, "--max-model-len", str(a.max_model_len),
             "--default-max-tokens", str(a.default_max_tokens), "--loop-budget-ms", str(a.loop_budget_ms),
             "--producer-timeout", str(a.producer_timeout), "--max-logprobs", str(a.max_logprobs),
-            "--logprobs-mode", a.logprobs_mode, "--api-servers", str(a.api_servers)]  # fmt: skip
+            "--logprobs-mode", a.logprobs_mode, "--api-servers", str(a.api_servers),
+            "--reader-timeout", str(a.reader_timeout)]  # fmt: skip
     return argv + (["--pd"] if a.pd else []) + (["--raise-msg-limits"] if a.raise_msg_limits else [])
 
 
@@ -187,7 +197,8 @@ def _http_argv(a: argparse.Namespace) -> list[str]:
             "--max-headers", str(a.max_headers), "--max-head-bytes", str(a.max_head_bytes),
             "--header-timeout", str(a.header_timeout), "--body-timeout", str(a.body_timeout),
             "--keep-alive-timeout", str(a.keep_alive_timeout), "--max-connections", str(a.max_connections),
-            "--max-restarts", str(a.max_restarts), "--restart-backoff", str(a.restart_backoff)]  # fmt: skip
+            "--max-restarts", str(a.max_restarts), "--restart-backoff", str(a.restart_backoff),
+            "--graceful-timeout", str(a.graceful_timeout)]  # fmt: skip
 
 
 def _limits(a: argparse.Namespace) -> Any:
@@ -253,6 +264,14 @@ def _serve(a: argparse.Namespace) -> int:
     if not 0 < a.restart_backoff <= 3600:
         print(f"aiospec serve: --restart-backoff = {a.restart_backoff}: expected seconds in (0, 3600]", file=sys.stderr)
         return 2
+    if not 0 <= a.graceful_timeout <= 3600:
+        print(f"aiospec serve: --graceful-timeout = {a.graceful_timeout}: expected seconds in 0..3600", file=sys.stderr)
+        return 2
+    if not 0 <= a.api_server_timeout <= 3600:
+        print(f"aiospec serve: --api-server-timeout = {a.api_server_timeout}: expected seconds in 0..3600",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    settings.api_server_timeout = a.api_server_timeout
     settings.max_restarts = a.max_restarts
     settings.restart_backoff = a.restart_backoff
     settings.allowed_origins = tuple(o.strip() for o in (a.allowed_origins or "").split(",") if o.strip())
@@ -261,6 +280,7 @@ def _serve(a: argparse.Namespace) -> int:
         settings.server_index = a.server_index
         settings.engine_sockets = tuple(a.engine_socket or ())
         settings.metrics_dir = a.metrics_dir
+        settings.heartbeat_file = a.heartbeat_file
         settings.baseline_address = a.baseline_address
     parent = a.api_servers > 1 and a.server_index < 0
     if a.fd >= 0:
@@ -303,11 +323,11 @@ def _serve(a: argparse.Namespace) -> int:
         env = _child_env({"AIOSPEC_API_KEY": ",".join(keys)})
         return run_servers(
             settings, a.api_servers, socks, _engine_argv(a) + _http_argv(a), env=env, on_ready=on_ready,
-            watch_fd=a.watch_fd, log_level=a.log_level,
+            watch_fd=a.watch_fd, log_level=a.log_level, graceful_timeout=a.graceful_timeout,
         )  # fmt: skip
     return serve(
         settings, sock=sock, on_ready=on_ready, watch_fd=a.watch_fd, log_level=a.log_level,
-        limits=limits, keep_alive_timeout=a.keep_alive_timeout,
+        limits=limits, keep_alive_timeout=a.keep_alive_timeout, graceful_timeout=a.graceful_timeout,
     )  # fmt: skip
 
 
@@ -397,6 +417,22 @@ def _add_http_args(p: argparse.ArgumentParser) -> None:
         metavar="S",
         help="seconds before the first restart, doubled for each next one, at most 30 (%(default)s)",
     )
+    g.add_argument(
+        "--api-server-timeout",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="--api-servers: the parent kills an API server process whose event loop made no progress for this "
+        "many seconds (stopped or stuck), 0 = never (%(default)s)",
+    )
+    g.add_argument(
+        "--graceful-timeout",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="on SIGTERM/SIGINT, seconds the running requests get to finish; those still running then end "
+        "with a 'server_shutdown' error (%(default)s)",
+    )
 
 
 def _demo(a: argparse.Namespace) -> int:
@@ -435,6 +471,7 @@ def register(sub: Any) -> None:
     p.add_argument("--server-index", type=int, default=-1, help=argparse.SUPPRESS)
     p.add_argument("--engine-socket", action="append", help=argparse.SUPPRESS)
     p.add_argument("--metrics-dir", default="", help=argparse.SUPPRESS)
+    p.add_argument("--heartbeat-file", default="", help=argparse.SUPPRESS)
     p.add_argument("--baseline-address", default="", help=argparse.SUPPRESS)
     _add_engine_args(p)
     _add_http_args(p)

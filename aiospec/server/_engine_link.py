@@ -11,12 +11,14 @@ import asyncio
 import contextlib
 import importlib
 import logging
+import os
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
 import msgspec
 
+import shm
 from aiospec._hub import Hub
 from aiospec._stream import RequestStream
 from aiospec.engine import Admit, EngineConfig, EngineGroup, EngineStats, HandleAllocator, default_vocabulary
@@ -27,6 +29,12 @@ from aiospec.openai import TokenIdStrings
 __all__ = ("EngineLink", "ServerSettings", "TokenSource")
 
 log = logging.getLogger("aiospec.server")
+
+# a ring is "blocked" for this server when the producer has not committed for this long, the
+# ring has less room than its largest frame, and the reader that holds it back is another
+# process's and gave no sign of life for this long either (a live reader that lags polls and
+# refreshes its heartbeat: that is back-pressure, and tokens still flow at its pace)
+BLOCKED_AFTER = 1.0
 
 
 class ServerSettings(msgspec.Struct, kw_only=True):
@@ -42,6 +50,10 @@ class ServerSettings(msgspec.Struct, kw_only=True):
     default_max_tokens: int = 256
     max_logprobs: int = 20  # the most top_logprobs / logprobs / prompt_logprobs a request may ask
     producer_timeout: float = 10.0
+    # --api-servers: the parent kills a server process whose heartbeat (its loop-lag ticker)
+    # is older than this (0: never); this process's ticker writes it to heartbeat_file
+    api_server_timeout: float = 10.0
+    heartbeat_file: str = ""
     loop_lag_interval: float = 0.01
     manage_gc: bool = True  # collect garbage from the ticker, not wherever a threshold is passed
     # seconds of chunk formatting (and request set-up) per loop iteration: the loop lag is about
@@ -109,6 +121,10 @@ class EngineLink:
         self._rings = 0  # rings the Hub must be reading (ring path)
         self._inflight: set[int] = set()  # handles admitted to the current engines
         self._supervisor: asyncio.Task[None] | None = None
+        # the rings, attached without a reader slot, to see who holds them full (ring path)
+        self._probes: list[shm.Ring] = []
+        self._heads: dict[str, tuple[int, float]] = {}  # ring -> (head, since when)
+        self.blocked: str | None = None  # why a ring is blocked for this server, or None
 
     @property
     def token_path(self) -> str:
@@ -152,6 +168,7 @@ class EngineLink:
                 await hub.__aenter__()
                 self.source = hub
                 self._rings = len(names)
+                self._probes = [shm.Ring.attach(n) for n in names]
             else:
                 # the API side of a baseline binds first; the engine connects to its address
                 mod = importlib.import_module("aiospec.server._baselines")
@@ -170,6 +187,12 @@ class EngineLink:
 
     async def _teardown(self, timeout: float = 10.0) -> None:
         self._inflight.clear()
+        for r in self._probes:
+            with contextlib.suppress(Exception):
+                r.close()
+        self._probes = []
+        self._heads.clear()
+        self.blocked = None
         if self.source is not None and self._baseline is None:
             with contextlib.suppress(Exception):
                 await self.source.aclose()
@@ -196,19 +219,62 @@ class EngineLink:
             return False
         if self._baseline is not None:
             return True
-        # a stalled engine (paused, or blocked on a full ring) is alive but emits nothing now:
-        # a request admitted to it would wait with no tokens
-        return len(self.source.rings) == self._rings and not self.source.stalled
+        # a stalled engine (paused) is alive but emits nothing now, and so is one blocked on
+        # a ring that a silent reader holds full: a request admitted to it would wait with no
+        # tokens
+        return len(self.source.rings) == self._rings and not self.source.stalled and self.blocked is None
 
     @property
     def condition(self) -> str:
-        """``up``, ``stalled`` (the engine's process lives, its heartbeat does not), or the
-        supervisor's state (``starting``, ``down``, ``failed``, ``stopped``)."""
+        """``up``, ``stalled`` (the engine's process lives, its heartbeat does not), ``blocked``
+        (the engine waits for room in a ring that another, silent, reader holds full: see
+        ``check_blocked``), or the supervisor's state (``starting``, ``down``, ``failed``,
+        ``stopped``)."""
         if self.alive:
             return "up"
         if self.state == "up" and self._baseline is None and self.source.stalled:
             return "stalled"
+        if self.state == "up" and self.blocked is not None and len(self.source.rings) == self._rings:
+            return "blocked"
         return "down" if self.state == "up" else self.state  # up, but a socket or ring is gone
+
+    def check_blocked(self, now: float | None = None) -> str | None:
+        """Whether the engine is blocked for this server: a ring whose producer committed
+        nothing for ``BLOCKED_AFTER`` seconds, with less room than its largest frame, held by
+        a reader of another process silent for as long. Sets ``blocked`` (why, or None).
+
+        Back-pressure from a reader that reads (this server's own, or another server's that
+        lags) is not blocked: the tokens still come, at that reader's pace."""
+        now = time.monotonic() if now is None else now
+        me = os.getpid()
+        why = None
+        for ring in self._probes:
+            try:
+                st = ring.stats()
+            except Exception:  # a ring that went away: supervision tells
+                continue
+            head, since = self._heads.get(st.name, (-1, now))
+            if st.head != head:
+                self._heads[st.name] = (st.head, now)
+                continue
+            active = [r for r in st.readers if r.state == "active"]
+            if not active or now - since < BLOCKED_AFTER:
+                continue
+            laggard = max(active, key=lambda r: r.lag)
+            if st.capacity - laggard.lag >= st.max_record or laggard.pid == me:
+                continue
+            if laggard.heartbeat_age_s < BLOCKED_AFTER:
+                continue
+            why = (f"ring {st.name} is full: reader slot {laggard.slot} (pid {laggard.pid}) holds it and gave "
+                   f"no sign of life for {laggard.heartbeat_age_s:.1f} s")  # fmt: skip
+            break
+        if why != self.blocked:
+            if why is not None:
+                log.warning("the engine is blocked: %s", why)
+            elif self.blocked is not None:
+                log.warning("the engine is no longer blocked")
+        self.blocked = why
+        return why
 
     def _down(self) -> str | None:
         """Why the engines cannot serve, or None."""
@@ -227,6 +293,8 @@ class EngineLink:
             while why is None:
                 await asyncio.sleep(s.supervise_interval)
                 why = self._down()
+                if why is None and self._probes:
+                    self.check_blocked()
             self.state = "down"
             if time.monotonic() - self.started_at >= s.restart_window:
                 attempts = 0

@@ -19,6 +19,7 @@ draft deltas (the draft model's logprobs) ride on its next chunk, apart from the
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 import time
 from collections.abc import Awaitable, Callable
@@ -54,6 +55,8 @@ if TYPE_CHECKING:
     from aiospec.server._app import AppState
 
 __all__ = ("Choice", "Generation", "send_json")
+
+log = logging.getLogger("aiospec.server")
 
 _JSON = [(b"content-type", b"application/json")]
 _SSE_HEADERS = [
@@ -106,6 +109,8 @@ class _Completion(msgspec.Struct, tag_field="object", tag="text_completion", gc=
 
 
 def _error_event(exc: BaseException) -> bytes:
+    if isinstance(exc, ApiError):  # the server's own reason (its graceful stop)
+        return b"data: " + exc.body() + b"\n\n"
     err = ApiError(500, f"the request ended early: {exc}", code=type(exc).__name__)
     return b"data: " + err.body() + b"\n\n"
 
@@ -143,7 +148,8 @@ class Choice:
         # how it ended: the finish_reason sent ("stop", "length"), "abort" (the client went
         # away) or "error" (the engine side ended it early)
         self.end = "abort"
-        self.error: StreamError | None = None
+        # why the engine side or the server ended it early (the server: its graceful stop)
+        self.error: StreamError | ApiError | None = None
 
     def take_side(self, d: Delta) -> bool:
         """Keep a prompt or draft delta; False for an output (target) delta."""
@@ -179,6 +185,15 @@ class Generation(Response):
         self.prompt_tokens = sum(seen.values())  # each prompt once, whatever n (OpenAI's and vLLM's count)
         self._ttft = False
 
+    def _end_for_shutdown(self, err: ApiError) -> None:
+        """The server's grace period is over: every choice not yet finished ends with ``err``
+        (its stream is closed, so its loop returns and the response sends the error)."""
+        for c in self.choices:
+            if c.out.finish_reason is None and c.error is None:
+                c.error = err
+                c.end = "error"
+                c.stream.close()
+
     # -- the request's life ----------------------------------------------------------------
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -201,12 +216,20 @@ class Generation(Response):
         m.streams_open += len(choices)
         m.requests_running += 1
         status = 200
+        drain_key = st.drain.add(self._end_for_shutdown)
         try:
             if self.parsed.stream:
                 await self._stream(send, lambda: disconnected)
             else:
                 status = await self._full(send)
+        except asyncio.CancelledError:
+            if not st.drain.stopping:
+                raise
+            # uvicorn's own shutdown timeout: a client that did not take the response's last
+            # bytes in time (the grace period had already ended the request)
+            log.info("stopping: a response not taken by its client in time was cut")
         finally:
+            st.drain.discard(drain_key)
             watcher.cancel()
             for c in choices:
                 c.stream.close()
@@ -305,6 +328,8 @@ class Generation(Response):
         while True:
             if pieces:
                 await pacer.turn()
+                if c.error is not None:  # ended by the server's stop meanwhile: no more chunks
+                    return
             t0 = time.perf_counter()
             if not pieces:
                 try:
@@ -451,6 +476,11 @@ class Generation(Response):
     async def _full(self, send: Send) -> int:
         choices = self.choices
         results = await asyncio.gather(*(self._collect(c) for c in choices), return_exceptions=True)
+        for c, r in zip(choices, results, strict=True):
+            if isinstance(r, StreamClosed) and isinstance(c.error, ApiError):
+                # the server's grace period ended it
+                await send_json(send, c.error.status, c.error.body())
+                return c.error.status
         for c, r in zip(choices, results, strict=True):
             if isinstance(r, StreamClosed):
                 return 499

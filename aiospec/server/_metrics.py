@@ -103,6 +103,8 @@ class LoopLag:
         self._task: asyncio.Task[None] | None = None
         self._thresholds = (700, 10, 10)
         self.on_reset: Callable[[], None] | None = None  # tells the other server processes
+        # called on every tick: a sign of life of the loop (--api-servers: the parent's watch)
+        self.on_tick: Callable[[], None] | None = None
 
     def start(self) -> None:
         if self.manage_gc:
@@ -133,6 +135,8 @@ class LoopLag:
             self.hist.observe(lag)
             samples[self._n % keep] = lag
             self._n += 1
+            if self.on_tick is not None:
+                self.on_tick()
             if self.manage_gc and now >= next1:
                 gen = 1
                 if now >= next2:

@@ -14,8 +14,13 @@ new rings; their open streams end with a typed error), up to ``max_restarts`` in
 everything stops with status 3. A server process that dies is logged with its status; the
 engine aborts its requests and frees its ring reader slots when its connection ends, and the
 other servers go on (its listening socket closes with it, so the kernel stops sending it
-connections). SIGTERM or SIGINT to the parent (or end of file on its watch pipe) stops the
-servers gracefully, then the engines.
+connections). A server process that stops making progress (stopped, or its loop held) would
+hold the others hostage: its reader slot stops releasing the rings, which fill and block the
+engine, and the kernel goes on handing it new connections. So each server's loop-lag ticker
+writes a heartbeat into a shared file (``Heartbeats``), and the parent kills a server whose
+heartbeat is older than ``api_server_timeout``; its death is then handled as any other.
+SIGTERM or SIGINT to the parent (or end of file on its watch pipe) stops the servers
+gracefully, then the engines.
 """
 
 from __future__ import annotations
@@ -23,10 +28,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import mmap
 import os
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -38,7 +45,7 @@ import msgspec
 from aiospec.engine import EngineGroup
 from aiospec.server._engine_link import ServerSettings
 
-__all__ = ("run_servers", "sibling_sockets")
+__all__ = ("Heartbeats", "run_servers", "sibling_sockets")
 
 log = logging.getLogger("aiospec.server")
 
@@ -59,6 +66,36 @@ def sibling_sockets(first: socket.socket, n: int) -> list[socket.socket]:
     return out
 
 
+class Heartbeats:
+    """One ``CLOCK_MONOTONIC`` nanosecond stamp per server process in a file every process
+    maps: a server stores its own from its loop-lag ticker (a store, no system call), the
+    parent reads them. ``CLOCK_MONOTONIC`` is the same clock in every process of the host."""
+
+    _SLOT = struct.Struct("=q")
+
+    def __init__(self, path: str, n: int | None = None) -> None:
+        """Open the file at ``path``; with ``n``, create it first with ``n`` zeroed stamps."""
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if n is not None else 0)
+        fd = os.open(path, flags, 0o600)
+        try:
+            if n is not None:
+                os.ftruncate(fd, n * self._SLOT.size)
+            self._mm = mmap.mmap(fd, os.fstat(fd).st_size)
+        finally:
+            os.close(fd)
+        self.n = len(self._mm) // self._SLOT.size
+
+    def beat(self, index: int) -> None:
+        self._SLOT.pack_into(self._mm, index * self._SLOT.size, time.monotonic_ns())
+
+    def last(self, index: int) -> float:
+        """The monotonic time of server ``index``'s last beat (0 before its first)."""
+        return float(self._SLOT.unpack_from(self._mm, index * self._SLOT.size)[0]) / 1e9
+
+    def close(self) -> None:
+        self._mm.close()
+
+
 class _Child:
     def __init__(self, index: int, proc: subprocess.Popen[bytes], ready_r: int, watch_w: int) -> None:
         self.index = index
@@ -66,7 +103,9 @@ class _Child:
         self.ready_r = ready_r
         self.watch_w = watch_w
         self.ready = False
+        self.ready_at = 0.0
         self.reported = False
+        self.killed_silent = 0.0  # the age of its heartbeat when the parent killed it
 
 
 class _Parent:
@@ -77,6 +116,8 @@ class _Parent:
         self.env = env
         self.dir = tempfile.mkdtemp(prefix="aiospec-serve-")
         os.mkdir(os.path.join(self.dir, "metrics"), 0o700)
+        self.heartbeat_path = os.path.join(self.dir, "heartbeats")
+        self.heartbeats = Heartbeats(self.heartbeat_path, n)
         roles = ["prefill", "decode"] if settings.pd else ["both"]
         self.addresses = [os.path.join(self.dir, f"engine-{r}.sock") for r in roles]
         self.listen: list[socket.socket] = []
@@ -108,7 +149,8 @@ class _Parent:
             cmd = [sys.executable, "-m", "aiospec.cli", "serve", "--fd", str(sock.fileno()),
                    "--ready-fd", str(ready_w), "--watch-fd", str(watch_r), *self.child_argv,
                    "--api-servers", str(self.n), "--server-index", str(i),
-                   "--metrics-dir", os.path.join(self.dir, "metrics")]  # fmt: skip
+                   "--metrics-dir", os.path.join(self.dir, "metrics"),
+                   "--heartbeat-file", self.heartbeat_path]  # fmt: skip
             for a in self.addresses:
                 cmd += ["--engine-socket", a]
             if self.outputs:
@@ -138,6 +180,7 @@ class _Parent:
                     os.set_blocking(c.ready_r, False)
                     if os.read(c.ready_r, 1):
                         c.ready = True
+                        c.ready_at = time.monotonic()
                         os.close(c.ready_r)
             if time.monotonic() > deadline:
                 raise TimeoutError(f"API servers: not ready after {timeout} s")
@@ -149,14 +192,16 @@ class _Parent:
         while not self.stopping.is_set():
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.stopping.wait(), s.supervise_interval)
+            self.kill_silent()
             for c in self.children:
                 rc = c.proc.poll()
                 if rc is not None and not c.reported:
                     c.reported = True
                     left = sum(1 for x in self.children if x.proc.poll() is None)
-                    log.error("API server %d (pid %d) exited (status %s): the engine aborts its requests and "
-                              "frees its ring reader slots; %d of %d servers remain", c.index, c.proc.pid, rc,
-                              left, self.n)  # fmt: skip
+                    how = f"killed, silent for {c.killed_silent:.1f} s" if c.killed_silent else f"status {rc}"
+                    log.error("API server %d (pid %d) exited (%s): the engine aborts its requests and "
+                              "frees its ring reader slots; %d of %d servers remain (it is not restarted)",
+                              c.index, c.proc.pid, how, left, self.n)  # fmt: skip
             if all(c.proc.poll() is not None for c in self.children):
                 log.error("every API server process is gone: stopping")
                 return 1
@@ -198,6 +243,23 @@ class _Parent:
                 break
         return 0
 
+    def kill_silent(self) -> None:
+        """Kill every server process whose heartbeat is older than ``api_server_timeout``."""
+        timeout = self.settings.api_server_timeout
+        if timeout <= 0:
+            return
+        now = time.monotonic()
+        for c in self.children:
+            if not c.ready or c.killed_silent or c.proc.poll() is not None:
+                continue
+            age = now - max(self.heartbeats.last(c.index), c.ready_at)
+            if age > timeout:
+                log.error("API server %d (pid %d) made no progress for %.1f s (--api-server-timeout %g): "
+                          "killing it", c.index, c.proc.pid, age, timeout)  # fmt: skip
+                c.killed_silent = age
+                with contextlib.suppress(ProcessLookupError):
+                    c.proc.kill()  # SIGKILL: a stopped or stuck process takes no other signal
+
     async def stop_children(self, graceful: float) -> None:
         for c in self.children:
             if c.watch_w >= 0:
@@ -227,6 +289,7 @@ class _Parent:
             await self.engines.stop(5.0)
         for s in self.listen:
             s.close()
+        self.heartbeats.close()
         shutil.rmtree(self.dir, ignore_errors=True)
 
 

@@ -1,4 +1,11 @@
-"""Running the app on uvicorn (uvloop, httptools), on a port or on an inherited socket."""
+"""Running the app on uvicorn (uvloop, httptools), on a port or on an inherited socket.
+
+Stopping: SIGTERM or SIGINT (or end of file on the watch pipe) begins a graceful stop. The
+requests running get ``graceful_timeout`` seconds to finish; then the server ends those still
+running itself (``_drain.Drain``), before uvicorn's own timeout (a little later) would cancel
+their tasks. uvicorn's signal capture is replaced: it re-raises the caught signal after its
+shutdown, so the process would die of SIGTERM (status 143) instead of returning its status.
+"""
 
 from __future__ import annotations
 
@@ -6,24 +13,60 @@ import asyncio
 import contextlib
 import logging
 import os
+import signal
 import socket
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from types import FrameType
 
 import uvicorn
 
 from aiospec.server._app import create_app
 from aiospec.server._bounds import HttpLimits
+from aiospec.server._drain import Drain
 from aiospec.server._engine_link import ServerSettings
 from aiospec.server._limits import limited_protocol
 
-__all__ = ("serve",)
+__all__ = ("SHUTDOWN_MARGIN", "serve")
+
+# uvicorn cancels what still runs this long after the grace period, by which time the server
+# has ended every request itself (only a client that does not read its last bytes is left)
+SHUTDOWN_MARGIN = 2.0
 
 
 class _Server(uvicorn.Server):
     """uvicorn's server plus a watch on a pipe: its end of file (the parent that started
-    this server died) means shut down, so no server outlives the demo or benchmark."""
+    this server died) means shut down, so no server outlives the demo or benchmark; and a
+    graceful stop that ends the requests still running after the grace period (``drain``)."""
 
     watch_fd: int = -1
+    drain: Drain | None = None
+    grace: float = 5.0
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        # uvicorn's own re-raises the signal after the shutdown (the process then dies of
+        # it, status 143 or 130); these only ask for the shutdown, so serve() returns 0
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        original = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
+
+    def _on_signal(self, sig: int, frame: FrameType | None) -> None:
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True  # a second Ctrl-C: do not wait for the running requests
+        else:
+            self.should_exit = True
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        if self.drain is not None:
+            self.drain.begin(self.grace)
+        await super().shutdown(sockets=sockets)
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets=sockets)
@@ -49,12 +92,14 @@ def serve(
     on_ready: Callable[[], None] | None = None,
     watch_fd: int = -1,
     log_level: str = "warning",
-    graceful_timeout: int = 5,
+    graceful_timeout: float = 5.0,
     limits: HttpLimits | None = None,
     keep_alive_timeout: float = 5.0,
 ) -> int:
     """Serve until SIGINT/SIGTERM (or ``watch_fd`` reaches end of file); returns an exit status:
-    0 after a clean stop, 1 when it could not start, 3 when the engine failed its restarts."""
+    0 after a clean stop, 1 when it could not start, 3 when the engine failed its restarts.
+    On the stop, the requests running get ``graceful_timeout`` seconds to finish; those still
+    running then end with the shutdown error (docs/server.md, "Stopping")."""
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     servers: list[_Server] = []
     fatal: list[str] = []
@@ -64,7 +109,8 @@ def serve(
         for srv in servers:
             srv.should_exit = True
 
-    app = create_app(settings, on_ready=on_ready, on_fatal=on_fatal)
+    drain = Drain()
+    app = create_app(settings, on_ready=on_ready, on_fatal=on_fatal, drain=drain)
     config = uvicorn.Config(
         app,
         host=host,
@@ -75,12 +121,14 @@ def serve(
         lifespan="on",
         log_level=log_level,
         access_log=False,
-        timeout_graceful_shutdown=graceful_timeout,
+        timeout_graceful_shutdown=int(graceful_timeout + SHUTDOWN_MARGIN + 0.999),
         backlog=4096,
     )
     server = _Server(config)
     servers.append(server)
     server.watch_fd = watch_fd
+    server.drain = drain
+    server.grace = graceful_timeout
     server.run(sockets=[sock] if sock is not None else None)
     if fatal:
         return 3  # the engine is down for good: a supervisor should restart the server
