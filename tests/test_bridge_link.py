@@ -277,3 +277,60 @@ def test_a_near_end_with_a_key_the_far_end_does_not_know_is_refused(tmp_path: Pa
         recv.stop()
         target.close()
         near.close()
+
+
+# -- binding and addresses -----------------------------------------------------------------
+
+
+def test_recv_with_a_taken_port_says_so_in_one_line_and_leaves_no_ring() -> None:
+    import secrets
+    import socket
+
+    taken = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    port = taken.getsockname()[1]
+    name = f"aiospec-{secrets.token_hex(16)}"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    try:
+        cmd = [sys.executable, "-m", "aiospec.cli", "bridge", "recv", "--bind", f"tcp://127.0.0.1:{port}"]
+        r = subprocess.run([*cmd, "--ring", name], capture_output=True, text=True, env=env, timeout=60)
+    finally:
+        taken.close()
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.splitlines() == [
+        f"aiospec bridge recv: bridge receiver: could not bind tcp://127.0.0.1:{port}: "
+        f"Address already in use (addr='tcp://127.0.0.1:{port}')"
+    ]
+    assert "Traceback" not in r.stderr and r.stdout == ""
+    assert not os.path.exists(os.path.join(shm.SHM_DIR, name))
+
+
+def test_an_ipv6_loopback_endpoint_carries_frames() -> None:
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError as exc:  # pragma: no cover - a host without IPv6 on lo
+        pytest.skip(f"no IPv6 loopback here: {exc}")
+    target = RingTarget(None, capacity=1 << 16)
+    far = shm.Ring.attach(target.name)
+    reader = far.reader()
+    recv = BridgeReceiver("tcp://[::1]:0", target, **FAST)  # type: ignore[arg-type]
+    try:
+        recv.start()
+        assert recv.endpoint_bound is not None and recv.endpoint_bound.startswith("tcp://[::1]:")
+        with shm.Ring.create(capacity=1 << 16) as near:
+            sender = BridgeSender(near.name, recv.endpoint_bound, **FAST).start()  # type: ignore[arg-type]
+            try:
+                wait_for(lambda: sender.state == "up", "the link over IPv6")
+                near.write(b"over ::1")
+                assert drain(reader, 1) == [b"over ::1"]
+            finally:
+                sender.close()
+    finally:
+        recv.stop()
+        reader.close()
+        far.close()
+        target.close()

@@ -28,7 +28,7 @@ from typing import Any
 from aiospec.bridge import _protocol as P
 from aiospec.bridge._errors import BridgeConfigError, LinkDown, ProtocolError
 from aiospec.bridge._idle import IdleStrategy
-from aiospec.bridge._link import CurveKeys, apply_curve, check_endpoint, start_authenticator
+from aiospec.bridge._link import CurveKeys, apply_curve, check_endpoint, is_ipv6, start_authenticator
 from aiospec.bridge._targets import FrameTarget
 
 __all__ = ("BridgeReceiver", "ReceiverStats")
@@ -209,7 +209,8 @@ class BridgeReceiver:
         if not self._bound.wait(timeout) or self._failure is not None:
             from aiospec.bridge._errors import BridgeError
 
-            raise BridgeError(f"bridge receiver: could not bind {self.endpoint}") from self._failure
+            why = self._failure if self._failure is not None else f"no answer within {timeout} s"
+            raise BridgeError(f"bridge receiver: could not bind {self.endpoint}: {why}") from self._failure
         return self
 
     def request_stop(self) -> None:
@@ -238,8 +239,10 @@ class BridgeReceiver:
             self.run()
         except BaseException as exc:
             self._failure = exc
-            self._bound.set()
-            log.exception("bridge receiver failed")
+            if self._bound.is_set():
+                log.exception("bridge receiver failed")
+            else:
+                self._bound.set()  # start() raises it, with the reason: no traceback here
 
     def run(self) -> str:
         """Receive and deliver until the end; returns why it ended."""
@@ -255,6 +258,8 @@ class BridgeReceiver:
             # ZeroMQ's queues only ever hold what the credit allows, plus a few control messages
             sock.setsockopt(zmq.RCVHWM, 2 * self.window_frames + 1024)
             sock.setsockopt(zmq.SNDHWM, 1024)
+            if is_ipv6(self.endpoint):
+                sock.setsockopt(zmq.IPV6, 1)  # off by default: an IPv6 address fails to bind
             if self.curve is not None:
                 apply_curve(sock, self.curve, "far")
             sock.bind(self.endpoint)

@@ -33,7 +33,7 @@ import shm
 from aiospec.bridge import _protocol as P
 from aiospec.bridge._errors import BridgeConfigError, BridgeError, LinkDown, ProtocolError
 from aiospec.bridge._idle import IdleStrategy
-from aiospec.bridge._link import CurveKeys, apply_curve, check_endpoint
+from aiospec.bridge._link import CurveKeys, apply_curve, check_endpoint, is_ipv6
 from shm import layout as L
 
 __all__ = ("BridgeSender", "SenderStats")
@@ -297,6 +297,8 @@ class BridgeSender:
             sock.setsockopt(zmq.RCVHWM, 1 << 16)
             sock.setsockopt(zmq.RECONNECT_IVL, 50)
             sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+            if is_ipv6(self.endpoint):
+                sock.setsockopt(zmq.IPV6, 1)  # off by default: an IPv6 address fails to connect
             # the same identity after a reconnection: the far end knows this sender again
             sock.setsockopt(zmq.ROUTING_ID, b"A" + self.session.to_bytes(8, "little"))
             if self.curve is not None:
