@@ -62,10 +62,15 @@ def test_messages_round_trip() -> None:
         ([], r"^empty message$"),
         ([b"ASB"], r"^header of 3 bytes: expected at least 8$"),
         ([b"XXXX\x02\x00\x03\x00" + bytes(16)], r"^magic b'XXXX': expected b'ASBR'$"),
-        # version 1 carried one frame per DATA message: a peer of that version is refused
-        ([b"ASBR\x01\x00\x03\x00" + bytes(16), b"abc"], r"^version 1: expected 2$"),
-        ([b"ASBR\x02\x00\x09\x00"], r"^message type 9: expected 1\.\.6$"),
-        ([P.encode_data(1, 1)[:-1], P.encode_lengths([3]), b"abc"], r"^type 3: header of 23 bytes, expected 24$"),
+        # version 1 carried one frame per DATA message, version 2 no ring positions: refused
+        ([b"ASBR\x01\x00\x03\x00" + bytes(16), b"abc"], r"^version 1: expected 3$"),
+        ([b"ASBR\x02\x00\x03\x00" + bytes(16), b"", b""], r"^version 2: expected 3$"),
+        (
+            [P.encode_data(1, 2, 640, 1), bytes(8), b""],
+            r"^DATA seq 1: a_index 1 below count 2: expected a_index >= count$",
+        ),
+        ([b"ASBR\x03\x00\x09\x00"], r"^message type 9: expected 1\.\.6$"),
+        ([P.encode_data(1, 1)[:-1], P.encode_lengths([3]), b"abc"], r"^type 3: header of 39 bytes, expected 40$"),
         ([P.encode_data(1, 1), b"abc"], r"^type 3: 2 parts, expected 3$"),
         ([P.encode_data(1, 0), b"", b""], r"^DATA seq 1: count 0: expected 1\.\.4096$"),
         ([P.encode_data(1, 4097), bytes(4 * 4097), b""], r"^DATA seq 1: count 4097: expected 1\.\.4096$"),

@@ -105,7 +105,7 @@ def _stop_on_signals(stop: Any) -> None:
 def _send(a: argparse.Namespace) -> int:
     _setup(a)
     import shm
-    from aiospec.bridge import BridgeConfigError, BridgeSender, CurveKeys, IdleStrategy
+    from aiospec.bridge import BridgeConfigError, BridgeError, BridgeSender, CurveKeys, IdleStrategy
 
     curve = None
     if a.curve_secret or a.curve_server_key:
@@ -132,6 +132,9 @@ def _send(a: argparse.Namespace) -> int:
     except BridgeConfigError as exc:
         print(f"aiospec bridge send: {exc}", file=sys.stderr)
         return 2
+    except BridgeError as exc:  # superseded by a newer sender of the ring
+        print(f"aiospec bridge send: {exc}", file=sys.stderr)
+        return 1
     finally:
         st = sender.stats()
         sender.close()
