@@ -335,12 +335,17 @@ class Ring:
         spin: float = 50e-6,
         recheck: float = 0.05,
         producer_timeout: float | None = None,
-        start: str = "head",
+        start: str | int = "head",
     ) -> Reader:
         """Take a reader slot. The reader starts at the current head: it sees the frames
         committed from now on, not earlier ones; with ``start="oldest"`` it starts at the
         oldest frame still whole in the data area instead (recovery: what a producer that
-        died left behind; docs/wire-format.md section 8).
+        died left behind; docs/wire-format.md section 8); with a position, there, when the
+        committed frames from it lead to the head and the producer has not reached them (a
+        reader resuming where an earlier one of the same ring stopped), else at the head:
+        ``Reader.tail`` says where it started. Behind the other readers' tails, frames are
+        not held back from a live producer that does not rescan the tails for each frame
+        (section 8 says the same of ``"oldest"``): such a reader checks its copies.
 
         Args:
             spin: seconds ``Reader.wait()`` polls before it sleeps on the bell (latency
@@ -352,7 +357,7 @@ class Ring:
                 (``ProducerStalled``) while its process is alive in this pid namespace, and
                 presumed gone (``ProducerGone``) when its pid cannot be checked. ``None``:
                 only a closed ring or an exited producer process count.
-            start: ``"head"`` (the default) or ``"oldest"``.
+            start: ``"head"`` (the default), ``"oldest"`` or a position.
 
         Raises:
             RingError: this handle is closed, or every slot is taken.
@@ -365,9 +370,10 @@ class Ring:
             raise RingError(f"reader: ring {self._name} is closed")
         if spin < 0 or recheck <= 0:
             raise ValueError(f"reader: spin = {spin!r}, recheck = {recheck!r}: expected spin >= 0, recheck > 0")
-        if start not in ("head", "oldest"):
-            raise ValueError(f"reader: start = {start!r}: expected 'head' or 'oldest'")
-        slot, gen, bell, tail = self._seg.claim_slot(oldest=start == "oldest")
+        at = start if isinstance(start, int) and not isinstance(start, bool) and start >= 0 else None
+        if at is None and start not in ("head", "oldest"):
+            raise ValueError(f"reader: start = {start!r}: expected 'head', 'oldest' or a position >= 0")
+        slot, gen, bell, tail = self._seg.claim_slot(oldest=start == "oldest", at=at)
         r = Reader(
             sys_.PRIVATE,
             self,

@@ -366,10 +366,12 @@ class Segment:
     def active_slots(self) -> list[int]:
         return [i for i in range(self.max_readers) if self.w[self.state[i]] == L.READER_ACTIVE]
 
-    def claim_slot(self, oldest: bool = False) -> tuple[int, int, int, int]:
+    def claim_slot(self, oldest: bool = False, at: int | None = None) -> tuple[int, int, int, int]:
         """Take the first free slot for this process and open its bell (section 4); returns
         ``(slot, generation, bell fd, tail)``: the new reader starts at the current head, or
-        with ``oldest`` at the oldest frame still whole in the data area (section 8)."""
+        with ``oldest`` at the oldest frame still whole in the data area (section 8), or at
+        position ``at`` when the frames from there to the head are still whole (else at the
+        head)."""
         w, q = self.w, self.q
         with self.slot_lock():
             self.check_line0("take a reader slot")
@@ -391,7 +393,9 @@ class Segment:
             full_fence()  # store(state) -> load(head): pairs with the producer's commit fence
             tail = q[L.OFF_HEAD // 8]
             q[self.tail[slot]] = tail
-            if oldest:
+            if at is not None:
+                tail = self._start_at(slot, tail, at)
+            elif oldest:
                 tail = self._start_at_oldest(slot, tail)
         return slot, gen, bell, tail
 
@@ -432,6 +436,22 @@ class Segment:
         q[self.tail[slot]] = head
         return head
 
+    def _start_at(self, slot: int, head: int, at: int) -> int:
+        # Move the new tail back to ``at`` (a reader resuming where an earlier one stopped):
+        # the committed frames from there must lead to the head, and the producer must not
+        # have reached them (the check of _start_at_oldest, for that one position).
+        q = self.q
+        if head - self.capacity < at <= head and self._chain_end(at, head) == head:
+            live = self.producer_may_write()
+            q[self.tail[slot]] = at
+            full_fence()
+            head2 = q[L.OFF_HEAD // 8]
+            reach = self.write_bound(head2) if live else head2 + L.FRAME_HEADER
+            if reach - at <= self.capacity:
+                return at
+            q[self.tail[slot]] = head
+        return head
+
     def oldest_frame(self, head: int, reach: int | None = None) -> int:
         """The position of the oldest frame still whole in the data area below ``head``: the
         first 64-byte aligned position at or above ``reach - capacity`` (default ``head +
@@ -447,25 +467,30 @@ class Segment:
             w = (L.CONTROL_SIZE + (cand & mask)) >> 3
             if q[w] != cand or q[w + 1] == 0:
                 continue
-            pos = cand
-            while pos < head:
-                off = pos & mask
-                word = (L.CONTROL_SIZE + off) >> 3
-                commit = q[word + 1]
-                length, ftype = commit & 0xFFFFFFFF, commit >> 32
-                size = L.align(length, L.FRAME_ALIGN)
-                if (
-                    q[word] != pos
-                    or length < L.FRAME_HEADER
-                    or size > cap - off
-                    or ftype not in (L.FRAME_DATA, L.FRAME_PAD)
-                    or (ftype == L.FRAME_PAD and length != cap - off)
-                ):
-                    break
-                pos += size
-            if pos == head:
+            if self._chain_end(cand, head) == head:
                 return cand
         return head
+
+    def _chain_end(self, pos: int, head: int) -> int:
+        """Where the chain of committed frames from ``pos`` (each passing the reading checks
+        of section 3) stops, at most ``head``."""
+        q, mask, cap = self.q, self.mask, self.capacity
+        while pos < head:
+            off = pos & mask
+            word = (L.CONTROL_SIZE + off) >> 3
+            commit = q[word + 1]
+            length, ftype = commit & 0xFFFFFFFF, commit >> 32
+            size = L.align(length, L.FRAME_ALIGN)
+            if (
+                q[word] != pos
+                or length < L.FRAME_HEADER
+                or size > cap - off
+                or ftype not in (L.FRAME_DATA, L.FRAME_PAD)
+                or (ftype == L.FRAME_PAD and length != cap - off)
+            ):
+                break
+            pos += size
+        return pos
 
     def free_slot(self, slot: int, generation: int) -> None:
         """Give the slot back, unless it stopped being ours (evicted, then taken again)."""

@@ -185,3 +185,28 @@ class FarProcess:
             self.proc.terminate()
         out, err = self.proc.communicate(timeout=30)
         return self.proc.returncode, out, err
+
+
+class NearProcess:
+    """``aiospec bridge send`` in a child process (a test can SIGKILL it: ``kill()``)."""
+
+    def __init__(self, ring: str, endpoint: str, *args: str) -> None:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        cmd = [sys.executable, "-m", "aiospec.cli", "bridge", "send", "--ring", ring, "--connect", endpoint, *args]
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, env=env, text=True
+        )
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.communicate(timeout=30)  # reaps it: its pid is gone, its reader slot dead
+
+    def stop(self, timeout: float = 30.0) -> tuple[int, str, str]:
+        """Wait ``timeout`` seconds for it to end (then terminate it); its status and output."""
+        try:
+            out, err = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.terminate()
+            out, err = self.proc.communicate(timeout=30)
+        return self.proc.returncode, out, err

@@ -62,10 +62,15 @@ def test_messages_round_trip() -> None:
         ([], r"^empty message$"),
         ([b"ASB"], r"^header of 3 bytes: expected at least 8$"),
         ([b"XXXX\x02\x00\x03\x00" + bytes(16)], r"^magic b'XXXX': expected b'ASBR'$"),
-        # version 1 carried one frame per DATA message: a peer of that version is refused
-        ([b"ASBR\x01\x00\x03\x00" + bytes(16), b"abc"], r"^version 1: expected 2$"),
-        ([b"ASBR\x02\x00\x09\x00"], r"^message type 9: expected 1\.\.6$"),
-        ([P.encode_data(1, 1)[:-1], P.encode_lengths([3]), b"abc"], r"^type 3: header of 23 bytes, expected 24$"),
+        # version 1 carried one frame per DATA message, version 2 no ring positions: refused
+        ([b"ASBR\x01\x00\x03\x00" + bytes(16), b"abc"], r"^version 1: expected 3$"),
+        ([b"ASBR\x02\x00\x03\x00" + bytes(16), b"", b""], r"^version 2: expected 3$"),
+        (
+            [P.encode_data(1, 2, 640, 1), bytes(8), b""],
+            r"^DATA seq 1: a_index 1 below count 2: expected a_index >= count$",
+        ),
+        ([b"ASBR\x03\x00\x09\x00"], r"^message type 9: expected 1\.\.6$"),
+        ([P.encode_data(1, 1)[:-1], P.encode_lengths([3]), b"abc"], r"^type 3: header of 39 bytes, expected 40$"),
         ([P.encode_data(1, 1), b"abc"], r"^type 3: 2 parts, expected 3$"),
         ([P.encode_data(1, 0), b"", b""], r"^DATA seq 1: count 0: expected 1\.\.4096$"),
         ([P.encode_data(1, 4097), bytes(4 * 4097), b""], r"^DATA seq 1: count 4097: expected 1\.\.4096$"),
@@ -277,3 +282,60 @@ def test_a_near_end_with_a_key_the_far_end_does_not_know_is_refused(tmp_path: Pa
         recv.stop()
         target.close()
         near.close()
+
+
+# -- binding and addresses -----------------------------------------------------------------
+
+
+def test_recv_with_a_taken_port_says_so_in_one_line_and_leaves_no_ring() -> None:
+    import secrets
+    import socket
+
+    taken = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    port = taken.getsockname()[1]
+    name = f"aiospec-{secrets.token_hex(16)}"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    try:
+        cmd = [sys.executable, "-m", "aiospec.cli", "bridge", "recv", "--bind", f"tcp://127.0.0.1:{port}"]
+        r = subprocess.run([*cmd, "--ring", name], capture_output=True, text=True, env=env, timeout=60)
+    finally:
+        taken.close()
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.splitlines() == [
+        f"aiospec bridge recv: bridge receiver: could not bind tcp://127.0.0.1:{port}: "
+        f"Address already in use (addr='tcp://127.0.0.1:{port}')"
+    ]
+    assert "Traceback" not in r.stderr and r.stdout == ""
+    assert not os.path.exists(os.path.join(shm.SHM_DIR, name))
+
+
+def test_an_ipv6_loopback_endpoint_carries_frames() -> None:
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError as exc:  # pragma: no cover - a host without IPv6 on lo
+        pytest.skip(f"no IPv6 loopback here: {exc}")
+    target = RingTarget(None, capacity=1 << 16)
+    far = shm.Ring.attach(target.name)
+    reader = far.reader()
+    recv = BridgeReceiver("tcp://[::1]:0", target, **FAST)  # type: ignore[arg-type]
+    try:
+        recv.start()
+        assert recv.endpoint_bound is not None and recv.endpoint_bound.startswith("tcp://[::1]:")
+        with shm.Ring.create(capacity=1 << 16) as near:
+            sender = BridgeSender(near.name, recv.endpoint_bound, **FAST).start()  # type: ignore[arg-type]
+            try:
+                wait_for(lambda: sender.state == "up", "the link over IPv6")
+                near.write(b"over ::1")
+                assert drain(reader, 1) == [b"over ::1"]
+            finally:
+                sender.close()
+    finally:
+        recv.stop()
+        reader.close()
+        far.close()
+        target.close()

@@ -92,6 +92,69 @@ def test_pd_through_a_bridge_gives_the_client_the_same_first_token_and_logprobs(
     assert far_rc == 0 and "ended: the upstream producer is gone" in far_out, (far_out, far_err)
 
 
+def _stream(url: str, i: int) -> tuple[str | None, int]:
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    finish, n = None, 0
+    for chunk in client.chat.completions.create(
+        model="aiospec-toy",
+        messages=[{"role": "user", "content": f"s{i}"}],
+        max_tokens=20,
+        seed=i,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    ):
+        for ch in chunk.choices:
+            n += bool(ch.delta.content)
+            finish = ch.finish_reason or finish
+    return finish, n
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_pd_streams_get_their_tokens_across_a_bridge_sender_killed_and_restarted() -> None:
+    import concurrent.futures
+    import time
+
+    from _bridgehelpers import NearProcess
+
+    near_ring = "aiospec-test-prefill-" + os.urandom(8).hex()
+    far = FarProcess(
+        "--bind", "tcp://127.0.0.1:0", "--capacity", str(32 << 20), "--max-record", str(8 << 20), "--give-up", "0"
+    )  # fmt: skip
+    send = NearProcess(near_ring, far.endpoint, "--wait-ring", "120")
+    srv = ServerProcess([*ENGINE, "--prefill-ring", near_ring, "--prefill-via-ring", far.ring])
+    again = None
+    try:
+        srv.start(timeout=180)
+        finish, chunks = _stream(srv.url, 0)
+        assert finish == "length" and chunks > 0
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            futures = []
+            t0 = time.monotonic()
+            # streams start before, during and after the outage: those whose first token the
+            # prefill engine wrote while no sender ran get it from the restarted one
+            while time.monotonic() - t0 < 3.0:
+                futures.append(pool.submit(_stream, srv.url, len(futures) + 1))
+                if send.proc.poll() is None and again is None and time.monotonic() - t0 > 1.0:
+                    send.kill()
+                if again is None and time.monotonic() - t0 > 2.0:
+                    again = NearProcess(near_ring, far.endpoint, "--wait-ring", "120")
+                time.sleep(0.05)
+            results = [f.result(timeout=120) for f in futures]
+        # every stream to its end (20 tokens: finish_reason "length"), none cut short or hung
+        assert [f for f, _ in results] == ["length"] * len(results) and all(n > 0 for _, n in results)
+        with urllib.request.urlopen(srv.url + "/stats", timeout=60) as r:
+            stats = json.loads(r.read())
+        assert stats["hub"]["frames_lost"] == 0
+    finally:
+        srv.stop()
+        for p in (send, again):
+            if p is not None and p.proc.returncode is None:
+                p.stop(60)  # it ends with the prefill ring; this reaps it and closes its pipes
+        far.proc.wait(60)
+        far.stop()
+
+
 def test_a_decode_engine_starts_a_handoff_handoff_steps_later() -> None:
     from aiospec.engine import EngineConfig
     from aiospec.engine._core import EngineCore

@@ -262,7 +262,7 @@ def test_recovery_reader_starts_at_the_oldest_whole_frame() -> None:
         used = sum(frame_size(len(p)) for p in got)
         assert used > CAP - 2 * 1024  # everything but the frames the next header cut
         rec.close()
-        with pytest.raises(ValueError, match=r"^reader: start = 'tail': expected 'head' or 'oldest'$"):
+        with pytest.raises(ValueError, match=r"^reader: start = 'tail': expected 'head', 'oldest' or a position >= 0$"):
             att.reader(start="tail")
     finally:
         att.close()

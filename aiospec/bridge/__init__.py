@@ -18,7 +18,7 @@ Needs the ``bridge`` extra (pyzmq).
 
 from __future__ import annotations
 
-from aiospec.bridge._errors import BridgeConfigError, BridgeError, LinkDown, ProtocolError
+from aiospec.bridge._errors import BridgeConfigError, BridgeError, LinkDown, ProtocolError, Superseded
 from aiospec.bridge._idle import IdleStrategy
 from aiospec.bridge._link import CurveKeys, is_loopback, keygen
 from aiospec.bridge._receiver import BridgeReceiver, ReceiverStats
@@ -39,6 +39,7 @@ __all__ = (
     "ReceiverStats",
     "RingTarget",
     "SenderStats",
+    "Superseded",
     "is_loopback",
     "keygen",
 )

@@ -105,7 +105,7 @@ def _stop_on_signals(stop: Any) -> None:
 def _send(a: argparse.Namespace) -> int:
     _setup(a)
     import shm
-    from aiospec.bridge import BridgeConfigError, BridgeSender, CurveKeys, IdleStrategy
+    from aiospec.bridge import BridgeConfigError, BridgeError, BridgeSender, CurveKeys, IdleStrategy
 
     curve = None
     if a.curve_secret or a.curve_server_key:
@@ -132,6 +132,9 @@ def _send(a: argparse.Namespace) -> int:
     except BridgeConfigError as exc:
         print(f"aiospec bridge send: {exc}", file=sys.stderr)
         return 2
+    except BridgeError as exc:  # superseded by a newer sender of the ring
+        print(f"aiospec bridge send: {exc}", file=sys.stderr)
+        return 1
     finally:
         st = sender.stats()
         sender.close()
@@ -141,7 +144,7 @@ def _send(a: argparse.Namespace) -> int:
 
 def _recv(a: argparse.Namespace) -> int:
     _setup(a)
-    from aiospec.bridge import BridgeConfigError, BridgeReceiver, CurveKeys, IdleStrategy, RingTarget
+    from aiospec.bridge import BridgeConfigError, BridgeError, BridgeReceiver, CurveKeys, IdleStrategy, RingTarget
 
     curve = None
     if a.curve_secret or a.curve_clients:
@@ -170,7 +173,13 @@ def _recv(a: argparse.Namespace) -> int:
         print(f"aiospec bridge recv: {exc}", file=sys.stderr)
         return 2
     _stop_on_signals(recv.request_stop)
-    recv.start()
+    try:
+        recv.start()
+    except BridgeError as exc:
+        # the port is taken, the address is not this host's...: one line, and no ring left behind
+        target.close()
+        print(f"aiospec bridge recv: {exc}", file=sys.stderr)
+        return 2
     print(f"aiospec bridge recv: ring {target.name}, bound {recv.endpoint_bound}", flush=True)
     try:
         while not recv.join(0.2):

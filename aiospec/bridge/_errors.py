@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from shm import AiospecError
 
-__all__ = ("BridgeConfigError", "BridgeError", "LinkDown", "ProtocolError")
+__all__ = ("BridgeConfigError", "BridgeError", "LinkDown", "ProtocolError", "Superseded")
 
 
 class BridgeError(AiospecError):
@@ -27,3 +27,9 @@ class LinkDown(BridgeError, ConnectionError):
     """The other end of the link sent nothing for longer than the link timeout (it died, or the
     network between the ends failed). Reported, not raised, while the bridge keeps trying to
     reconnect: ``BridgeSender.link_error`` / ``BridgeReceiver.link_error``."""
+
+
+class Superseded(BridgeError):
+    """A newer sender of the same near ring took this sender's place at the far end (its HELLO
+    fenced this sender's session: the far end refuses its messages). The sender stops with
+    this error, since two readers of one ring forwarding to one far ring would repeat frames."""

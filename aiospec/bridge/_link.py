@@ -132,6 +132,21 @@ def check_endpoint(endpoint: str, keys: CurveKeys | None, role: str, what: str) 
         keys.check(role)
 
 
+def is_ipv6(endpoint: str) -> bool:
+    """Whether a ``tcp://`` endpoint names an IPv6 address (``tcp://[::1]:PORT``): ZeroMQ takes
+    those only on a socket with ``ZMQ_IPV6`` set."""
+    scheme, _, rest = endpoint.partition("://")
+    if scheme != "tcp":
+        return False
+    host = rest.rsplit(";", 1)[-1].rsplit(":", 1)[0]
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    try:
+        return ipaddress.ip_address(host).version == 6
+    except ValueError:
+        return False
+
+
 def apply_curve(sock: Any, keys: CurveKeys, role: str) -> None:
     public, secret = load_secret_key(keys.secret_file)
     sock.curve_publickey = public

@@ -37,7 +37,7 @@ __all__ = (
 )
 
 MAGIC = b"ASBR"
-VERSION = 2  # 2: DATA carries a batch of frames (1: one frame per message)
+VERSION = 3  # 3: ring A's identity and positions (2: DATA carries a batch; 1: one frame per message)
 MAX_BATCH = 4096  # entries of one DATA message
 MAX_REASON = 1024  # bytes of a GONE message's reason
 _U64 = (1 << 64) - 1
@@ -48,18 +48,26 @@ HELLO, CREDIT, DATA, LOST, GONE, BEAT = 1, 2, 3, 4, 5, 6
 WELCOME = 1  # the answer to a HELLO: the near side (re)starts sending at ``expected``
 RESEND = 2  # a message was missing: the near side sends again from ``expected``
 RESET = 4  # the far side does not know this sender: say HELLO
+SUPERSEDED = 8  # a newer sender of the same near ring took this sender's place: stop
+REFUSED = 16  # the far side carries another near ring's live session: HELLO refused, for now
+RESUME = 32  # with WELCOME: ``a_pos`` / ``a_index`` are the far side's last frame of this near ring
+_FLAGS = WELCOME | RESEND | RESET | SUPERSEDED | REFUSED | RESUME
 
 _PREFIX = struct.Struct("<4sHH")
 _BODY = {
     # near_session, next_seq (the oldest entry the near side holds), cum_bytes (payload bytes
-    # before it), max_payload (the near ring's largest payload)
-    HELLO: struct.Struct("<4sHHQQQI4x"),
+    # before it), max_payload (the near ring's largest payload), ring_epoch (the near ring's
+    # segment epoch: which ring A this is)
+    HELLO: struct.Struct("<4sHHQQQI4xQ"),
     # far_session, ack (next entry not yet delivered), expected (next entry the far side takes),
     # credit_seq (entries below it may be sent), credit_bytes (cumulative payload bytes that may
-    # be sent), max_payload (the far target's), flags
-    CREDIT: struct.Struct("<4sHHQQQQQII"),
-    DATA: struct.Struct("<4sHHQI4x"),  # seq (the first entry's), count
-    LOST: struct.Struct("<4sHHQQ"),  # seq, count
+    # be sent), max_payload (the far target's), flags, a_pos and a_index (with RESUME: the near
+    # ring's position just past the last frame the far side took, and that frame's index + 1)
+    CREDIT: struct.Struct("<4sHHQQQQQIIQQ"),
+    # seq (the first entry's), count, a_end (the near ring's position just past the last
+    # frame), a_index (the near ring's frames before a_end: the last frame's index + 1)
+    DATA: struct.Struct("<4sHHQI4xQQ"),
+    LOST: struct.Struct("<4sHHQQQQ"),  # seq, count, a_end, a_index (the near ring's, after the loss)
     GONE: struct.Struct("<4sHHQI4x"),  # seq, reason length
     BEAT: struct.Struct("<4sHHQI4x"),  # near_session, upstream heartbeat age in ms
 }
@@ -70,6 +78,7 @@ class Hello(NamedTuple):
     next_seq: int
     cum_bytes: int
     max_payload: int
+    ring_epoch: int = 0
 
 
 class Credit(NamedTuple):
@@ -80,6 +89,8 @@ class Credit(NamedTuple):
     credit_bytes: int
     max_payload: int
     flags: int
+    a_pos: int = 0
+    a_index: int = 0
 
 
 class Data(NamedTuple):
@@ -89,6 +100,8 @@ class Data(NamedTuple):
     seq: int
     lengths: tuple[int, ...]
     body: memoryview
+    a_end: int = 0
+    a_index: int = 0
 
     def payloads(self, start: int = 0) -> list[memoryview]:
         """The frames' payloads from the ``start``-th on, as views into ``body``."""
@@ -103,6 +116,8 @@ class Data(NamedTuple):
 class Lost(NamedTuple):
     seq: int
     frames: int
+    a_end: int = 0
+    a_index: int = 0
 
 
 class Gone(NamedTuple):
@@ -118,22 +133,31 @@ class Beat(NamedTuple):
 Message = Hello | Credit | Data | Lost | Gone | Beat
 
 
-def encode_hello(near_session: int, next_seq: int, cum_bytes: int, max_payload: int) -> bytes:
-    return _BODY[HELLO].pack(MAGIC, VERSION, HELLO, near_session, next_seq, cum_bytes, max_payload)
+def encode_hello(near_session: int, next_seq: int, cum_bytes: int, max_payload: int, ring_epoch: int = 0) -> bytes:
+    return _BODY[HELLO].pack(MAGIC, VERSION, HELLO, near_session, next_seq, cum_bytes, max_payload, ring_epoch)
 
 
 def encode_credit(
-    far_session: int, ack: int, expected: int, credit_seq: int, credit_bytes: int, max_payload: int, flags: int
+    far_session: int,
+    ack: int,
+    expected: int,
+    credit_seq: int,
+    credit_bytes: int,
+    max_payload: int,
+    flags: int,
+    a_pos: int = 0,
+    a_index: int = 0,
 ) -> bytes:
     return _BODY[CREDIT].pack(
-        MAGIC, VERSION, CREDIT, far_session, ack, expected, credit_seq, credit_bytes, max_payload, flags
+        MAGIC, VERSION, CREDIT, far_session, ack, expected, credit_seq, credit_bytes, max_payload, flags, a_pos, a_index
     )
 
 
-def encode_data(seq: int, count: int) -> bytes:
-    """The header part of a DATA message of ``count`` entries from ``seq`` on; the lengths
-    (``encode_lengths``) and the payloads travel as the second and third parts."""
-    return _BODY[DATA].pack(MAGIC, VERSION, DATA, seq, count)
+def encode_data(seq: int, count: int, a_end: int = 0, a_index: int | None = None) -> bytes:
+    """The header part of a DATA message of ``count`` entries from ``seq`` on, whose last frame
+    ends at the near ring's position ``a_end`` and is its ``a_index``-th (default ``count``);
+    the lengths (``encode_lengths``) and the payloads travel as the second and third parts."""
+    return _BODY[DATA].pack(MAGIC, VERSION, DATA, seq, count, a_end, count if a_index is None else a_index)
 
 
 _LENGTHS: dict[int, struct.Struct] = {}
@@ -151,13 +175,14 @@ def encode_lengths(lengths: list[int]) -> bytes:
     return _lengths_struct(len(lengths)).pack(*lengths)
 
 
-def encode_batch(seq: int, payloads: list[bytes]) -> list[bytes]:
+def encode_batch(seq: int, payloads: list[bytes], a_end: int = 0, a_index: int | None = None) -> list[bytes]:
     """A whole DATA message of ``payloads`` from ``seq`` on (for tests and simple senders)."""
-    return [encode_data(seq, len(payloads)), encode_lengths([len(p) for p in payloads]), b"".join(payloads)]
+    head = encode_data(seq, len(payloads), a_end, a_index)
+    return [head, encode_lengths([len(p) for p in payloads]), b"".join(payloads)]
 
 
-def encode_lost(seq: int, count: int) -> bytes:
-    return _BODY[LOST].pack(MAGIC, VERSION, LOST, seq, count)
+def encode_lost(seq: int, count: int, a_end: int = 0, a_index: int = 0) -> bytes:
+    return _BODY[LOST].pack(MAGIC, VERSION, LOST, seq, count, a_end, a_index)
 
 
 def encode_gone(seq: int, reason: str) -> list[bytes]:
@@ -203,12 +228,14 @@ def decode(parts: list[memoryview], *, max_payload: int) -> Message:
         raise ProtocolError(f"type {mtype}: {len(parts)} parts, expected {want_parts}")
     f = body.unpack(head)[3:]
     if mtype == DATA:
-        seq, count = f
+        seq, count, a_end, a_index = f
         _check_seq("DATA", seq)
         if not 1 <= count <= MAX_BATCH:
             raise ProtocolError(f"DATA seq {seq}: count {count}: expected 1..{MAX_BATCH}")
         if seq + count > _U64:
             raise ProtocolError(f"DATA seq {seq}: count {count} runs past sequence number 2**64-2")
+        if a_index < count:
+            raise ProtocolError(f"DATA seq {seq}: a_index {a_index} below count {count}: expected a_index >= count")
         table, payload = parts[1], parts[2]
         if table.nbytes != 4 * count:
             raise ProtocolError(
@@ -221,7 +248,7 @@ def decode(parts: list[memoryview], *, max_payload: int) -> Message:
         longest = max(lengths)
         if longest > max_payload:
             raise ProtocolError(f"DATA seq {seq}: payload of {longest} bytes exceeds max_payload {max_payload}")
-        return Data(seq, lengths, payload)
+        return Data(seq, lengths, payload, a_end, a_index)
     if mtype == CREDIT:
         c = Credit(*f)
         if c.ack > c.expected or c.expected > c.credit_seq or c.ack == 0:
@@ -229,7 +256,7 @@ def decode(parts: list[memoryview], *, max_payload: int) -> Message:
                 f"CREDIT ack {c.ack}, expected {c.expected}, credit_seq {c.credit_seq}: "
                 f"expected 1 <= ack <= expected <= credit_seq"
             )
-        if c.flags & ~(WELCOME | RESEND | RESET):
+        if c.flags & ~_FLAGS:
             raise ProtocolError(f"CREDIT flags {c.flags:#x}: unknown bits")
         return c
     if mtype == HELLO:
@@ -237,9 +264,9 @@ def decode(parts: list[memoryview], *, max_payload: int) -> Message:
         _check_seq("HELLO", h.next_seq)
         return h
     if mtype == LOST:
-        seq, count = f
-        _check_seq("LOST", seq)
-        return Lost(seq, count)
+        lost = Lost(*f)
+        _check_seq("LOST", lost.seq)
+        return lost
     if mtype == GONE:
         seq, n = f
         _check_seq("GONE", seq)

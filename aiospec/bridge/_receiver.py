@@ -28,7 +28,7 @@ from typing import Any
 from aiospec.bridge import _protocol as P
 from aiospec.bridge._errors import BridgeConfigError, LinkDown, ProtocolError
 from aiospec.bridge._idle import IdleStrategy
-from aiospec.bridge._link import CurveKeys, apply_curve, check_endpoint, start_authenticator
+from aiospec.bridge._link import CurveKeys, apply_curve, check_endpoint, is_ipv6, start_authenticator
 from aiospec.bridge._targets import FrameTarget
 
 __all__ = ("BridgeReceiver", "ReceiverStats")
@@ -55,6 +55,9 @@ class ReceiverStats:
         gaps: times an entry was missing and a resend was asked for.
         protocol_errors: messages that failed validation and were dropped.
         sessions: HELLOs answered (connections and reconnections of near ends).
+        superseded: near-end sessions fenced by a newer sender of the same near ring.
+        refused: HELLOs refused while another near ring's session was live.
+        resumed: near ends of the same near ring welcomed with this end's last frame of it.
         full_waits: times the target had no room for the next frame.
     """
 
@@ -69,19 +72,23 @@ class ReceiverStats:
     protocol_errors: int
     sessions: int
     full_waits: int
+    superseded: int
+    refused: int
+    resumed: int
 
 
 class _Batch:
     """Entries taken from one message: DATA frames, or one LOST or GONE."""
 
-    __slots__ = ("current", "data", "kind", "pos", "value")
+    __slots__ = ("current", "data", "entry", "kind", "pos", "value")
 
-    def __init__(self, kind: int, data: Any, value: Any) -> None:
+    def __init__(self, kind: int, data: Any, value: Any, *, entry: bool = True) -> None:
         self.kind = kind
         self.data = data  # DATA: the zmq.Frame that owns the payloads
         self.value = value  # DATA: the payload views; LOST: the count; GONE: the reason
         self.pos = 0  # DATA: frames delivered so far
-        self.current = True  # from the current near session (counted in ``ack``)
+        self.current = entry  # from the current near session (counted in ``ack``)
+        self.entry = entry  # False: a loss this end found in the near ring's frame indices
 
     @property
     def left(self) -> int:
@@ -182,10 +189,17 @@ class BridgeReceiver:
         self._credit_due = 0.0
         self._reset_due = 0.0
         self._beat_due = 0.0
+        # the near ring's stream: its epoch, the position just past the last frame taken and
+        # that frame's index + 1 (None: none taken yet), for a sender that restarts on it
+        self._a_epoch = 0
+        self._a_pos: int | None = None
+        self._a_next: int | None = None
+        self._fenced: collections.deque[bytes] = collections.deque(maxlen=64)  # superseded peers
         self._counts = dict.fromkeys(
-            ("frames", "messages", "bytes", "lost", "duplicates", "gaps", "protocol_errors", "sessions", "full_waits"),
+            ("frames", "messages", "bytes", "lost", "duplicates", "gaps", "protocol_errors", "sessions", "full_waits",
+             "superseded", "refused", "resumed"),
             0,
-        )
+        )  # fmt: skip
 
     # -- public surface --------------------------------------------------------------------
 
@@ -209,7 +223,8 @@ class BridgeReceiver:
         if not self._bound.wait(timeout) or self._failure is not None:
             from aiospec.bridge._errors import BridgeError
 
-            raise BridgeError(f"bridge receiver: could not bind {self.endpoint}") from self._failure
+            why = self._failure if self._failure is not None else f"no answer within {timeout} s"
+            raise BridgeError(f"bridge receiver: could not bind {self.endpoint}: {why}") from self._failure
         return self
 
     def request_stop(self) -> None:
@@ -238,8 +253,10 @@ class BridgeReceiver:
             self.run()
         except BaseException as exc:
             self._failure = exc
-            self._bound.set()
-            log.exception("bridge receiver failed")
+            if self._bound.is_set():
+                log.exception("bridge receiver failed")
+            else:
+                self._bound.set()  # start() raises it, with the reason: no traceback here
 
     def run(self) -> str:
         """Receive and deliver until the end; returns why it ended."""
@@ -255,6 +272,8 @@ class BridgeReceiver:
             # ZeroMQ's queues only ever hold what the credit allows, plus a few control messages
             sock.setsockopt(zmq.RCVHWM, 2 * self.window_frames + 1024)
             sock.setsockopt(zmq.SNDHWM, 1024)
+            if is_ipv6(self.endpoint):
+                sock.setsockopt(zmq.IPV6, 1)  # off by default: an IPv6 address fails to bind
             if self.curve is not None:
                 apply_curve(sock, self.curve, "far")
             sock.bind(self.endpoint)
@@ -376,17 +395,20 @@ class BridgeReceiver:
             self._protocol_error(peer, exc)
             return
         if isinstance(msg, P.Hello):
-            if self._state != "done":
-                self._on_hello(peer, msg)
+            if peer in self._fenced:
+                self._send(sock, zmq, peer, P.SUPERSEDED)
+            elif self._state != "done":
+                self._on_hello(sock, zmq, peer, msg)
             elif msg.near_session == self._near_session:
                 self._peer, self._welcome = peer, True  # it reconnected: tell it what it missed
             return
         if peer != self._peer:
             # a sender this receiver has not welcomed (it restarted, or this receiver did)
+            # (or one a newer sender of its ring superseded: it is told so, and stops)
             now = time.monotonic()
             if now >= self._reset_due:
                 self._reset_due = now + self.heartbeat
-                self._send(sock, zmq, peer, P.RESET)
+                self._send(sock, zmq, peer, P.SUPERSEDED if peer in self._fenced else P.RESET)
             return
         self._last_heard = time.monotonic()
         if self._state == "down":
@@ -427,8 +449,15 @@ class BridgeReceiver:
             self._cum += n
             self._queued_bytes += n
             self._counts["messages"] += 1
+            # frames of the near ring that no entry carried (a restarted sender that could not
+            # start where this end stands): counted lost, in their place in the stream
+            first = msg.a_index - take
+            if self._a_next is not None and first > self._a_next:
+                self._queue.append(_Batch(P.LOST, None, first - self._a_next, entry=False))
+            self._a_pos, self._a_next = msg.a_end, msg.a_index
         elif isinstance(msg, P.Lost):
             batch, take = _Batch(P.LOST, None, msg.frames), 1
+            self._a_pos, self._a_next = msg.a_end, msg.a_index
         else:
             batch, take = _Batch(P.GONE, None, msg.reason), 1
         self._queue.append(batch)
@@ -450,7 +479,14 @@ class BridgeReceiver:
             # most of what the near end sends is DATA: have what may have been lost sent again
             self._ask_resend()
 
-    def _on_hello(self, peer: bytes, msg: P.Hello) -> None:
+    def _on_hello(self, sock: Any, zmq: Any, peer: bytes, msg: P.Hello) -> None:
+        same = msg.near_session == self._near_session and self._peer is not None
+        if not same and self._state == "up" and msg.ring_epoch != self._a_epoch:
+            # one session at a time: another near ring's sender waits until this one's link is
+            # down (it is told why and says HELLO again)
+            self._counts["refused"] += 1
+            self._send(sock, zmq, peer, P.REFUSED)
+            return
         self._counts["sessions"] += 1
         self._last_heard = time.monotonic()
         if msg.max_payload > self.target.max_payload:
@@ -460,10 +496,20 @@ class BridgeReceiver:
                 msg.max_payload,
                 self.target.max_payload,
             )
-        same = msg.near_session == self._near_session and self._peer is not None
         if same and msg.next_seq <= self._expected:
             pass  # a reconnection: resume where this end stands
         else:
+            if self._peer is not None and self._peer != peer:
+                # a newer sender of the near ring (a restart) fences the older session: what it
+                # sends from now on is refused, and it is told so
+                self._fenced.append(self._peer)
+                self._counts["superseded"] += 1
+                self._send(sock, zmq, self._peer, P.SUPERSEDED)
+                log.warning("bridge receiver: a new near-end session supersedes the previous one")
+            if msg.ring_epoch != self._a_epoch:
+                self._a_epoch, self._a_pos, self._a_next = msg.ring_epoch, None, None  # a new stream
+            elif self._a_pos is not None:
+                self._counts["resumed"] += 1
             # a new near end (or one that lost state): start at the oldest entry it holds;
             # entries of the earlier sender still queued are delivered, but no longer acked
             for e in self._queue:
@@ -506,7 +552,8 @@ class BridgeReceiver:
                 q.popleft()
                 continue
             q.popleft()
-            self._queued -= 1
+            if b.entry:
+                self._queued -= 1
             if b.current:
                 self._queued_current -= 1
             if b.kind == P.LOST:
@@ -543,7 +590,13 @@ class BridgeReceiver:
     def _send(self, sock: Any, zmq: Any, peer: bytes, flags: int) -> bool:
         ack, credit_seq, credit_bytes = self._credit()
         expected = self._expected if flags & P.RESET == 0 else ack
-        msg = P.encode_credit(self.session, ack, expected, credit_seq, credit_bytes, self.target.max_payload, flags)
+        a_pos = a_index = 0
+        if flags & P.WELCOME and self._a_pos is not None and self._a_next is not None:
+            flags |= P.RESUME
+            a_pos, a_index = self._a_pos, self._a_next
+        msg = P.encode_credit(
+            self.session, ack, expected, credit_seq, credit_bytes, self.target.max_payload, flags, a_pos, a_index
+        )
         try:
             sock.send_multipart([peer, msg], _NOBLOCK)
         except zmq.Again:

@@ -31,9 +31,9 @@ from typing import Any
 
 import shm
 from aiospec.bridge import _protocol as P
-from aiospec.bridge._errors import BridgeConfigError, BridgeError, LinkDown, ProtocolError
+from aiospec.bridge._errors import BridgeConfigError, BridgeError, LinkDown, ProtocolError, Superseded
 from aiospec.bridge._idle import IdleStrategy
-from aiospec.bridge._link import CurveKeys, apply_curve, check_endpoint
+from aiospec.bridge._link import CurveKeys, apply_curve, check_endpoint, is_ipv6
 from shm import layout as L
 
 __all__ = ("BridgeSender", "SenderStats")
@@ -86,16 +86,31 @@ class SenderStats:
 class _Chunk:
     """Consecutive entries made at once: the frames of one read (DATA), or one LOST or GONE."""
 
-    __slots__ = ("body", "count", "cum0", "kind", "lengths", "offs", "seq", "value")
+    __slots__ = ("a0", "a_end", "a_ends", "a_index", "body", "count", "cum0", "kind", "lengths", "offs", "seq", "value")
 
     def __init__(
-        self, seq: int, kind: int, cum0: int, *, body: bytes = b"", lengths: list[int] | None = None, value: Any = None
+        self,
+        seq: int,
+        kind: int,
+        cum0: int,
+        a_end: int,
+        a_index: int,
+        *,
+        a0: int = 0,
+        body: bytes = b"",
+        lengths: list[int] | None = None,
+        value: Any = None,
     ) -> None:
         self.seq = seq  # the first entry's sequence number
         self.kind = kind
         self.cum0 = cum0  # cumulative payload bytes before the first entry
         self.body = body  # DATA: the payloads end to end
         self.value = value  # LOST: the count; GONE: the reason
+        # the ring's position past the last frame and its frames before it (the last frame's
+        # index + 1); DATA: a0 is the position the read started at, and a_ends each frame's
+        # end, worked out when a message ends inside the read
+        self.a0, self.a_end, self.a_index = a0, a_end, a_index
+        self.a_ends: list[int] | None = None
         if lengths is None:
             self.count = 1
             self.offs = [0, 0]
@@ -182,7 +197,8 @@ class BridgeSender:
         self.ring = _attach(ring, wait_ring) if isinstance(ring, str) else ring
         self._spin, self._recheck = spin, recheck
         self.reader = self.ring.reader(spin=spin, recheck=recheck)
-        self._control = _map_control(self.ring)
+        self._control = _map_ring(self.ring)
+        self._epoch = self._control[L.OFF_EPOCH // 8]  # which ring this is (its segment's life)
         self.session = secrets.randbits(63) | 1
         self.link_error: BridgeError | None = None
         self.handshake_error: str | None = None
@@ -212,7 +228,13 @@ class BridgeSender:
         self._check_due = 0.0
         self._blocked_until = 0.0
         self._gone_queued = False
-        self._frames_base = self.ring.stats().frames_written
+        # the ring's frames before the reader's read position (their index, from the ring's
+        # frames_written): the far end finds frames no entry carried from it
+        self._a_index = self._index_at(self.reader.tail)
+        # a resumed reader starts behind the tails the producer may have cached: its reads
+        # below this position are checked after the copy (section 6's rule for a reader
+        # without a slot); 0 otherwise, one comparison per read
+        self._unsafe_below = 0
         self._counts = dict.fromkeys(
             ("frames", "bytes", "sent", "messages", "resent", "acked", "dropped", "upstream_lost", "credit_stalls",
              "sessions", "protocol_errors"),
@@ -297,6 +319,8 @@ class BridgeSender:
             sock.setsockopt(zmq.RCVHWM, 1 << 16)
             sock.setsockopt(zmq.RECONNECT_IVL, 50)
             sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+            if is_ipv6(self.endpoint):
+                sock.setsockopt(zmq.IPV6, 1)  # off by default: an IPv6 address fails to connect
             # the same identity after a reconnection: the far end knows this sender again
             sock.setsockopt(zmq.ROUTING_ID, b"A" + self.session.to_bytes(8, "little"))
             if self.curve is not None:
@@ -336,6 +360,11 @@ class BridgeSender:
                 self._drain_monitor(monitor, zmq)
             if self._failure is not None:
                 raise self._failure
+            if self.reader is not reader:
+                # a new reader slot (a resume, an eviction): sleep on its bell, not the old one's
+                with_bell.unregister(reader.fileno())
+                reader = self.reader
+                with_bell.register(reader.fileno(), zmq.POLLIN)
             now = time.monotonic()
             why = self._timers(sock, zmq, now)
             if why is not None:
@@ -427,7 +456,8 @@ class BridgeSender:
                 oldest = self._chunks[0] if self._chunks else None
                 next_seq = oldest.seq if oldest is not None else self._next_seq
                 cum = oldest.cum0 if oldest is not None else self._cum
-                self._send(sock, zmq, [P.encode_hello(self.session, next_seq, cum, self.ring.max_payload)])
+                hello = P.encode_hello(self.session, next_seq, cum, self.ring.max_payload, self._epoch)
+                self._send(sock, zmq, [hello])
         elif now >= self._beat_due:
             self._beat_due = now + self.heartbeat
             self._send(sock, zmq, [P.encode_beat(self.session, self._upstream_age_ms())])
@@ -488,6 +518,21 @@ class BridgeSender:
 
     def _on_credit(self, c: P.Credit) -> None:
         now = time.monotonic()
+        if c.flags & P.SUPERSEDED:
+            self._failure = Superseded(
+                f"bridge sender {self.endpoint}: a newer sender of ring {self.ring.name} took this sender's place "
+                f"at the far end: stopping (two senders of one ring would repeat its frames)"
+            )
+            return
+        if c.flags & P.REFUSED:
+            error = (
+                f"bridge sender {self.endpoint}: the far end refused this sender: it carries another ring's live "
+                f"session; saying HELLO again until that session's link is down"
+            )
+            if self.link_error is None or str(self.link_error) != error:
+                self.link_error = BridgeError(error)
+                log.error("%s", error)
+            return
         if c.flags & P.RESET:
             if self._state == "up":
                 log.warning("bridge sender: the far end does not know this sender (it restarted): HELLO again")
@@ -516,6 +561,9 @@ class BridgeSender:
                     "bridge sender: the far end restarted; %d unacknowledged entries go to its new target",
                     self._held(),
                 )
+            if c.flags & P.RESUME and self._counts["sessions"] == 0 and self._next_seq == 1:
+                # the far end has frames of this ring from an earlier sender: start after them
+                self._resume(c.a_pos, c.a_index)
             self._far_session = c.far_session
             self._counts["sessions"] += 1
             if self._state != "up":
@@ -575,8 +623,9 @@ class BridgeSender:
                     break  # the next frame is beyond the byte credit
                 if offs[j] - offs[i] > batch_bytes:
                     j = max(i + 1, bisect.bisect_right(offs, offs[i] + batch_bytes, i, j + 1) - 1)
+                a_end = c.a_end if j == c.count else _frame_end(c, j, self.ring.capacity)
                 parts: list[Any] = [
-                    P.encode_data(c.seq + i, j - i),
+                    P.encode_data(c.seq + i, j - i, a_end, c.a_index + j),
                     c.lengths[4 * i : 4 * j],
                     memoryview(c.body)[offs[i] : offs[j]],
                 ]
@@ -584,7 +633,10 @@ class BridgeSender:
                 if c.cum0 > credit_bytes:
                     break
                 j = 1
-                parts = [P.encode_lost(c.seq, c.value)] if c.kind == P.LOST else P.encode_gone(c.seq, c.value)
+                if c.kind == P.LOST:
+                    parts = [P.encode_lost(c.seq, c.value, c.a_end, c.a_index)]
+                else:
+                    parts = P.encode_gone(c.seq, c.value)
             if not self._send(sock, zmq, parts):
                 break
             self._send_seq = c.seq + j
@@ -621,6 +673,7 @@ class BridgeSender:
         reader = self.reader
         dropping = self._state != "up"
         n = self.max_batch if dropping else min(self._poll_frames, self._credit_seq - self._next_seq)
+        a0 = reader.tail
         try:
             views = reader.poll(n)
         except shm.ReaderEvicted as exc:
@@ -633,12 +686,22 @@ class BridgeSender:
             return True
         if views:
             if dropping:
+                reader.release()
+                self._a_index += len(views)
                 self._counts["dropped"] += len(views)
                 self._lost(len(views))
             else:
                 # one copy out of the ring for the whole read; the payloads stay end to end
                 lengths = list(map(len, views))
-                chunk = _Chunk(self._next_seq, P.DATA, self._cum, body=b"".join(views), lengths=lengths)
+                body = b"".join(views)
+                if a0 < self._unsafe_below and not self._intact(a0):
+                    self._overrun(a0)
+                    return True
+                reader.release()
+                chunk = _Chunk(
+                    self._next_seq, P.DATA, self._cum, reader.tail, self._a_index, a0=a0, body=body, lengths=lengths
+                )
+                self._a_index += chunk.count
                 total = chunk.offs[-1]
                 self._chunks.append(chunk)
                 self._next_seq += chunk.count
@@ -647,7 +710,6 @@ class BridgeSender:
                 # the next read: as many frames as make batch_bytes at this read's frame size
                 self._poll_frames = max(1, min(self.max_batch, self.batch_bytes * len(views) // max(1, total)))
             self._counts["frames"] += len(views)
-            reader.release()
         lost = reader.new_losses()
         if lost:
             self._counts["upstream_lost"] += lost
@@ -658,6 +720,7 @@ class BridgeSender:
         last = self._chunks[-1] if self._chunks else None
         if last is not None and last.kind == P.LOST and last.seq >= self._send_seq:
             last.value += count  # not sent yet: one entry says it all
+            last.a_end, last.a_index = self.reader.tail, self._a_index
         else:
             self._append(P.LOST, count)
 
@@ -667,14 +730,116 @@ class BridgeSender:
         log.error("bridge sender: %s; taking a new reader slot", exc)
         self.reader.close()
         self.reader = self.ring.reader(spin=self._spin, recheck=self._recheck)
-        written = self.ring.stats().frames_written
-        missed = max(1, written - self._frames_base - self._counts["frames"] - self._counts["upstream_lost"])
-        self._frames_base = written - self._counts["frames"] - self._counts["upstream_lost"]
+        index = self._index_at(self.reader.tail)
+        missed = max(1, index - self._a_index)
+        self._a_index = index
         self._lost(missed)
 
     def _append(self, kind: int, value: Any) -> None:
-        self._chunks.append(_Chunk(self._next_seq, kind, self._cum, value=value))
+        self._chunks.append(_Chunk(self._next_seq, kind, self._cum, self.reader.tail, self._a_index, value=value))
         self._next_seq += 1
+
+    # -- where in the ring a sender starts ---------------------------------------------------
+
+    def _walk(self, start: int, stop: int) -> tuple[int, int]:
+        """Follow the ring's committed frames from ``start`` while they begin below ``stop``
+        (docs/wire-format.md section 3); returns (the position reached, DATA frames passed).
+        Called only for frames this sender's reader slot holds from being overwritten."""
+        q, cap = self._control, self.ring.capacity
+        mask = cap - 1
+        pos, frames = start, 0
+        while pos < stop:
+            off = pos & mask
+            word = (L.CONTROL_SIZE + off) >> 3
+            commit = q[word + 1]
+            length, ftype = commit & 0xFFFFFFFF, commit >> 32
+            size = L.align(length, L.FRAME_ALIGN)
+            if q[word] != pos or length < L.FRAME_HEADER or size > cap - off:
+                break
+            if ftype not in (L.FRAME_DATA, L.FRAME_PAD):
+                break
+            frames += ftype == L.FRAME_DATA
+            pos += size
+        return pos, frames
+
+    def _intact(self, pos: int) -> bool:
+        """Whether the producer cannot have written at ``pos`` yet: its next frame, possibly in
+        flight, ends a lap short of it (docs/wire-format.md section 6)."""
+        cap, max_record = self.ring.capacity, self.ring.max_record
+        head = self._control[L.OFF_HEAD // 8]
+        off = head & (cap - 1)
+        start = head if cap - off >= max_record else head - off + cap
+        return start + max_record + 2 * L.FRAME_HEADER <= pos + cap
+
+    def _overrun(self, pos: int) -> None:
+        # the producer overtook a resumed reader before it read the frames from ``pos``: what
+        # it copied may be torn. Start again at the head; the far end counts the frames
+        # between from their indices
+        log.error(
+            "bridge sender: ring %s: the producer overwrote the frames at %d: starting at its head", self.ring.name, pos
+        )
+        self.reader.close()
+        self.reader = self.ring.reader(spin=self._spin, recheck=self._recheck)
+        self._unsafe_below = 0
+        self._a_index = self._index_at(self.reader.tail)
+
+    def _index_at(self, tail: int) -> int:
+        """The ring's frames before position ``tail`` (of this sender's reader): its
+        frames_written, less the frames from ``tail`` to the head, read together."""
+        q = self._control
+        head, written = q[L.OFF_HEAD // 8], q[L.OFF_FRAMES_WRITTEN // 8]
+        still = 0
+        for _ in range(200):
+            # the producer stores the head, then frames_written: a pair that holds still
+            # across three looks (1 ms) belongs together, but for a producer stopped between
+            # those two stores
+            time.sleep(0.0005)
+            h, w = q[L.OFF_HEAD // 8], q[L.OFF_FRAMES_WRITTEN // 8]
+            if (h, w) != (head, written):
+                head, written, still = h, w, 0
+            else:
+                still += 1
+                if still == 2:
+                    break
+        reached, frames = self._walk(tail, head)
+        if reached != head:
+            log.warning("bridge sender: ring %s: no chain of frames from %d to its head %d", self.ring.name, tail, head)
+        return max(0, written - frames)
+
+    def _resume(self, a_pos: int, a_index: int) -> None:
+        """Start after the far end's last frame of this ring (position ``a_pos``, index + 1
+        ``a_index``) when the ring still holds the frames from there whole; else at its oldest
+        frame still whole (or its head), the far end counting the frames between as lost."""
+        head = self.reader.tail  # this sender has read nothing yet
+        if a_pos > head:
+            log.error(
+                "bridge sender: ring %s: the far end's last frame ends at %d, past the head %d: starting at the head",
+                self.ring.name,
+                a_pos,
+                head,
+            )
+            return
+        try:
+            reader = self.ring.reader(spin=self._spin, recheck=self._recheck, start=a_pos)
+        except shm.RingError as exc:
+            log.error("bridge sender: ring %s: %s: starting at its head", self.ring.name, exc)
+            return
+        self.reader.close()
+        self.reader = reader
+        if reader.tail == a_pos:
+            self._a_index = a_index
+            self._unsafe_below = head  # the producer's cached tails are at or below the head
+            log.warning("bridge sender: ring %s: resuming after the far end's last frame", self.ring.name)
+            return
+        self._a_index = self._index_at(reader.tail)
+        log.error(
+            "bridge sender: ring %s: the far end's last frame (position %d) is no longer whole in the ring: "
+            "starting at its head (%d); the %d frames between are counted lost at the far end",
+            self.ring.name,
+            a_pos,
+            reader.tail,
+            max(0, self._a_index - a_index),
+        )
 
 
 def _attach(name: str, wait: float) -> shm.Ring:
@@ -694,11 +859,30 @@ def _attach(name: str, wait: float) -> shm.Ring:
         time.sleep(0.02)
 
 
-def _map_control(ring: shm.Ring) -> Any:
-    """The ring's control page, read-only, as u64 words: the producer heartbeat is read from it."""
+def _frame_end(c: _Chunk, j: int, cap: int) -> int:
+    """The ring's position just past the ``j``-th frame of a read (a message ends inside it):
+    frames follow each other, 64-byte aligned, but for a PAD to the data area's end before a
+    frame that does not fit (docs/wire-format.md section 3)."""
+    ends = c.a_ends
+    if ends is None:
+        ends, pos = [], c.a0
+        for k in range(c.count):
+            size = L.align(L.FRAME_HEADER + c.offs[k + 1] - c.offs[k], L.FRAME_ALIGN)
+            off = pos & (cap - 1)
+            if size > cap - off:
+                pos += cap - off
+            pos += size
+            ends.append(pos)
+        c.a_ends = ends
+    return ends[j - 1]
+
+
+def _map_ring(ring: shm.Ring) -> _Words:
+    """The ring's segment, read-only, as u64 words: the producer heartbeat is read from its
+    control page, and where a sender starts from its frame headers."""
     fd = os.open(ring.path, os.O_RDONLY | os.O_NOFOLLOW)
     try:
-        mm = mmap.mmap(fd, L.CONTROL_SIZE, prot=mmap.PROT_READ)
+        mm = mmap.mmap(fd, L.CONTROL_SIZE + ring.capacity, prot=mmap.PROT_READ)
     finally:
         os.close(fd)
     return _Words(mm)
