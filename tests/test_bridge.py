@@ -77,6 +77,33 @@ def test_a_full_far_ring_holds_the_producer_back_and_loses_nothing() -> None:
         assert far.ring.stats().frames_lost == 0 and near.stats().frames_lost == 0
 
 
+def test_a_corrupt_frame_in_the_near_ring_is_skipped_and_counted_never_read_again() -> None:
+    # the far reader reads nothing at first, so the credit runs out and the frames after it wait
+    # in the near ring; one of them is then corrupted where it lies: once the credit returns the
+    # sender finds it, skips to the head with the frames between counted lost at the far end,
+    # and goes on (it used to poll the same frame again and again, one loss per try)
+    recv_kw = {"window_frames": 4, "window_bytes": 64 << 10, **FAST}
+    pair = bridge_pair(1 << 20, 1 << 16, near_max_record=8192, recv_kw=recv_kw, send_kw=FAST)
+    with pair as (near, sender, recv, far, _):
+        wait_for(lambda: sender.state == "up", "the link")
+        first = [make_payload(i, 4000) for i in range(40)]
+        for p in first:
+            near.write(p, timeout=10)
+        wait_for(lambda: sender.stats().credit_stalls >= 1, "the credit to run out")
+        assert sender.stats().frames < len(first)  # the rest waits in the near ring
+        pos = near.stats().head
+        near.write(b"corrupt")
+        near.write(b"skipped")
+        commit = L.CONTROL_SIZE + (pos & (near.capacity - 1)) + 8
+        poke(near.name, commit, (16 + 7) | (7 << 32))  # an unknown frame type
+        assert drain(far, len(first), timeout=60) == first
+        wait_for(lambda: recv.stats().lost == 2, "the two frames counted lost")
+        assert far.new_losses() == 2
+        near.write(b"after")
+        assert drain(far, 1) == [b"after"]
+        assert sender.stats().frames == len(first) + 1 and recv.stats().lost == 2
+
+
 def test_upstream_losses_reach_the_far_ring_and_the_end_closes_it() -> None:
     with bridge_pair() as (near, sender, recv, far, _):
         wait_for(lambda: sender.state == "up", "the link")

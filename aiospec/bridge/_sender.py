@@ -680,9 +680,9 @@ class BridgeSender:
             self._retake(exc)
             return True
         except shm.CorruptFrame as exc:
-            # the frame is unreadable here: the far end hears of one lost frame, reading goes on
-            log.error("bridge sender: %s", exc)
-            self._lost(1)
+            # the frame at the tail is unreadable, and reading there again would find it again:
+            # a new slot at the head, the far end counting every frame skipped as lost
+            self._retake(exc, "skipping to the head")
             return True
         if views:
             if dropping:
@@ -724,10 +724,11 @@ class BridgeSender:
         else:
             self._append(P.LOST, count)
 
-    def _retake(self, exc: shm.ReaderEvicted) -> None:
-        # the producer evicted this reader (a reader_timeout shorter than the stall): what it
-        # wrote meanwhile is counted from the ring's frames_written, at least one frame
-        log.error("bridge sender: %s; taking a new reader slot", exc)
+    def _retake(self, exc: shm.ReaderEvicted | shm.CorruptFrame, why: str = "taking a new reader slot") -> None:
+        # the producer evicted this reader (a reader_timeout shorter than the stall), or the
+        # frame at its tail is corrupt: what lies between its tail and the new slot's head is
+        # counted from the ring's frames_written, at least one frame
+        log.error("bridge sender: %s; %s", exc, why)
         self.reader.close()
         self.reader = self.ring.reader(spin=self._spin, recheck=self._recheck)
         index = self._index_at(self.reader.tail)
