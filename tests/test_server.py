@@ -364,6 +364,42 @@ def test_version(server: ServerProcess) -> None:
     assert status == 200 and json.loads(body) == {"version": aiospec.__version__}
 
 
+def test_tokenize_and_detokenize(server: ServerProcess) -> None:
+    # vLLM's routes: ids of a prompt or of a conversation through the chat template, and back
+    from aiospec.engine import default_vocabulary
+
+    vocab = default_vocabulary()
+    text = " The house was old."  # words the vocabulary spells: the ids decode to the text
+    status, got = _post(server.url + "/tokenize", {"model": "aiospec-toy", "prompt": text})
+    want = vocab.encode(text)
+    assert status == 200 and got == {"count": len(want), "max_model_len": got["max_model_len"], "tokens": want,
+                                     "token_strs": None}  # fmt: skip
+    models = json.loads(_get(server.url + "/v1/models")[1])["data"][0]
+    assert got["max_model_len"] == models["max_model_len"]
+    status, strs = _post(server.url + "/tokenize", {"prompt": text, "return_token_strs": True})
+    assert status == 200 and "".join(strs["token_strs"]) == text
+    msgs = [{"role": "user", "content": "hi there"}]
+    status, chat = _post(server.url + "/tokenize", {"messages": msgs})
+    assert status == 200 and chat["tokens"] == vocab.encode("user: hi there\nassistant:")
+    status, bare = _post(server.url + "/tokenize", {"messages": msgs, "add_generation_prompt": False})
+    assert status == 200 and bare["tokens"] == vocab.encode("user: hi there\n")
+    status, back = _post(server.url + "/detokenize", {"model": "aiospec-toy", "tokens": want})
+    assert status == 200 and back == {"prompt": text}
+    # bad requests: the usual error body, naming what is wrong
+    for path, body, param, status_want in (
+        ("/tokenize", {"prompt": "a", "messages": msgs}, "prompt", 400),
+        ("/tokenize", {}, "messages", 400),
+        ("/tokenize", {"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role", 400),
+        ("/tokenize", {"prompt": "a", "model": "other"}, "model", 404),
+        ("/detokenize", {"tokens": [1, -1, 10**9]}, "tokens", 400),
+        ("/detokenize", {"tokens": "abc"}, "tokens", 400),
+    ):
+        status, err = _post(server.url + path, body)
+        assert status == status_want and err["error"]["param"] == param, (path, body, err)
+    status, err = _post(server.url + "/detokenize", {"tokens": [1, -1, 10**9]})
+    assert "-1, 1000000000" in err["error"]["message"]
+
+
 def test_metrics_in_prometheus_format(server: ServerProcess) -> None:
     status, body = _get(server.url + "/metrics")
     assert status == 200

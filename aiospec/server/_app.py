@@ -35,7 +35,15 @@ from aiospec.server._guard import Guard, check_json_content_type
 from aiospec.server._metrics import Metrics
 from aiospec.server._output import Output
 from aiospec.server._pacer import Pacer
-from aiospec.server._requests import ApiError, Limits, Parsed, parse_chat, parse_completion
+from aiospec.server._requests import (
+    ApiError,
+    Limits,
+    Parsed,
+    parse_chat,
+    parse_completion,
+    parse_detokenize,
+    parse_tokenize,
+)
 
 __all__ = ("AppState", "create_app")
 
@@ -252,6 +260,33 @@ class Handlers:
             return Response(err.body(), status_code=404, media_type="application/json")
         return _json(self._card())
 
+    async def tokenize(self, request: Request) -> Response:
+        """POST /tokenize (vLLM's route): the token ids of a ``prompt``, or of chat ``messages``
+        through the chat template, with ``count`` and ``max_model_len`` (``token_strs`` with
+        ``return_token_strs``)."""
+        try:
+            check_json_content_type(request.headers.raw)
+            req, text = parse_tokenize(await request.body())
+            self._check_model(req.model)
+        except ApiError as err:
+            return Response(err.body(), status_code=err.status, media_type="application/json")
+        vocab = self.state.link.vocab
+        ids = vocab.encode(text)
+        strs = [vocab.token(i) for i in ids] if req.return_token_strs else None
+        return _json({"count": len(ids), "max_model_len": self.state.settings.max_model_len, "tokens": ids,
+                      "token_strs": strs})  # fmt: skip
+
+    async def detokenize(self, request: Request) -> Response:
+        """POST /detokenize (vLLM's route): ``{"prompt": text}`` of the ``tokens`` given."""
+        vocab = self.state.link.vocab
+        try:
+            check_json_content_type(request.headers.raw)
+            req = parse_detokenize(await request.body(), len(vocab))
+            self._check_model(req.model)
+        except ApiError as err:
+            return Response(err.body(), status_code=err.status, media_type="application/json")
+        return _json({"prompt": vocab.decode(req.tokens)})
+
     async def version(self, request: Request) -> Response:
         """GET /version: ``{"version": <aiospec's version>}`` (vLLM's route)."""
         return _json({"version": aiospec.__version__})
@@ -438,6 +473,8 @@ class _App:
                 Route("/v1/models/{model:path}", handlers.model, methods=["GET"]),
                 Route("/health", handlers.health, methods=["GET"]),
                 Route("/version", handlers.version, methods=["GET"]),
+                Route("/tokenize", handlers.tokenize, methods=["POST"]),
+                Route("/detokenize", handlers.detokenize, methods=["POST"]),
                 Route("/metrics", handlers.metrics, methods=["GET"]),
                 Route("/stats", handlers.stats, methods=["GET"]),
                 Route("/stats/reset", handlers.stats_reset, methods=["POST"]),

@@ -28,8 +28,12 @@ __all__ = (
     "Parsed",
     "Prompt",
     "StreamOptions",
+    "TokenizeRequest",
+    "DetokenizeRequest",
     "parse_chat",
     "parse_completion",
+    "parse_detokenize",
+    "parse_tokenize",
 )
 
 MAX_TOP_LOGPROBS = 20  # the default of --max-logprobs (vLLM's default too)
@@ -212,7 +216,29 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
 
 
 _encoder = msgspec.json.Encoder()
+
+
+class TokenizeRequest(msgspec.Struct, gc=False):
+    """``POST /tokenize`` (vLLM's route): a completion ``prompt`` or chat ``messages``."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = True  # the built-in vocabulary has no special tokens to add
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(msgspec.Struct, gc=False):
+    """``POST /detokenize`` (vLLM's route): token ids back to text."""
+
+    tokens: list[int]
+    model: str | None = None
+
+
 _chat_decoder = msgspec.json.Decoder(ChatRequest)
+_tokenize_decoder = msgspec.json.Decoder(TokenizeRequest)
+_detokenize_decoder = msgspec.json.Decoder(DetokenizeRequest)
 _completion_decoder = msgspec.json.Decoder(CompletionRequest)
 _AT = re.compile(r" - at `\$\.?(.*)`$")
 _MISSING = re.compile(r"^Object missing required field `(\w+)`")
@@ -476,9 +502,12 @@ def _message_text(i: int, m: ChatMessage) -> str:
     return "".join(parts)
 
 
+_GENERATION_PROMPT = "assistant:"  # the built-in chat template's start of the assistant's turn
+
+
 def chat_prompt(messages: Sequence[ChatMessage]) -> str:
     """The prompt text of a conversation: the built-in model's chat template."""
-    return "".join(f"{m.role}: {_message_text(i, m)}\n" for i, m in enumerate(messages)) + "assistant:"
+    return "".join(f"{m.role}: {_message_text(i, m)}\n" for i, m in enumerate(messages)) + _GENERATION_PROMPT
 
 
 def _logit_bias(given: dict[str, float], vocab_size: int) -> dict[int, float]:
@@ -514,17 +543,49 @@ def _logit_bias(given: dict[str, float], vocab_size: int) -> dict[int, float]:
                    code=None if keys else "invalid_value")  # fmt: skip
 
 
-def parse_chat(body: bytes, lim: Limits) -> Parsed:
-    req: ChatRequest = _decode(_chat_decoder, body)
-    if not req.messages:
-        raise ApiError(400, "Invalid 'messages': expected at least one message.", param="messages", code="empty_array")
-    for i, m in enumerate(req.messages):
+def _check_roles(messages: Sequence[ChatMessage]) -> None:
+    for i, m in enumerate(messages):
         if m.role not in _ROLES:
             raise ApiError(
                 400,
                 f"Invalid 'messages[{i}].role': {m.role!r}: expected one of {', '.join(_ROLES)}.",
                 param=f"messages[{i}].role",
             )
+
+
+def parse_tokenize(body: bytes) -> tuple[TokenizeRequest, str]:
+    """A ``/tokenize`` request and the text to encode: the prompt, or the conversation through
+    the chat template (without the assistant's turn when ``add_generation_prompt`` is false)."""
+    req: TokenizeRequest = _decode(_tokenize_decoder, body)
+    if (req.prompt is None) == (req.messages is None):
+        raise ApiError(400, "Invalid request: expected exactly one of 'prompt' and 'messages'.",
+                       param="prompt" if req.prompt is not None else "messages")  # fmt: skip
+    if req.prompt is not None:
+        return req, req.prompt
+    assert req.messages is not None
+    if not req.messages:
+        raise ApiError(400, "Invalid 'messages': expected at least one message.", param="messages", code="empty_array")
+    _check_roles(req.messages)
+    text = chat_prompt(req.messages)
+    return req, text if req.add_generation_prompt else text[: -len(_GENERATION_PROMPT)]
+
+
+def parse_detokenize(body: bytes, vocab_size: int) -> DetokenizeRequest:
+    """A ``/detokenize`` request whose ids are all in the vocabulary (a 400 naming the others)."""
+    req: DetokenizeRequest = _decode(_detokenize_decoder, body)
+    bad = [t for t in req.tokens if not 0 <= t < vocab_size]
+    if bad:
+        shown = ", ".join(map(str, bad[:8])) + (", ..." if len(bad) > 8 else "")
+        raise ApiError(400, f"Invalid 'tokens': token ids {shown}: expected 0..{vocab_size - 1}.", param="tokens",
+                       code="invalid_value")  # fmt: skip
+    return req
+
+
+def parse_chat(body: bytes, lim: Limits) -> Parsed:
+    req: ChatRequest = _decode(_chat_decoder, body)
+    if not req.messages:
+        raise ApiError(400, "Invalid 'messages': expected at least one message.", param="messages", code="empty_array")
+    _check_roles(req.messages)
     name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if max_tokens is not None:
