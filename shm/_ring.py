@@ -249,6 +249,19 @@ class Ring:
         """True once ``close()`` was called."""
         return self._seg.closed
 
+    def frame_chain(self, start: int, stop: int) -> tuple[int, int]:
+        """Follow the committed frames from position ``start`` (each passing the reading
+        checks of docs/wire-format.md section 3) while they begin below ``stop``: the position
+        where the chain ends and the DATA frames it passed. Only meaningful for frames a reader
+        slot holds from being overwritten."""
+        return self._seg.chain(start, stop)
+
+    def write_bound(self, head: int) -> int:
+        """The position below which a producer whose head is ``head`` may be writing now
+        (its next frame and the header after it, past a PAD where one may come first;
+        docs/wire-format.md section 6)."""
+        return self._seg.write_bound(head)
+
     def __repr__(self) -> str:
         role = "owner" if self._owner else "attached"
         closed = " closed" if self._seg.closed else ""

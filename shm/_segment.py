@@ -441,7 +441,7 @@ class Segment:
         # the committed frames from there must lead to the head, and the producer must not
         # have reached them (the check of _start_at_oldest, for that one position).
         q = self.q
-        if head - self.capacity < at <= head and self._chain_end(at, head) == head:
+        if head - self.capacity < at <= head and self.chain(at, head)[0] == head:
             live = self.producer_may_write()
             q[self.tail[slot]] = at
             full_fence()
@@ -467,14 +467,15 @@ class Segment:
             w = (L.CONTROL_SIZE + (cand & mask)) >> 3
             if q[w] != cand or q[w + 1] == 0:
                 continue
-            if self._chain_end(cand, head) == head:
+            if self.chain(cand, head)[0] == head:
                 return cand
         return head
 
-    def _chain_end(self, pos: int, head: int) -> int:
+    def chain(self, pos: int, head: int) -> tuple[int, int]:
         """Where the chain of committed frames from ``pos`` (each passing the reading checks
-        of section 3) stops, at most ``head``."""
+        of section 3) stops, at most ``head``, and how many DATA frames it passed."""
         q, mask, cap = self.q, self.mask, self.capacity
+        frames = 0
         while pos < head:
             off = pos & mask
             word = (L.CONTROL_SIZE + off) >> 3
@@ -489,8 +490,9 @@ class Segment:
                 or (ftype == L.FRAME_PAD and length != cap - off)
             ):
                 break
+            frames += ftype == L.FRAME_DATA
             pos += size
-        return pos
+        return pos, frames
 
     def free_slot(self, slot: int, generation: int) -> None:
         """Give the slot back, unless it stopped being ours (evicted, then taken again)."""

@@ -742,35 +742,11 @@ class BridgeSender:
 
     # -- where in the ring a sender starts ---------------------------------------------------
 
-    def _walk(self, start: int, stop: int) -> tuple[int, int]:
-        """Follow the ring's committed frames from ``start`` while they begin below ``stop``
-        (docs/wire-format.md section 3); returns (the position reached, DATA frames passed).
-        Called only for frames this sender's reader slot holds from being overwritten."""
-        q, cap = self._control, self.ring.capacity
-        mask = cap - 1
-        pos, frames = start, 0
-        while pos < stop:
-            off = pos & mask
-            word = (L.CONTROL_SIZE + off) >> 3
-            commit = q[word + 1]
-            length, ftype = commit & 0xFFFFFFFF, commit >> 32
-            size = L.align(length, L.FRAME_ALIGN)
-            if q[word] != pos or length < L.FRAME_HEADER or size > cap - off:
-                break
-            if ftype not in (L.FRAME_DATA, L.FRAME_PAD):
-                break
-            frames += ftype == L.FRAME_DATA
-            pos += size
-        return pos, frames
-
     def _intact(self, pos: int) -> bool:
         """Whether the producer cannot have written at ``pos`` yet: its next frame, possibly in
         flight, ends a lap short of it (docs/wire-format.md section 6)."""
-        cap, max_record = self.ring.capacity, self.ring.max_record
         head = self._control[L.OFF_HEAD // 8]
-        off = head & (cap - 1)
-        start = head if cap - off >= max_record else head - off + cap
-        return start + max_record + 2 * L.FRAME_HEADER <= pos + cap
+        return self.ring.write_bound(head) + L.FRAME_HEADER <= pos + self.ring.capacity
 
     def _overrun(self, pos: int) -> None:
         # the producer overtook a resumed reader before it read the frames from ``pos``: what
@@ -802,7 +778,7 @@ class BridgeSender:
                 still += 1
                 if still == 2:
                     break
-        reached, frames = self._walk(tail, head)
+        reached, frames = self.ring.frame_chain(tail, head)
         if reached != head:
             log.warning("bridge sender: ring %s: no chain of frames from %d to its head %d", self.ring.name, tail, head)
         return max(0, written - frames)
