@@ -463,9 +463,10 @@ def run_batch(torch: Any, model: Any, args: argparse.Namespace, batch: int, fd_i
                 events[i & 1].record()
                 pending.append(i)
 
-            def ship(i: int) -> None:
-                events[i & 1].synchronize()
-                v = host_views[i & 1]
+            def ship(i: int, ready: Any = events, views: Any = host_views) -> None:
+                # once step i's copies are in (ready[i & 1]): gather, pack and PUSH them
+                ready[i & 1].synchronize()
+                v = views[i & 1]
                 lp = Logprobs(v["lp_ids"], v["lp_values"], v["lp_ranks"], v["lp_offsets"], args.k)
                 emitter.send(emitter.encode(gather(EmitStep(v["handles"], v["token_ids"], v["num_tokens"],
                                                             logprobs=lp, step=i))))  # fmt: skip
@@ -525,11 +526,7 @@ def run_batch(torch: Any, model: Any, args: argparse.Namespace, batch: int, fd_i
                     copied[par].record(side)
 
                 def ship2(i: int) -> None:
-                    copied[i & 1].synchronize()
-                    v = views2[i & 1]
-                    lp = Logprobs(v["lp_ids"], v["lp_values"], v["lp_ranks"], v["lp_offsets"], args.k)
-                    emitter.send(emitter.encode(gather(EmitStep(v["handles"], v["token_ids"], v["num_tokens"],
-                                                                logprobs=lp, step=i))))  # fmt: skip
+                    ship(i, copied, views2)
 
                 def vllm_side_step(_: int) -> None:
                     i = count[0]
