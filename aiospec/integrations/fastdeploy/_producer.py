@@ -598,8 +598,9 @@ class FastDeployProducer:
                 f"{counts_name}[{i}] = {int(counts[i])}: expected -9 (preempted), -3 (recovery stop), -1 or "
                 f"0..{width} ({what})"
             )
-        self._check_per_slot(np.where(live, counts, 0), counts_name, 0)
-        num_tokens = np.where(live, counts, 0).astype(np.int32)
+        live_counts = np.where(live, counts, 0)
+        self._check_per_slot(live_counts, counts_name, 0)
+        num_tokens = live_counts.astype(np.int32)
         token_ids = tokens_in
         if packed:
             if lp is None or lp[3] is None:
