@@ -122,3 +122,10 @@ async def drain(s: RequestStream) -> list[Delta]:
         return [d async for d in s]
 
     return await asyncio.wait_for(run(), T)
+
+
+def nt_overflow_frame() -> bytes:
+    """A frame of no records whose NT is 2**31 (T = R * NT holds): undecodable, not a bug."""
+    out = bytearray(encode_frame([], [0], []))
+    out[58:62] = (2**31).to_bytes(4, "big")  # header element 10, NT
+    return bytes(out)

@@ -8,11 +8,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from _hubhelpers import T, drain, enc, get, poke, until, waiting_get
+from _hubhelpers import T, drain, enc, get, nt_overflow_frame, poke, until, waiting_get
 
 import shm
 from aiospec import _routing
-from aiospec._codec import Flag, Frame, FrameError, encode_frame
+from aiospec._codec import Flag, Frame, FrameError
 from aiospec._hub import Hub
 from aiospec._stream_errors import HubClosed, ProducerLost, StreamError, StreamFramesLost
 from shm import layout as L
@@ -104,13 +104,6 @@ async def test_undecodable_frame_counts_as_lost(ring: shm.Ring) -> None:
             await get(s)
         assert isinstance(info.value.__cause__, FrameError)
         assert hub.stats().rings[0].frames_undecodable == 1
-
-
-def nt_overflow_frame() -> bytes:
-    """A frame of no records whose NT is 2**31 (T = R * NT holds): undecodable, not a bug."""
-    out = bytearray(encode_frame([], [0], []))
-    out[58:62] = (2**31).to_bytes(4, "big")  # header element 10, NT
-    return bytes(out)
 
 
 @pytest.mark.asyncio

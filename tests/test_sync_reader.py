@@ -6,12 +6,12 @@ import threading
 from collections.abc import Iterator
 
 import pytest
-from _hubhelpers import check_logprobs, enc, poke
+from _hubhelpers import check_logprobs, enc, nt_overflow_frame, poke
 from _ringhelpers import XPROC_TIMEOUT, wait_for
 
 import shm
 from aiospec import FramesLost, _routing
-from aiospec._codec import Flag, Frame, FrameError, Kind, encode_frame
+from aiospec._codec import Flag, Frame, FrameError, Kind
 from aiospec._sync import Record, SyncReader
 from shm import layout as L
 
@@ -148,11 +148,9 @@ def test_frames_lost_and_undecodable_frames(rings: tuple[shm.Ring, shm.Ring]) ->
 
 def test_a_frame_of_no_records_with_nt_is_one_lost_frame(rings: tuple[shm.Ring, shm.Ring]) -> None:
     a, _ = rings
-    bad = bytearray(encode_frame([], [0], []))
-    bad[58:62] = (2**31).to_bytes(4, "big")  # header element 10 (NT) of a frame without records
     with SyncReader(a.name) as rd:
         a.write(enc([(1, [1], 0)]))
-        a.write(bytes(bad))
+        a.write(nt_overflow_frame())
         a.write(enc([(2, [2], 0)]))
         assert [r.handle for r in rd.read(timeout=XPROC_TIMEOUT)] == [1, 2]
         with pytest.raises(
