@@ -413,9 +413,10 @@ class FastDeployProducer:
                 f"token_num_per_batch[{i}] = {int(counts[i])}: expected -9, -1 or 0..{width - 1} "
                 f"(the first token and its drafts must fit the {width} columns of sampled_token_ids)"
             )
-        self._check_per_slot(np.where(live, counts, 0), "token_num_per_batch", 1)
+        live_counts = np.where(live, counts, 0)
+        self._check_per_slot(live_counts, "token_num_per_batch", 1)
         ones = live.astype(np.int32)
-        num_draft = np.where(live, counts, 0).astype(np.int32)
+        num_draft = live_counts.astype(np.int32)
         flags = np.where(live, int(Flag.FIRST_TOKEN | Flag.FINISHED), 0).astype(np.int32)
         flags[pre] = int(Flag.PREEMPTED)
         lp = self._logprobs(logprob_token_ids, logprob_scores, logprob_ranks, cu_batch_token_offset, k, rows)
