@@ -18,7 +18,7 @@ import pytest
 
 import shm
 from aiospec._codec import Flag, Kind, decode_frame
-from aiospec.ops import EmitStep, _build, _cpu
+from aiospec.ops import EmitStep, _build, _cpu, _cuda
 from aiospec.ops._inputs import Inputs, collect
 
 I64 = np.int64
@@ -443,3 +443,14 @@ def ops_ring_fixture() -> Iterator[shm.Ring]:
     """A fresh 1 MiB ring with four reader slots."""
     with shm.Ring.create(capacity=1 << 20, max_readers=4) as r:
         yield r
+
+
+def cuda_torch(feeds: str) -> Any:
+    """PyTorch on a machine that can run the CUDA emit, or the test skipped saying what is
+    missing (``feeds``: what the test gives PyTorch's CUDA tensors to, for the reason)."""
+    torch = pytest.importorskip("torch", reason=f"PyTorch is not installed ({feeds} CUDA tensors)")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device visible to PyTorch")
+    if not _cuda.available():
+        pytest.skip("the CUDA emit library cannot be built here (no nvcc and no AIOSPEC_CUDA_LIB)")
+    return torch

@@ -16,10 +16,10 @@ from typing import Any
 
 import numpy as np
 import pytest
+from _opshelpers import cuda_torch
 
 import shm
 from aiospec._stream import Delta
-from aiospec.ops import _cuda
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "gpu_multi.py"
 SMALL = ["--requests", "12", "--rows", "5", "--steps", "30", "--interval-us", "200", "--timeout", "60"]
@@ -114,11 +114,7 @@ def test_the_stream_check_catches_duplicates_gaps_and_reordering() -> None:
 
 @pytest.mark.gpu
 def test_cuda_run_delivers_every_token_once_and_frames_match_the_reference(tmp_path: Path) -> None:
-    torch = pytest.importorskip("torch", reason="PyTorch is not installed (the script feeds it CUDA tensors)")
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device visible to PyTorch")
-    if not _cuda.available():
-        pytest.skip("the CUDA emit library cannot be built here (no nvcc and no AIOSPEC_CUDA_LIB)")
+    torch = cuda_torch("the script feeds it")
     rc, res, stdout = _run(tmp_path, "--device", "cuda", *SMALL)
     _check_result(rc, res, stdout, "cuda")
     n = torch.cuda.device_count()

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from _opshelpers import cuda_torch
 
 import shm
 from aiospec.integrations.fastdeploy import (
@@ -649,13 +650,7 @@ def test_bench_reports_bytes_per_step_against_fastdeploys_messages() -> None:
 
 @pytest.mark.gpu
 def test_cuda_tensors_through_the_cuda_kernel(ring: shm.Ring) -> None:
-    torch = pytest.importorskip("torch", reason="PyTorch is not installed (the GPU test feeds it CUDA tensors)")
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device visible to PyTorch")
-    from aiospec.ops import _cuda
-
-    if not _cuda.available():
-        pytest.skip("the CUDA emit library cannot be built here (no nvcc and no AIOSPEC_CUDA_LIB)")
+    torch = cuda_torch("the GPU test feeds it")
     bsz, w, n = 4, 3, 5
     rng = np.random.default_rng(2)
     counts = np.array([3, 0, 1, 2], np.int32)
@@ -678,13 +673,7 @@ def test_cuda_tensors_through_the_cuda_kernel(ring: shm.Ring) -> None:
 
 @pytest.mark.gpu
 def test_cuda_token_packed_tokens_are_gathered_on_the_device(ring: shm.Ring) -> None:
-    torch = pytest.importorskip("torch", reason="PyTorch is not installed (the GPU test feeds it CUDA tensors)")
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device visible to PyTorch")
-    from aiospec.ops import _cuda
-
-    if not _cuda.available():
-        pytest.skip("the CUDA emit library cannot be built here (no nvcc and no AIOSPEC_CUDA_LIB)")
+    torch = cuda_torch("the GPU test feeds it")
     packed, counts, cu, ids, scores, ranks = _packed({0: [11, 12], 2: [31, 32, 33]}, 3, 4, np.random.default_rng(3))
     producer, reader = pair(ring, 3)
     cuda = [torch.from_numpy(a).cuda() for a in (packed, ids, scores, ranks)]

@@ -25,7 +25,7 @@ import pytest
 import shm
 from aiospec._codec import Kind, decode_frame
 from aiospec.ops import EmitError, Producer, _cuda, build_frame
-from tests._opshelpers import collect_kw, make_step, read_frames
+from tests._opshelpers import collect_kw, cuda_torch, make_step, read_frames
 
 ROOT = Path(__file__).resolve().parent.parent
 NVCC = shutil.which("nvcc")
@@ -143,11 +143,7 @@ def test_cuda_backend_unavailable_when_forced_to_cpu(monkeypatch: pytest.MonkeyP
 
 @pytest.fixture(scope="module")
 def torch() -> Any:
-    torch = pytest.importorskip("torch", reason="PyTorch is not installed (the GPU tests feed it CUDA tensors)")
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device visible to PyTorch")
-    if not _cuda.available():
-        pytest.skip("the CUDA emit library cannot be built here (no nvcc and no AIOSPEC_CUDA_LIB)")
+    torch = cuda_torch("the GPU tests feed it")
     _cuda.load_library()  # a build failure with nvcc present is a bug: let it fail the tests
     return torch
 
