@@ -787,12 +787,36 @@ def byte_table(k_values: list[int]) -> list[dict[str, Any]]:
     whatever that count). ``aiospec`` is a typical step: the sampled token in its top-k (no
     exception), speculative rows accepting 1..6 tokens; ``aiospec_max`` the largest frame the
     step's shape allows (every token an exception; speculative: 6 tokens a row and the offsets
-    column as if the counts varied). ``*_le_fastdeploy`` compare the ring bytes."""
+    column as if the counts varied). ``*_le_fastdeploy`` compare the ring bytes.
+
+    ``identity_floor`` is what any encoding of that largest shape spends when each record
+    carries its 8-byte request handle and the values travel at FastDeploy's own widths (4-byte
+    ids, logprobs and ranks, each top-k alternative's id and logprob), with no header, counts,
+    flags or alignment at all: the frame cannot be smaller without compressing the values or
+    dropping the handles. Per op, ``*_up_to_rows`` are exact (every live batch size counted,
+    not only the sampled rows): the most rows at which aiospec's typical frame, its largest
+    frame, and that floor are no larger than FastDeploy's message."""
     from aiospec import _payload_layout as P
     from aiospec._codec import frame_layout
 
     def ring(payload: int) -> int:
         return P.align(P.FRAME_HEADER + payload, P.FRAME_ALIGN)
+
+    def shapes(rows: int, spec: bool) -> tuple[int, bool, int, bool]:
+        """(typical tokens, their counts uniform, largest tokens, those uniform) of a step."""
+        if not spec:
+            return rows, True, rows, True
+        counts = _spec_counts(rows)
+        return sum(counts), len(set(counts)) == 1, 6 * rows, False
+
+    def sizes(rows: int, spec: bool, drafts: int, k: int, lp: bool) -> tuple[int, int, int]:
+        """(typical payload, largest payload, identity floor) of a step of ``rows`` records."""
+        t, uniform, t_max, uniform_max = shapes(rows, spec)
+        d = rows * drafts
+        _, payload = frame_layout(rows, t, d, k, lp, uniform_tokens=uniform, uniform_drafts=d > 0)
+        _, worst = frame_layout(rows, t_max, d, k, lp, e=t_max, uniform_tokens=uniform_max, uniform_drafts=d > 0)
+        floor = 8 * rows + 4 * t_max + 4 * d + (8 * t_max if lp else 0) + 8 * k * t_max
+        return payload, worst, floor
 
     out = []
     # (op, speculative, draft ids per row, k, FastDeploy's slots)
@@ -808,24 +832,26 @@ def byte_table(k_values: list[int]) -> list[dict[str, Any]]:
         lp, kk = k is not None, k or 0
         rows_out = []
         for rows in (r for r in SIZE_ROWS if r <= max_rows):
-            d = rows * drafts
-            if spec:
-                counts = _spec_counts(rows)
-                t, uniform = sum(counts), len(set(counts)) == 1
-                t_max, uniform_max = 6 * rows, False
-            else:
-                t, uniform, t_max, uniform_max = rows, True, rows, True
-            _, payload = frame_layout(rows, t, d, kk, lp, uniform_tokens=uniform, uniform_drafts=d > 0)
-            _, worst = frame_layout(rows, t_max, d, kk, lp, e=t_max, uniform_tokens=uniform_max, uniform_drafts=d > 0)
+            payload, worst, floor = sizes(rows, spec, drafts, kk, lp)
             rows_out.append({
-                "rows": rows, "tokens": t, "aiospec": payload, "aiospec_in_ring": ring(payload),
-                "aiospec_max": worst, "aiospec_max_in_ring": ring(worst), "fastdeploy": fd,
+                "rows": rows, "tokens": shapes(rows, spec)[0], "aiospec": payload, "aiospec_in_ring": ring(payload),
+                "aiospec_max": worst, "aiospec_max_in_ring": ring(worst), "identity_floor": floor, "fastdeploy": fd,
                 "ratio": round(fd / payload, 3), "aiospec_larger": ring(payload) > fd,
                 "aiospec_le_fastdeploy": ring(payload) <= fd, "aiospec_max_le_fastdeploy": ring(worst) <= fd,
             })  # fmt: skip
-        fits = [r["rows"] for r in rows_out if r["aiospec_le_fastdeploy"]]
-        out.append({"op": op, "tokens_per_row": "1..6" if spec else 1, "k": k, "by_rows": rows_out,
-                    "no_larger_up_to_rows": max(fits) if fits else 0})  # fmt: skip
+        every = [sizes(r, spec, drafts, kk, lp) for r in range(1, max_rows + 1)]
+
+        def up_to(fits: list[bool]) -> int:
+            """The most rows up to which every live batch size fits (0: not even one row)."""
+            return fits.index(False) if False in fits else len(fits)
+
+        out.append({
+            "op": op, "tokens_per_row": "1..6" if spec else 1, "k": k, "fastdeploy_slots": max_rows,
+            "by_rows": rows_out,
+            "no_larger_up_to_rows": up_to([ring(p) <= fd for p, _, _ in every]),
+            "max_no_larger_up_to_rows": up_to([ring(w) <= fd for _, w, _ in every]),
+            "identity_floor_no_larger_up_to_rows": up_to([f <= fd for _, _, f in every]),
+        })  # fmt: skip
     return out
 
 
