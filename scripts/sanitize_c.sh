@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# The CPython extension modules (shm/_native.c, aiospec/_speedups.c) rebuilt with
-# AddressSanitizer and UndefinedBehaviorSanitizer, and the tests that drive them run against
-# those builds (every argument check included). The regular builds are put back afterwards.
-# Exit status: pytest's. Needs gcc with libasan/libubsan.
+# The CPython extension modules (shm/_native.c, aiospec/_speedups.c) and the emit op's C++ CPU
+# writer (libaiospec_cpu.so) rebuilt with AddressSanitizer and UndefinedBehaviorSanitizer, and
+# the tests that drive them run against those builds (every argument check included, and the
+# differential test of the writer against the Python reference on arbitrary, mostly invalid,
+# inputs). The regular extension builds are put back afterwards; the writer's sanitizer build
+# goes to a build cache of its own (AIOSPEC_CXXFLAGS is part of the cache key).
+# Exit status: the first failing pytest's. Needs gcc with libasan/libubsan.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -24,7 +27,18 @@ for m in "${MODULES[@]}"; do
 done
 # leaks: CPython keeps its arenas and interned objects to the end; the checks here are
 # out-of-bounds accesses, use after free and undefined behaviour
-ASAN_OPTIONS=detect_leaks=0 LD_PRELOAD="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libubsan.so)" \
+PRELOAD="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libubsan.so)"
+ASAN_OPTIONS=detect_leaks=0 LD_PRELOAD="$PRELOAD" \
   $PY -m pytest -q -p no:cacheprovider tests/test_speedups.py tests/test_openai.py tests/test_ring_native.py \
   tests/test_ring_segment.py tests/test_ring_frames.py tests/test_ring_wakeup.py tests/test_ring_readers.py \
   tests/test_ring_liveness.py tests/test_ring_property.py "$@"
+# the C++ writer, through its C ABI (ctypes) from numpy inputs. The Paddle tests are left out:
+# they go through Paddle's own build of the op, and libpaddle itself trips ASan's
+# alloc-dealloc-mismatch check when it loads.
+CACHE=$(mktemp -d)
+trap 'restore; rm -rf "$CACHE"' EXIT
+AIOSPEC_CACHE_DIR="$CACHE" AIOSPEC_FORCE_CPU=1 \
+AIOSPEC_CXXFLAGS="-O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=undefined" \
+ASAN_OPTIONS=detect_leaks=0 LD_PRELOAD="$PRELOAD" \
+  $PY -m pytest -q -p no:cacheprovider -k "not paddle" tests/test_ops_cpu.py tests/test_ops_prepared.py \
+  tests/test_ops_producer.py tests/test_ops_reference.py tests/test_integrations_fastdeploy.py

@@ -57,6 +57,18 @@ def test_builds_once_and_reuses_the_cache(cache: Path, counting_cxx: Path) -> No
     assert sorted(p.name for p in first.parent.iterdir()) == [".lock", "libaiospec_cpu.so"]  # no temporaries
 
 
+def test_extra_cxxflags_build_beside_the_regular_library(
+    cache: Path, counting_cxx: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    regular = _build.build_cpu_library()
+    monkeypatch.setenv("AIOSPEC_CXXFLAGS", "-O1 -DAIOSPEC_EXTRA_FLAG_TEST=1")
+    extra = _build.build_cpu_library()
+    assert extra != regular and regular.is_file() and compiles(counting_cxx) == 2
+    assert _build.build_cpu_library() == extra and compiles(counting_cxx) == 2  # cached under its own key
+    monkeypatch.setenv("AIOSPEC_CXXFLAGS", "")
+    assert _build.build_cpu_library() == regular and compiles(counting_cxx) == 2
+
+
 def _build_in_child(cache: str, cxx: str, conn: object) -> None:
     os.environ["AIOSPEC_CACHE_DIR"] = cache
     os.environ["CXX"] = cxx

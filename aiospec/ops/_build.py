@@ -9,6 +9,7 @@ processes starting at once); each compiles to a temporary name and renames it in
 so a reader never sees a half-written library.
 
 Environment: ``AIOSPEC_CACHE_DIR`` (cache root), ``CXX`` (C++ compiler, default ``g++``),
+``AIOSPEC_CXXFLAGS`` (extra flags of the CPU library, e.g. a sanitizer build),
 ``NVCC`` (CUDA compiler; default ``nvcc`` on PATH or ``$CUDA_HOME/bin/nvcc``),
 ``AIOSPEC_CUDA_ARCH`` (e.g. ``90`` or ``80;90``; default ``90``), ``AIOSPEC_FORCE_CPU=1``
 (``aiospec.ops`` never builds or loads the CUDA path).
@@ -180,7 +181,10 @@ def build_library(
 
 def build_cpu_library() -> Path:
     """``libaiospec_cpu.so``: the CPU writer and its C ABI (csrc/capi.h)."""
-    return build_library(CPU_LIBRARY, CPU_SOURCES, compiler=os.environ.get("CXX", "g++"), flags=CXX_FLAGS)
+    # AIOSPEC_CXXFLAGS: extra flags after the defaults (a sanitizer build: scripts/sanitize_c.sh);
+    # they are part of the cache key, so such a build never replaces the regular one
+    extra = tuple(os.environ.get("AIOSPEC_CXXFLAGS", "").split())
+    return build_library(CPU_LIBRARY, CPU_SOURCES, compiler=os.environ.get("CXX", "g++"), flags=(*CXX_FLAGS, *extra))
 
 
 def find_nvcc() -> str | None:
