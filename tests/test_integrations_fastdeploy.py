@@ -325,6 +325,51 @@ def test_draft_message_with_the_proposers_offsets(ring: shm.Ring) -> None:
     assert [(e.slot, e.token_ids, e.draft) for e in events] == [(0, [101], True), (2, [301], True)]
 
 
+def test_draft_send_in_the_proposers_own_form(ring: shm.Ring) -> None:
+    # fastdeploy/spec_decode/mtp_cuda.py (MTPProposerCUDA._propose) calls the op without
+    # preempted_idx: (..., not_need_stop, seq_lens_decoder, prompt_lens, 4, local_rank, use_ep)
+    want = {0: [101], 2: [301]}
+    packed, counts, cu, ids, scores, ranks = _packed(want, 3, 2, np.random.default_rng(6))
+    sld, pl = np.array([[9], [9], [9]], np.int32), np.array([[5], [5], [5]], np.int64)
+    producer, reader = pair(ring, 3)
+    args = (packed[:, None], ids, scores, ranks, counts, cu[:3], np.array([True]), sld, pl)
+    assert producer.speculate_save_output_topk(*args, 4, 0, False)
+    (events,) = list(reader.events(wait=False))
+    assert [(e.slot, e.token_ids, e.draft) for e in events] == [(0, [101], True), (2, [301], True)]
+    assert not producer.speculate_save_output_topk(*args, 4, 1, False)  # rank 1 without use_ep: silent
+    assert producer.speculate_save_output_topk(*args, 4, 1, True)
+    with pytest.raises(EmitError, match="message_flag = 0"):
+        producer.speculate_save_output_topk(*args, 0, 0, False)
+    with pytest.raises(EmitError, match="preempted_idx = 4"):
+        producer.speculate_save_output_topk(*args, 4, 0, False, True)
+
+
+def test_overlapped_save_after_the_next_steps_preemption(ring: shm.Ring) -> None:
+    # scheduler_config.enable_overlap_schedule: step N is saved after step N + 1's
+    # insert_tasks_v1, which preempts row 1 (stop_flags True, preempted_idx 1) and aborts row 2;
+    # row 0 ended on its own token. Rows 1 and 2 end with the next frame's -9, not here.
+    producer, reader = pair(ring, 3)
+    stop = np.array([[True], [True], [True]])
+    now = np.array([[0], [1], [1]], np.int32)  # share_inputs["preempted_idx"] at the save
+    x = np.array([[11], [12], [13]], np.int64)
+    zeros = np.zeros((3, 1), np.int32)
+    producer.save_output(x, np.array([True]), zeros, 0, False, stop_flags=stop, pending_preempted_idx=now)
+    producer.save_output(np.full((3, 1), -1, np.int64), np.array([True]), now, 0, False, stop_flags=stop)
+    first, second = (evs for evs in reader.events(wait=False))
+    assert [(e.slot, e.token_ids, e.finished) for e in first] == [(0, [11], True), (1, [12], False), (2, [13], False)]
+    assert [(e.slot, e.preempted) for e in second] == [(1, True), (2, True)]
+    accept = np.array([[4, 5], [6, 7], [8, 9]], np.int64)
+    for r in range(3):
+        producer.insert(r, r)
+    producer.speculate_save_output(accept, np.array([1, 2, 1], np.int32), stop_flags=stop, pending_preempted_idx=now)
+    (third,) = list(reader.events(wait=False))
+    assert [(e.slot, e.token_ids, e.finished) for e in third] == [(0, [4], True), (1, [6, 7], False), (2, [8], False)]
+    buf = np.full((MAX_BSZ + 2, 1), 2, np.int64)
+    producer.save_output(np.full((3, 1), -1, np.int64), None, now, 0, False, stop_flags=stop)
+    reader.get_output(buf, 0, False)
+    assert buf[2:5, 0].tolist() == [-1, -9, -9]  # TokenProcessor sees the -9 it reschedules on
+
+
 def test_token_packed_offsets_outside_the_tokens_are_refused(ring: shm.Ring) -> None:
     packed, counts, cu, ids, scores, ranks = _packed({0: [1, 2], 1: [3]}, 2, 1, np.random.default_rng(7))
     producer, _ = pair(ring, 2)
