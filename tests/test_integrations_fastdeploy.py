@@ -187,10 +187,10 @@ def test_top_k_above_20_is_cut_to_fastdeploys_20_columns(ring: shm.Ring) -> None
     ids = np.arange(bsz * (n + 1), dtype=np.int64).reshape(bsz, n + 1)
     ids[:, 0] = x[:, 0]
     scores = -np.arange(bsz * (n + 1), dtype=np.float32).reshape(bsz, n + 1)
-    producer.save_output_topk(x, ids, scores, np.ones(bsz, np.int64))
-    producer.save_output_topk(x, ids, scores, np.ones(bsz, np.int64))
+    producer.save_output_topk(x, ids, scores, np.ones(bsz, np.int64), k=n)
+    producer.save_output_topk(x, ids, scores, np.ones(bsz, np.int64), k=n)
     events = next(reader.events(wait=False))
-    assert events[0].logprob_token_ids == [ids[0].tolist()]  # the events keep every column
+    assert events[0].logprob_token_ids == [ids[0].tolist()]  # asked for: the events keep every column
     xb = np.full((MAX_BSZ * W21 + 2, 1), 2, np.int64)
     sb = np.full((MAX_BSZ * W21, 1), 2, np.float32)
     reader.get_output_topk(xb, sb, np.zeros(MAX_BSZ, np.int64), K, 0, False)
@@ -198,6 +198,21 @@ def test_top_k_above_20_is_cut_to_fastdeploys_20_columns(ring: shm.Ring) -> None
     rows = xb[2 : 2 + bsz * W21, 0].reshape(bsz, W21)
     assert rows.tolist() == ids[:, :W21].tolist()
     np.testing.assert_array_equal(sb[: bsz * W21, 0].reshape(bsz, W21), scores[:, :W21])
+
+
+def test_logprobs_minus_one_sends_fastdeploys_20(ring: shm.Ring) -> None:
+    # SamplingParams(logprobs=-1) passes FastDeploy's checks on the SysV path and makes the
+    # runner's max_num_logprobs the vocabulary size: rows far wider than a frame's 1024 columns
+    bsz, vocab = 2, 3000
+    producer, reader = pair(ring, bsz)
+    x = np.array([[7], [8]], np.int64)
+    ids = np.tile(np.arange(vocab + 1, dtype=np.int64), (bsz, 1))
+    ids[:, 0] = x[:, 0]
+    scores = -np.tile(np.arange(vocab + 1, dtype=np.float32), (bsz, 1))
+    assert producer.save_output_topk(x, ids, scores, np.ones(bsz, np.int64))
+    (events,) = list(reader.events(wait=False))
+    assert events[1].logprob_token_ids == [ids[1, :W21].tolist()]
+    assert events[1].logprobs == [scores[1, :W21].tolist()]
 
 
 # -- speculative decoding ------------------------------------------------------------------------------

@@ -42,6 +42,7 @@ from aiospec.integrations.fastdeploy._constants import (
     NO_TOKEN,
     PREEMPTED_TOKEN_ID,
     RECOVERY_STOP_SIGNAL,
+    K,
 )
 from aiospec.integrations.fastdeploy._slots import SlotTable
 from aiospec.ops._errors import EmitError
@@ -300,7 +301,9 @@ class FastDeployProducer:
         """``save_output_topk``: as ``save_output``, with the sampler's logprob rows
         ``topk_ids`` / ``logprob_scores`` ``[B, n + 1]`` (column 0 the sampled token) and
         ``ranks`` ``[B]``; row ``i``'s logprobs are row ``i``. ``k``: top-k to emit (default
-        ``n``, the batch's ``max_num_logprobs``)."""
+        ``min(n, K)``: ``n`` is the batch's ``max_num_logprobs``, the vocabulary size when a
+        request asks for ``logprobs=-1``, and FastDeploy's message carries at most ``K``; more,
+        up to the frame's limit of 1024, only when asked)."""
         lp = (topk_ids, logprob_scores, ranks, k)
         stops = (stop_flags, is_block_step, pending_preempted_idx)
         return self._normal(x, lp, preempted_idx, rank_id, stops, None)
@@ -559,11 +562,16 @@ class FastDeployProducer:
     def _logprobs(
         self, ids: Any, values: Any, ranks: Any, offsets: Any, k: int | None, rows: int
     ) -> tuple[Any, Any, Any, np.ndarray[Any, Any], int | None]:
-        n = int(_shape(ids, "logprob_token_ids")[0])
+        shape = _shape(ids, "logprob_token_ids")
+        n = int(shape[0])
         if offsets is None:  # normal decoding: slot i's logprobs are row i
             offs = np.minimum(np.arange(rows + 1, dtype=np.int32), n).astype(np.int32)
         else:
             offs = _offsets(offsets, rows, n)
+        if k is None and len(shape) == 2:
+            # FastDeploy's messages carry at most K top logprobs; a request with logprobs=-1 makes
+            # the sampler's rows the whole vocabulary wide, which no frame should carry
+            k = min(int(shape[1]) - 1, K)
         return ids, values, ranks, offs, k
 
     def _normal(
