@@ -359,6 +359,32 @@ def test_draft_send_in_the_proposers_own_form(ring: shm.Ring) -> None:
         producer.speculate_save_output_topk(*args, 4, 0, False, True)
 
 
+def test_the_guides_draft_send_runs_as_written(ring: shm.Ring) -> None:
+    # the guide's replacement of the draft send, evaluated as the guide writes it, on the
+    # proposer's tensors (self.model_inputs, sampler_output) with FastDeploy's shapes
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    guide = (Path(__file__).resolve().parent.parent / "docs" / "fastdeploy.md").read_text()
+    (block,) = [
+        b for b in re.findall(r"```text\n(.*?)```", guide, re.S) if "self.output.speculate_save_output_topk" in b
+    ]
+    call = "\n".join(ln[1:] for ln in block.splitlines() if ln.startswith("+"))
+    want = {0: [101], 2: [301]}
+    packed, counts, cu, ids, scores, ranks = _packed(want, 3, 2, np.random.default_rng(8))
+    producer, reader = pair(ring, 3)
+    proposer = SimpleNamespace(
+        output=producer, local_rank=0, parallel_config=SimpleNamespace(use_ep=False),
+        model_inputs={"batch_token_num": counts, "cu_batch_token_offset": cu, "not_need_stop": np.array([True]),
+                      "seq_lens_decoder": np.full((3, 1), 9, np.int32), "prompt_lens": np.full((3, 1), 5, np.int64)},
+    )  # fmt: skip
+    lp = SimpleNamespace(logprob_token_ids=ids, logprobs=scores, selected_token_ranks=ranks)
+    sampler_output = SimpleNamespace(sampled_token_ids=packed[:, None], logprobs_tensors=lp)
+    eval(call.strip(), {"self": proposer, "sampler_output": sampler_output, "real_bsz": 3})
+    (events,) = list(reader.events(wait=False))
+    assert [(e.slot, e.token_ids, e.draft) for e in events] == [(0, [101], True), (2, [301], True)]
+
+
 def test_overlapped_save_after_the_next_steps_preemption(ring: shm.Ring) -> None:
     # scheduler_config.enable_overlap_schedule: step N is saved after step N + 1's
     # insert_tasks_v1, which preempts row 1 (stop_flags True, preempted_idx 1) and aborts row 2;
