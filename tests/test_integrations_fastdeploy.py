@@ -569,6 +569,19 @@ def test_insert_after_a_pd_reorder_takes_the_engine_slot(ring: shm.Ring) -> None
         producer.insert(1, 1)
 
 
+def test_rows_emptied_by_clear_requests_take_new_handles(ring: shm.Ring) -> None:
+    # GPUModelRunner.clear_requests stops every row and sends nothing; the engine recycles the
+    # slots; a new request inserted into the same row and slot must not inherit the old handle
+    producer, reader = pair(ring, 2)
+    old = producer.slots.handles.tolist()
+    producer.clear_all()
+    assert producer.slots.handles.tolist() == [-1, -1]
+    assert producer.insert(0, 0) != old[0]
+    producer.save_output(np.array([[5], [6]], np.int64))
+    (events,) = list(reader.events(wait=False))
+    assert [(e.slot, e.handle, e.token_ids) for e in events] == [(0, int(producer.slots.handles[0]), [5])]
+
+
 def test_a_missing_ring_is_named_with_its_rank() -> None:
     name = ring_name(f"missing{id(object())}", 1)
     producer = FastDeployProducer(name, max_num_seqs=2, rank_id=1, save_each_rank=True)

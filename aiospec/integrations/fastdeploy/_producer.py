@@ -251,6 +251,12 @@ class FastDeployProducer:
         """Row ``row`` was emptied without a frame saying so."""
         self.slots.clear(row)
 
+    def clear_all(self) -> None:
+        """Every row was emptied without a frame saying so (``GPUModelRunner.clear_requests``,
+        which stops every row for a weight update): without it a request inserted later into a
+        row and slot that held one would take over the old request's handle."""
+        self.slots.clear_all()
+
     @property
     def silent(self) -> bool:
         """This rank emits nothing (``rank_id > 0`` without ``save_each_rank``)."""
