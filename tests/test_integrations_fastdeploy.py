@@ -187,10 +187,10 @@ def test_top_k_above_20_is_cut_to_fastdeploys_20_columns(ring: shm.Ring) -> None
     ids = np.arange(bsz * (n + 1), dtype=np.int64).reshape(bsz, n + 1)
     ids[:, 0] = x[:, 0]
     scores = -np.arange(bsz * (n + 1), dtype=np.float32).reshape(bsz, n + 1)
-    producer.save_output_topk(x, ids, scores, np.ones(bsz, np.int64))
-    producer.save_output_topk(x, ids, scores, np.ones(bsz, np.int64))
+    producer.save_output_topk(x, ids, scores, np.ones(bsz, np.int64), k=n)
+    producer.save_output_topk(x, ids, scores, np.ones(bsz, np.int64), k=n)
     events = next(reader.events(wait=False))
-    assert events[0].logprob_token_ids == [ids[0].tolist()]  # the events keep every column
+    assert events[0].logprob_token_ids == [ids[0].tolist()]  # asked for: the events keep every column
     xb = np.full((MAX_BSZ * W21 + 2, 1), 2, np.int64)
     sb = np.full((MAX_BSZ * W21, 1), 2, np.float32)
     reader.get_output_topk(xb, sb, np.zeros(MAX_BSZ, np.int64), K, 0, False)
@@ -198,6 +198,21 @@ def test_top_k_above_20_is_cut_to_fastdeploys_20_columns(ring: shm.Ring) -> None
     rows = xb[2 : 2 + bsz * W21, 0].reshape(bsz, W21)
     assert rows.tolist() == ids[:, :W21].tolist()
     np.testing.assert_array_equal(sb[: bsz * W21, 0].reshape(bsz, W21), scores[:, :W21])
+
+
+def test_logprobs_minus_one_sends_fastdeploys_20(ring: shm.Ring) -> None:
+    # SamplingParams(logprobs=-1) passes FastDeploy's checks on the SysV path and makes the
+    # runner's max_num_logprobs the vocabulary size: rows far wider than a frame's 1024 columns
+    bsz, vocab = 2, 3000
+    producer, reader = pair(ring, bsz)
+    x = np.array([[7], [8]], np.int64)
+    ids = np.tile(np.arange(vocab + 1, dtype=np.int64), (bsz, 1))
+    ids[:, 0] = x[:, 0]
+    scores = -np.tile(np.arange(vocab + 1, dtype=np.float32), (bsz, 1))
+    assert producer.save_output_topk(x, ids, scores, np.ones(bsz, np.int64))
+    (events,) = list(reader.events(wait=False))
+    assert events[1].logprob_token_ids == [ids[1, :W21].tolist()]
+    assert events[1].logprobs == [scores[1, :W21].tolist()]
 
 
 # -- speculative decoding ------------------------------------------------------------------------------
@@ -323,6 +338,77 @@ def test_draft_message_with_the_proposers_offsets(ring: shm.Ring) -> None:
     producer.speculate_save_output_topk(packed[:, None], ids, scores, ranks, counts, cu[:3], None, None, None, None, 4)
     (events,) = list(reader.events(wait=False))
     assert [(e.slot, e.token_ids, e.draft) for e in events] == [(0, [101], True), (2, [301], True)]
+
+
+def test_draft_send_in_the_proposers_own_form(ring: shm.Ring) -> None:
+    # fastdeploy/spec_decode/mtp_cuda.py (MTPProposerCUDA._propose) calls the op without
+    # preempted_idx: (..., not_need_stop, seq_lens_decoder, prompt_lens, 4, local_rank, use_ep)
+    want = {0: [101], 2: [301]}
+    packed, counts, cu, ids, scores, ranks = _packed(want, 3, 2, np.random.default_rng(6))
+    sld, pl = np.array([[9], [9], [9]], np.int32), np.array([[5], [5], [5]], np.int64)
+    producer, reader = pair(ring, 3)
+    args = (packed[:, None], ids, scores, ranks, counts, cu[:3], np.array([True]), sld, pl)
+    assert producer.speculate_save_output_topk(*args, 4, 0, False)
+    (events,) = list(reader.events(wait=False))
+    assert [(e.slot, e.token_ids, e.draft) for e in events] == [(0, [101], True), (2, [301], True)]
+    assert not producer.speculate_save_output_topk(*args, 4, 1, False)  # rank 1 without use_ep: silent
+    assert producer.speculate_save_output_topk(*args, 4, 1, True)
+    with pytest.raises(EmitError, match="message_flag = 0"):
+        producer.speculate_save_output_topk(*args, 0, 0, False)
+    with pytest.raises(EmitError, match="preempted_idx = 4"):
+        producer.speculate_save_output_topk(*args, 4, 0, False, True)
+
+
+def test_the_guides_draft_send_runs_as_written(ring: shm.Ring) -> None:
+    # the guide's replacement of the draft send, evaluated as the guide writes it, on the
+    # proposer's tensors (self.model_inputs, sampler_output) with FastDeploy's shapes
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    guide = (Path(__file__).resolve().parent.parent / "docs" / "fastdeploy.md").read_text()
+    (block,) = [
+        b for b in re.findall(r"```text\n(.*?)```", guide, re.S) if "self.output.speculate_save_output_topk" in b
+    ]
+    call = "\n".join(ln[1:] for ln in block.splitlines() if ln.startswith("+"))
+    want = {0: [101], 2: [301]}
+    packed, counts, cu, ids, scores, ranks = _packed(want, 3, 2, np.random.default_rng(8))
+    producer, reader = pair(ring, 3)
+    proposer = SimpleNamespace(
+        output=producer, local_rank=0, parallel_config=SimpleNamespace(use_ep=False),
+        model_inputs={"batch_token_num": counts, "cu_batch_token_offset": cu, "not_need_stop": np.array([True]),
+                      "seq_lens_decoder": np.full((3, 1), 9, np.int32), "prompt_lens": np.full((3, 1), 5, np.int64)},
+    )  # fmt: skip
+    lp = SimpleNamespace(logprob_token_ids=ids, logprobs=scores, selected_token_ranks=ranks)
+    sampler_output = SimpleNamespace(sampled_token_ids=packed[:, None], logprobs_tensors=lp)
+    eval(call.strip(), {"self": proposer, "sampler_output": sampler_output, "real_bsz": 3})
+    (events,) = list(reader.events(wait=False))
+    assert [(e.slot, e.token_ids, e.draft) for e in events] == [(0, [101], True), (2, [301], True)]
+
+
+def test_overlapped_save_after_the_next_steps_preemption(ring: shm.Ring) -> None:
+    # scheduler_config.enable_overlap_schedule: step N is saved after step N + 1's
+    # insert_tasks_v1, which preempts row 1 (stop_flags True, preempted_idx 1) and aborts row 2;
+    # row 0 ended on its own token. Rows 1 and 2 end with the next frame's -9, not here.
+    producer, reader = pair(ring, 3)
+    stop = np.array([[True], [True], [True]])
+    now = np.array([[0], [1], [1]], np.int32)  # share_inputs["preempted_idx"] at the save
+    x = np.array([[11], [12], [13]], np.int64)
+    zeros = np.zeros((3, 1), np.int32)
+    producer.save_output(x, np.array([True]), zeros, 0, False, stop_flags=stop, pending_preempted_idx=now)
+    producer.save_output(np.full((3, 1), -1, np.int64), np.array([True]), now, 0, False, stop_flags=stop)
+    first, second = (evs for evs in reader.events(wait=False))
+    assert [(e.slot, e.token_ids, e.finished) for e in first] == [(0, [11], True), (1, [12], False), (2, [13], False)]
+    assert [(e.slot, e.preempted) for e in second] == [(1, True), (2, True)]
+    accept = np.array([[4, 5], [6, 7], [8, 9]], np.int64)
+    for r in range(3):
+        producer.insert(r, r)
+    producer.speculate_save_output(accept, np.array([1, 2, 1], np.int32), stop_flags=stop, pending_preempted_idx=now)
+    (third,) = list(reader.events(wait=False))
+    assert [(e.slot, e.token_ids, e.finished) for e in third] == [(0, [4], True), (1, [6, 7], False), (2, [8], False)]
+    buf = np.full((MAX_BSZ + 2, 1), 2, np.int64)
+    producer.save_output(np.full((3, 1), -1, np.int64), None, now, 0, False, stop_flags=stop)
+    reader.get_output(buf, 0, False)
+    assert buf[2:5, 0].tolist() == [-1, -9, -9]  # TokenProcessor sees the -9 it reschedules on
 
 
 def test_token_packed_offsets_outside_the_tokens_are_refused(ring: shm.Ring) -> None:
@@ -481,6 +567,19 @@ def test_insert_after_a_pd_reorder_takes_the_engine_slot(ring: shm.Ring) -> None
         ValueError, match=r"^slot = 1: row 0 holds a request of that engine slot already \(row 1 was given\)"
     ):
         producer.insert(1, 1)
+
+
+def test_rows_emptied_by_clear_requests_take_new_handles(ring: shm.Ring) -> None:
+    # GPUModelRunner.clear_requests stops every row and sends nothing; the engine recycles the
+    # slots; a new request inserted into the same row and slot must not inherit the old handle
+    producer, reader = pair(ring, 2)
+    old = producer.slots.handles.tolist()
+    producer.clear_all()
+    assert producer.slots.handles.tolist() == [-1, -1]
+    assert producer.insert(0, 0) != old[0]
+    producer.save_output(np.array([[5], [6]], np.int64))
+    (events,) = list(reader.events(wait=False))
+    assert [(e.slot, e.handle, e.token_ids) for e in events] == [(0, int(producer.slots.handles[0]), [5])]
 
 
 def test_a_missing_ring_is_named_with_its_rank() -> None:

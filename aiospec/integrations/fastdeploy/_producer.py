@@ -42,6 +42,7 @@ from aiospec.integrations.fastdeploy._constants import (
     NO_TOKEN,
     PREEMPTED_TOKEN_ID,
     RECOVERY_STOP_SIGNAL,
+    K,
 )
 from aiospec.integrations.fastdeploy._slots import SlotTable
 from aiospec.ops._errors import EmitError
@@ -150,6 +151,29 @@ def _gather_packed(tokens: Any, starts: np.ndarray[Any, Any], num_tokens: np.nda
     return np.ascontiguousarray(host_array(tokens, name).reshape(-1)[idx])
 
 
+def _is_integer(x: Any) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _without_preempted_idx(
+    preempted_idx: Any, message_flag: Any, rank_id: Any, save_each_rank: Any
+) -> tuple[Any, int | None, int | None, bool | None]:
+    """The top-k speculative ops' arguments from either of FastDeploy's forms: with
+    ``preempted_idx`` (``..., preempted_idx, message_flag, rank_id, save_each_rank``) or
+    without it (``..., message_flag, rank_id, save_each_rank``: the MTP proposer's draft
+    send), told apart by an integer where ``preempted_idx`` (a tensor) stands."""
+    if not _is_integer(preempted_idx):
+        return preempted_idx, message_flag, rank_id, save_each_rank
+    if save_each_rank is not None:
+        raise EmitError(
+            f"preempted_idx = {preempted_idx!r}: expected a tensor (an integer there is the message flag of the "
+            f"form without preempted_idx, which takes no fifth argument after prompt_lens; got save_each_rank = "
+            f"{save_each_rank!r})"
+        )
+    rank = None if message_flag is None else int(message_flag)
+    return None, int(preempted_idx), rank, None if rank_id is None else bool(rank_id)
+
+
 def _rows(x: np.ndarray[Any, Any], name: str, rows: int) -> np.ndarray[Any, Any]:
     """A per-row input as a 1-D array of its first ``rows`` values ([B], [B, 1] or longer)."""
     flat = x.reshape(-1) if x.ndim != 1 else x
@@ -227,6 +251,12 @@ class FastDeployProducer:
         """Row ``row`` was emptied without a frame saying so."""
         self.slots.clear(row)
 
+    def clear_all(self) -> None:
+        """Every row was emptied without a frame saying so (``GPUModelRunner.clear_requests``,
+        which stops every row for a weight update): without it a request inserted later into a
+        row and slot that held one would take over the old request's handle."""
+        self.slots.clear_all()
+
     @property
     def silent(self) -> bool:
         """This rank emits nothing (``rank_id > 0`` without ``save_each_rank``)."""
@@ -244,15 +274,20 @@ class FastDeployProducer:
         *,
         stop_flags: Any = None,
         is_block_step: Any = None,
+        pending_preempted_idx: Any = None,
     ) -> bool:
         """``save_output(x, not_need_stop, preempted_idx, rank_id, save_each_rank)``: ``x`` the
         sampled ids ``[B, 1]`` (-1 on a slot with nothing, -9 preempted, -3 recovery stop),
         ``preempted_idx`` ``[B]`` (1 = preempted). ``stop_flags`` ``[B]`` / ``[B, 1]`` (the
         batch's ``stop_flags`` after post-processing) marks the token that ends a request.
         ``not_need_stop`` is not needed (every step is a frame). As FastDeploy's op, only rank 0
-        writes: ``save_each_rank`` is taken and not used. Returns whether a frame was written."""
+        writes: ``save_each_rank`` is taken and not used. ``is_block_step`` (rows stopped for
+        want of KV blocks) and ``pending_preempted_idx`` (FastDeploy's ``preempted_idx`` at the
+        time of the save: with the overlap schedule, rows the next step preempts or aborts) mark
+        the rows whose ``stop_flags`` is no end. Returns whether a frame was written."""
         del save_each_rank  # FastDeploy's op takes it and does not use it: only rank 0 writes
-        return self._normal(x, None, preempted_idx, rank_id, (stop_flags, is_block_step), None)
+        stops = (stop_flags, is_block_step, pending_preempted_idx)
+        return self._normal(x, None, preempted_idx, rank_id, stops, None)
 
     def save_output_topk(
         self,
@@ -266,14 +301,18 @@ class FastDeployProducer:
         *,
         stop_flags: Any = None,
         is_block_step: Any = None,
+        pending_preempted_idx: Any = None,
         k: int | None = None,
     ) -> bool:
         """``save_output_topk``: as ``save_output``, with the sampler's logprob rows
         ``topk_ids`` / ``logprob_scores`` ``[B, n + 1]`` (column 0 the sampled token) and
         ``ranks`` ``[B]``; row ``i``'s logprobs are row ``i``. ``k``: top-k to emit (default
-        ``n``, the batch's ``max_num_logprobs``)."""
+        ``min(n, K)``: ``n`` is the batch's ``max_num_logprobs``, the vocabulary size when a
+        request asks for ``logprobs=-1``, and FastDeploy's message carries at most ``K``; more,
+        up to the frame's limit of 1024, only when asked)."""
         lp = (topk_ids, logprob_scores, ranks, k)
-        return self._normal(x, lp, preempted_idx, rank_id, (stop_flags, is_block_step), None)
+        stops = (stop_flags, is_block_step, pending_preempted_idx)
+        return self._normal(x, lp, preempted_idx, rank_id, stops, None)
 
     def speculate_save_output(
         self,
@@ -289,6 +328,7 @@ class FastDeployProducer:
         *,
         stop_flags: Any = None,
         is_block_step: Any = None,
+        pending_preempted_idx: Any = None,
     ) -> bool:
         """``speculate_save_output``, for every proposer (MTP, n-gram, suffix, naive):
         ``accept_tokens`` ``[B, W]``, ``accept_num`` ``[B]`` (0..W tokens; -9 preempted, -3
@@ -296,7 +336,8 @@ class FastDeployProducer:
         ``seq_lens_decoder < prompt_lens`` is still in chunked prefill and says nothing."""
         return self._speculative(
             accept_tokens, accept_num, None, seq_lens_decoder if skip_chunk_prefill else None, prompt_lens,
-            preempted_idx, MESSAGE_TARGET, rank_id, save_each_rank, (stop_flags, is_block_step), "accept_num",
+            preempted_idx, MESSAGE_TARGET, rank_id, save_each_rank, (stop_flags, is_block_step, pending_preempted_idx),
+            "accept_num",
         )  # fmt: skip
 
     def speculate_save_output_topk(
@@ -311,12 +352,13 @@ class FastDeployProducer:
         seq_lens_decoder: Any = None,
         prompt_lens: Any = None,
         preempted_idx: Any = None,
-        message_flag: int = MESSAGE_TARGET,
+        message_flag: int | None = None,
         rank_id: int | None = None,
         save_each_rank: bool | None = None,
         *,
         stop_flags: Any = None,
         is_block_step: Any = None,
+        pending_preempted_idx: Any = None,
         k: int | None = None,
         layout: str | None = None,
     ) -> bool:
@@ -327,11 +369,17 @@ class FastDeployProducer:
         ``layout="rows"``); the token-level
         logprob rows ``[N, n + 1]`` / ``[N]`` (row ``cu_batch_token_offset[i] + j`` is token
         ``j`` of slot ``i``), ``token_num_per_batch`` the counts (``accept_num``),
-        ``message_flag`` 3 target or 4 draft (``Kind.DRAFT``: the draft model's tokens)."""
+        ``message_flag`` 3 target (the default) or 4 draft (``Kind.DRAFT``: the draft model's
+        tokens). The op's form without ``preempted_idx`` (``..., prompt_lens, message_flag,
+        rank_id, save_each_rank)``, as the MTP proposer sends its draft message) is taken too:
+        an integer where ``preempted_idx`` stands is the message flag."""
+        preempted_idx, message_flag, rank_id, save_each_rank = _without_preempted_idx(
+            preempted_idx, message_flag, rank_id, save_each_rank
+        )
         lp = (logprob_token_ids, logprob_scores, logprob_ranks, cu_batch_token_offset, k)
         return self._speculative(
             sampled_token_ids, token_num_per_batch, lp, seq_lens_decoder, prompt_lens, preempted_idx, message_flag,
-            rank_id, save_each_rank, (stop_flags, is_block_step), "token_num_per_batch", layout,
+            rank_id, save_each_rank, (stop_flags, is_block_step, pending_preempted_idx), "token_num_per_batch", layout,
         )  # fmt: skip
 
     def mtp_save_first_token(
@@ -382,7 +430,7 @@ class FastDeployProducer:
         seq_lens_decoder: Any = None,
         prompt_lens: Any = None,
         preempted_idx: Any = None,
-        message_flag: int = MESSAGE_TARGET,
+        message_flag: int | None = None,
         rank_id: int | None = None,
         save_each_rank: bool | None = None,
         *,
@@ -392,7 +440,11 @@ class FastDeployProducer:
         token, with the target's logprob row ``cu_batch_token_offset[i]``; the next
         ``token_num_per_batch[i]`` columns are MTP draft ids (no logprobs: FastDeploy's op
         leaves their scores stale). A slot in chunked prefill, with 0 tokens or a -1 count
-        says nothing; ``token_num_per_batch[i] + 1`` must fit the tensor's columns."""
+        says nothing; ``token_num_per_batch[i] + 1`` must fit the tensor's columns. As
+        ``speculate_save_output_topk``, the form without ``preempted_idx`` is taken too."""
+        preempted_idx, message_flag, rank_id, save_each_rank = _without_preempted_idx(
+            preempted_idx, message_flag, rank_id, save_each_rank
+        )
         if self._skip(rank_id, save_each_rank):
             return False
         self._message_kind(message_flag)
@@ -488,34 +540,44 @@ class FastDeployProducer:
         return np.asarray(sld.astype(np.int64) < pl.astype(np.int64))
 
     @staticmethod
-    def _message_kind(message_flag: int) -> int:
-        if message_flag == MESSAGE_TARGET:
+    def _message_kind(message_flag: int | None) -> int:
+        if message_flag is None or message_flag == MESSAGE_TARGET:
             return int(Kind.TARGET)
         if message_flag == MESSAGE_DRAFT:
             return int(Kind.DRAFT)
         raise EmitError(f"message_flag = {message_flag!r}: expected 3 (target) or 4 (draft)")
 
     @staticmethod
-    def _stops(stops: tuple[Any, Any], rows: int) -> np.ndarray[Any, Any]:
+    def _stops(stops: tuple[Any, Any, Any], rows: int) -> np.ndarray[Any, Any]:
         """The rows whose token ends their request: ``stop_flags`` set, ``is_block_step`` not
         (``update_inputs(_v1)`` also stops a row that ran out of KV blocks, whose request goes
-        on once it is rescheduled)."""
-        stop_flags, is_block_step = stops
+        on once it is rescheduled) and ``pending_preempted_idx`` not 1 (with the overlap
+        schedule the save runs after the next step's ``insert_tasks_v1``, which sets
+        ``stop_flags`` on the rows it preempts or aborts: their end is the next frame's
+        ``PREEMPTED``, not this step's token)."""
+        stop_flags, is_block_step, pending = stops
         if stop_flags is None:
             return np.zeros(rows, dtype=bool)
         stops_now = _rows(host_array(stop_flags, "stop_flags"), "stop_flags", rows).astype(bool)
         if is_block_step is not None:
             stops_now &= ~_rows(host_array(is_block_step, "is_block_step"), "is_block_step", rows).astype(bool)
+        if pending is not None:
+            stops_now &= _rows(host_array(pending, "pending_preempted_idx"), "pending_preempted_idx", rows) != 1
         return stops_now
 
     def _logprobs(
         self, ids: Any, values: Any, ranks: Any, offsets: Any, k: int | None, rows: int
     ) -> tuple[Any, Any, Any, np.ndarray[Any, Any], int | None]:
-        n = int(_shape(ids, "logprob_token_ids")[0])
+        shape = _shape(ids, "logprob_token_ids")
+        n = int(shape[0])
         if offsets is None:  # normal decoding: slot i's logprobs are row i
             offs = np.minimum(np.arange(rows + 1, dtype=np.int32), n).astype(np.int32)
         else:
             offs = _offsets(offsets, rows, n)
+        if k is None and len(shape) == 2:
+            # FastDeploy's messages carry at most K top logprobs; a request with logprobs=-1 makes
+            # the sampler's rows the whole vocabulary wide, which no frame should carry
+            k = min(int(shape[1]) - 1, K)
         return ids, values, ranks, offs, k
 
     def _normal(
@@ -524,7 +586,7 @@ class FastDeployProducer:
         lp: tuple[Any, Any, Any, int | None] | None,
         preempted_idx: Any,
         rank_id: int | None,
-        stop_flags: tuple[Any, Any],
+        stop_flags: tuple[Any, Any, Any],
         step: int | None,
     ) -> bool:
         if self._skip(rank_id, False):  # save_output(_topk): rank 0 only, whatever save_each_rank says
@@ -563,10 +625,10 @@ class FastDeployProducer:
         seq_lens_decoder: Any,
         prompt_lens: Any,
         preempted_idx: Any,
-        message_flag: int,
+        message_flag: int | None,
         rank_id: int | None,
         save_each_rank: bool | None,
-        stop_flags: tuple[Any, Any],
+        stop_flags: tuple[Any, Any, Any],
         counts_name: str,
         layout: str | None = "rows",
     ) -> bool:

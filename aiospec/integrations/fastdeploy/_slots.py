@@ -94,6 +94,11 @@ class SlotTable:
         """Row ``row`` holds no request any more."""
         self.handles[_index("row", row, self.size)] = -1
 
+    def clear_all(self) -> None:
+        """No row holds a request any more (the generations are kept: a slot's next request
+        still gets a new handle)."""
+        self.handles[:] = -1
+
     def handle(self, row: int) -> int:
         """The handle in ``row`` (-1: empty)."""
         return int(self.handles[_index("row", row, self.size)])
