@@ -463,6 +463,31 @@ def test_min_tokens(client: openai.OpenAI) -> None:
 
 
 @pytest.mark.parametrize("stream", [False, True])
+def test_min_tokens_holds_off_stop_strings(client: openai.OpenAI, stream: bool) -> None:
+    # the second token's text as a stop string: without min_tokens it ends the choice at once;
+    # with min_tokens = 10 only a match that ends past the first 10 tokens' text does (vLLM)
+    r = client.completions.create(model=MODEL, prompt="x", max_tokens=40, seed=3, logprobs=0, **FIXED)
+    assert r.choices[0].logprobs is not None and r.choices[0].logprobs.tokens is not None
+    toks, full = r.choices[0].logprobs.tokens, r.choices[0].text
+    stop = toks[1]
+    assert _text(client, "x", max_tokens=40, seed=3, stop=[stop], **FIXED) == toks[0]
+    floor = len("".join(toks[:10]))
+    at = full.find(stop, max(0, floor - len(stop) + 1))
+    kw: dict[str, Any] = {
+        "max_tokens": 40,
+        "seed": 3,
+        "stop": [stop],
+        "extra_body": {"ignore_eos": True, "min_tokens": 10},
+    }
+    if stream:
+        text = "".join(c.choices[0].text for c in client.completions.create(model=MODEL, prompt="x", stream=True, **kw))
+    else:
+        text = _text(client, "x", **kw)
+    assert text == (full if at < 0 else full[:at])
+    assert len(text) >= floor
+
+
+@pytest.mark.parametrize("stream", [False, True])
 def test_min_tokens_above_the_default_max_tokens(server: ServerProcess, stream: bool) -> None:
     # no max_tokens: the default (256) would be below min_tokens, which the engine refuses; the
     # request gets min_tokens tokens at least instead (vLLM's default leaves the whole room)
