@@ -372,6 +372,15 @@ def test_bad_values_name_the_parameter(server: ServerProcess, path: str, body: d
     assert re.search(message, got["error"]["message"]), got["error"]["message"]
 
 
+@pytest.mark.parametrize("logprobs", [None, False])
+def test_top_logprobs_zero_without_logprobs(client: openai.OpenAI, logprobs: bool | None) -> None:
+    # vLLM's and SGLang's rule: only top_logprobs > 0 needs logprobs = true; 0 asks for nothing
+    kw: dict[str, Any] = {} if logprobs is None else {"logprobs": logprobs}
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=3,
+                                       top_logprobs=0, **kw)  # fmt: skip
+    assert r.choices[0].logprobs is None and r.choices[0].message.content
+
+
 def test_logprob_floats_are_finite(client: openai.OpenAI) -> None:
     r = client.completions.create(model=MODEL, prompt="x", max_tokens=4, logprobs=5, **FIXED)
     lp = r.choices[0].logprobs

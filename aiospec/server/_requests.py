@@ -598,11 +598,13 @@ def parse_chat(body: bytes, lim: Limits) -> Parsed:
     top = -1
     if req.top_logprobs is not None:
         _int_range("top_logprobs", req.top_logprobs, 0, lim.max_logprobs, _why(lim))
-        if not req.logprobs:
+        if req.logprobs:
+            top = req.top_logprobs
+        elif req.top_logprobs:
+            # 0 asks for nothing: vLLM and SGLang take it without logprobs, and return none
             raise ApiError(
                 400, "Invalid 'top_logprobs': 'logprobs' must be true when 'top_logprobs' is set.", param="top_logprobs"
             )
-        top = req.top_logprobs
     elif req.logprobs:
         top = 0
     prompt = Prompt(chat_prompt(req.messages), None)
