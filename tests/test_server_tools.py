@@ -14,6 +14,7 @@ no choices, the finish reason to be a non-empty string once per choice and ``[DO
 from __future__ import annotations
 
 import json
+import socket
 from collections.abc import Iterator
 from typing import Any
 
@@ -140,3 +141,30 @@ def test_what_guidellm_asks_first(http: httpx.Client) -> None:
     # GuideLLM validates the backend with GET /health, then takes the model from /v1/models
     assert http.get("/health").status_code == 200
     assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["aiospec-toy"]
+
+
+def test_pipelined_requests_on_one_connection(server: ServerProcess) -> None:
+    # keep-alive clients reuse a connection; HTTP/1.1 lets them send the next request before
+    # the answer: each is answered in order, a stream (chunked) between two whole answers
+    host, port = server.url.removeprefix("http://").rsplit(":", 1)
+
+    def req(body: dict[str, Any]) -> bytes:
+        b = json.dumps(body).encode()
+        head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(b)}"
+        return head.encode() + b"\r\n\r\n" + b
+
+    fixed = {"prompt": "x", "ignore_eos": True}
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        last = b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        s.sendall(req({**fixed, "max_tokens": 3}) + req({**fixed, "max_tokens": 4, "stream": True})
+                  + req({**fixed, "max_tokens": 5}) + last)  # fmt: skip
+        raw = b""
+        while chunk := s.recv(65536):
+            raw += chunk
+    heads = [h.split(b"\r\n", 1)[0] for h in raw.split(b"HTTP/1.1 ")[1:]]
+    assert heads == [b"200 OK"] * 4
+    parts = raw.split(b"HTTP/1.1 200 OK")[1:]
+    assert b'"completion_tokens":3' in parts[0] and b"event-stream" not in parts[0]
+    assert b"transfer-encoding: chunked" in parts[1] and b"data: [DONE]" in parts[1]
+    assert b'"completion_tokens":5' in parts[2]
+    assert b'"object":"list"' in parts[3]
