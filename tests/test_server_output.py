@@ -115,14 +115,15 @@ def _reference_min_tokens(
     return VOCAB.decode(ids), len(ids), None
 
 
+@pytest.mark.parametrize("include", [False, True])
 @pytest.mark.parametrize("min_tokens", [1, 2, 3, 5, 8])
 @pytest.mark.parametrize("stops", STOPS, ids=[",".join(s) for s in STOPS])
-def test_no_stop_sequence_ends_a_choice_before_min_tokens(stops: list[str], min_tokens: int) -> None:
-    want, count, matched = _reference_min_tokens(IDS, stops, False, min_tokens)
+def test_no_stop_sequence_ends_a_choice_before_min_tokens(stops: list[str], min_tokens: int, include: bool) -> None:
+    want, count, matched = _reference_min_tokens(IDS, stops, include, min_tokens)
     if matched is None:
         count += 1
     for chat in (False, True):
-        parsed = _parsed(chat, stop=stops, min_tokens=min_tokens)
+        parsed = _parsed(chat, stop=stops, min_tokens=min_tokens, include_stop_str_in_output=include)
         for bounds in _splits(len(IDS)):
             text, out, _ = _run(parsed, IDS, bounds, chat=chat, expected=want)
             assert (text, out.ntok, out.stop_reason) == (want, count, matched), bounds
