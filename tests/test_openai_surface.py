@@ -345,6 +345,19 @@ BAD_VALUES: list[tuple[str, dict[str, Any], str, str]] = [
      "top_logprobs", r"^Invalid 'top_logprobs': top_logprobs = 21: expected 0\.\.20\.$"),
     (CHAT, {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
      "max_completion_tokens", r"^Invalid 'max_completion_tokens': max_completion_tokens = 0: expected 1\.\."),
+    # the context length (--max-model-len 8192): the prompt alone, the prompt and max_tokens or min_tokens
+    (CMPL, {"prompt": [5] * 8192, "max_tokens": 1}, "prompt",
+     r"^Invalid 'prompt': 8192 prompt tokens leave no room for output in the context length 8192\.$"),
+    (CMPL, {"prompt": [5] * 8192}, "prompt", r"^Invalid 'prompt': 8192 prompt tokens leave no room"),
+    (CHAT, {"messages": [{"role": "user", "content": "the " * 8200}]}, "messages",
+     r"^Invalid 'messages': \d+ prompt tokens leave no room for output in the context length 8192\.$"),
+    (CMPL, {"prompt": [5] * 8190, "max_tokens": 3}, "max_tokens",
+     r"^Invalid 'max_tokens': 8190 prompt tokens \+ max_tokens = 3 exceeds the context length 8192\.$"),
+    (CMPL, {"prompt": [5] * 8000, "min_tokens": 300}, "min_tokens",
+     r"^Invalid 'min_tokens': 8000 prompt tokens \+ min_tokens = 300 exceeds the context length 8192\.$"),
+    # more than the engine takes: refused here, not left to fail in the engine
+    (CMPL, {"prompt": "x", "stop_token_ids": [5] * 1025}, "stop_token_ids",
+     r"^Invalid 'stop_token_ids': 1025 ids: expected at most 1024\.$"),
 ]  # fmt: skip
 
 
@@ -357,6 +370,15 @@ def test_bad_values_name_the_parameter(server: ServerProcess, path: str, body: d
     assert status == 400, got
     assert got["error"]["param"] == param
     assert re.search(message, got["error"]["message"]), got["error"]["message"]
+
+
+@pytest.mark.parametrize("logprobs", [None, False])
+def test_top_logprobs_zero_without_logprobs(client: openai.OpenAI, logprobs: bool | None) -> None:
+    # vLLM's and SGLang's rule: only top_logprobs > 0 needs logprobs = true; 0 asks for nothing
+    kw: dict[str, Any] = {} if logprobs is None else {"logprobs": logprobs}
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=3,
+                                       top_logprobs=0, **kw)  # fmt: skip
+    assert r.choices[0].logprobs is None and r.choices[0].message.content
 
 
 def test_logprob_floats_are_finite(client: openai.OpenAI) -> None:
@@ -447,6 +469,49 @@ def test_min_tokens(client: openai.OpenAI) -> None:
     longer = client.completions.create(model=MODEL, prompt="x", max_tokens=80, seed=seed,
                                        extra_body={"min_tokens": m + 10})  # fmt: skip
     assert longer.usage is not None and longer.usage.completion_tokens >= m + 10
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_min_tokens_holds_off_stop_strings(client: openai.OpenAI, stream: bool) -> None:
+    # the second token's text as a stop string: without min_tokens it ends the choice at once;
+    # with min_tokens = 10 only a match that ends past the first 10 tokens' text does (vLLM)
+    r = client.completions.create(model=MODEL, prompt="x", max_tokens=40, seed=3, logprobs=0, **FIXED)
+    assert r.choices[0].logprobs is not None and r.choices[0].logprobs.tokens is not None
+    toks, full = r.choices[0].logprobs.tokens, r.choices[0].text
+    stop = toks[1]
+    assert _text(client, "x", max_tokens=40, seed=3, stop=[stop], **FIXED) == toks[0]
+    floor = len("".join(toks[:10]))
+    at = full.find(stop, max(0, floor - len(stop) + 1))
+    kw: dict[str, Any] = {
+        "max_tokens": 40,
+        "seed": 3,
+        "stop": [stop],
+        "extra_body": {"ignore_eos": True, "min_tokens": 10},
+    }
+    if stream:
+        text = "".join(c.choices[0].text for c in client.completions.create(model=MODEL, prompt="x", stream=True, **kw))
+    else:
+        text = _text(client, "x", **kw)
+    assert text == (full if at < 0 else full[:at])
+    assert len(text) >= floor
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_min_tokens_above_the_default_max_tokens(server: ServerProcess, stream: bool) -> None:
+    # no max_tokens: the default (256) would be below min_tokens, which the engine refuses; the
+    # request gets min_tokens tokens at least instead (vLLM's default leaves the whole room)
+    quick = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=30)
+    body: dict[str, Any] = {"min_tokens": 300, "ignore_eos": False}
+    if stream:
+        chunks = list(quick.completions.create(model=MODEL, prompt="x", stream=True, extra_body=body,
+                                               stream_options={"include_usage": True}))  # fmt: skip
+        usage = chunks[-1].usage
+        assert [c.finish_reason for ch in chunks for c in ch.choices if c.finish_reason] == ["length"]
+    else:
+        r = quick.completions.create(model=MODEL, prompt="x", extra_body=body)
+        usage = r.usage
+        assert r.choices[0].finish_reason == "length"
+    assert usage is not None and usage.completion_tokens == 300
 
 
 def test_penalties_reach_the_engine(client: openai.OpenAI) -> None:

@@ -100,6 +100,43 @@ STOPS = [
 ]
 
 
+def _reference_min_tokens(
+    ids: list[int], stops: list[str], include: bool, min_tokens: int
+) -> tuple[str, int, str | None]:
+    """vLLM's detokenizer with ``min_tokens``: no stop check before that many tokens, then a
+    match must end past their text (one that starts in it counts)."""
+    floor = len(VOCAB.decode(ids[:min_tokens]))
+    for k in range(min_tokens + 1, len(ids) + 1):
+        text = VOCAB.decode(ids[:k])
+        hits = [(j, i, s) for i, s in enumerate(stops) if (j := text.find(s, max(0, floor - len(s) + 1))) >= 0]
+        if hits:
+            at, _, s = min(hits)
+            return text[: at + len(s) if include else at], k, s
+    return VOCAB.decode(ids), len(ids), None
+
+
+@pytest.mark.parametrize("include", [False, True])
+@pytest.mark.parametrize("min_tokens", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("stops", STOPS, ids=[",".join(s) for s in STOPS])
+def test_no_stop_sequence_ends_a_choice_before_min_tokens(stops: list[str], min_tokens: int, include: bool) -> None:
+    want, count, matched = _reference_min_tokens(IDS, stops, include, min_tokens)
+    if matched is None:
+        count += 1
+    for chat in (False, True):
+        parsed = _parsed(chat, stop=stops, min_tokens=min_tokens, include_stop_str_in_output=include)
+        for bounds in _splits(len(IDS)):
+            text, out, _ = _run(parsed, IDS, bounds, chat=chat, expected=want)
+            assert (text, out.ntok, out.stop_reason) == (want, count, matched), bounds
+
+
+def test_min_tokens_reference_differs_from_none() -> None:
+    # the cases above are not the ones without min_tokens: " the" is first completed by the
+    # third token, "he j" by the fourth, and "t" by the second
+    assert _reference_min_tokens(IDS, [" the"], False, 3) == (" and with the just man of", 7, " the")
+    assert _reference_min_tokens(IDS, ["he j"], False, 3) == _reference(IDS, ["he j"], False)
+    assert _reference_min_tokens(IDS, ["t"], False, 3) == (" and with the jus", 4, "t")
+
+
 @pytest.mark.parametrize("include", [False, True])
 @pytest.mark.parametrize("stops", STOPS, ids=[",".join(s) for s in STOPS])
 def test_stop_sequence_over_every_split_of_the_deltas(stops: list[str], include: bool) -> None:

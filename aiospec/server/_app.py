@@ -154,12 +154,19 @@ class Handlers:
                 raise ApiError(400, "Invalid 'prompt': the prompt is empty (expected at least one token).",
                                param="prompt", code="empty_prompt")  # fmt: skip
             room = s.max_model_len - len(ids)
+            if room < 1 and parsed.max_tokens != 0:
+                param = "messages" if chat else "prompt"
+                raise ApiError(
+                    400, f"Invalid '{param}': {len(ids)} prompt tokens leave no room for output in the "
+                    f"context length {s.max_model_len}.", param=param, code="context_length_exceeded",
+                )  # fmt: skip
             if parsed.max_tokens is None:
-                max_tokens = min(s.default_max_tokens, room)
-                if max_tokens < 1:
+                # min_tokens asks for that many at least (the engine refuses min_tokens > max_tokens)
+                max_tokens = min(max(s.default_max_tokens, parsed.min_tokens), room)
+                if parsed.min_tokens > max_tokens:
                     raise ApiError(
-                        400, f"Invalid 'messages': {len(ids)} prompt tokens leave no room for output in the "
-                        f"context length {s.max_model_len}.", param="messages" if chat else "prompt",
+                        400, f"Invalid 'min_tokens': {len(ids)} prompt tokens + min_tokens = {parsed.min_tokens} "
+                        f"exceeds the context length {s.max_model_len}.", param="min_tokens",
                         code="context_length_exceeded",
                     )  # fmt: skip
             else:

@@ -36,16 +36,21 @@ class Output:
     vLLM. The whole text is searched, so a stop sequence split over tokens or deltas is
     found; the end of the text that could start one is held back until a later token shows
     it does not, so the text sent is the same whatever the step boundaries. Without stop
-    sequences nothing is searched or held.
+    sequences nothing is searched or held. Before ``min_tokens`` tokens no stop sequence
+    ends the choice: a match must end past the text of the first ``min_tokens`` tokens
+    (vLLM's detokenizer skips the stop check until then, so one that starts earlier and ends
+    later counts).
     """
 
     __slots__ = (
         "_dec",
         "_fmt",
         "_include_stop",
+        "_min_left",
         "_stop_ids",
         "_stops",
         "_tail",
+        "_tail_floor",
         "chat",
         "finish_reason",
         "max_tokens",
@@ -79,6 +84,8 @@ class Output:
         self._include_stop = parsed.include_stop
         self._stop_ids = frozenset(parsed.stop_token_ids)
         self._tail = ""  # text held back: it may be the start of a stop sequence
+        self._min_left = parsed.min_tokens  # tokens still to come before a stop sequence may end
+        self._tail_floor = 0  # the first characters of _tail, of those tokens: no match ends in them
         mt = parsed.max_tokens if max_tokens is None else max_tokens
         assert mt is not None
         self.max_tokens: int = mt
@@ -156,30 +163,44 @@ class Output:
         pieces = [push(t) for t in ids]
         search = self._tail + "".join(pieces)
         stops = self._stops
+        # the start of search that belongs to the first min_tokens tokens: a match ends after it
+        floor = self._tail_floor
+        if self._min_left:
+            k = min(self._min_left, len(pieces))
+            self._min_left -= k
+            floor = len(self._tail) + sum(map(len, pieces[:k]))
         for s in stops:
             if s in search:
                 break
         else:
-            keep = 0 if finished else _partial(search, stops)
-            if keep:
-                self._tail = search[-keep:]
-                return search[:-keep], -1, ""
-            self._tail = ""
-            return search, -1, ""
+            return self._hold(search, finished, floor)
         # the first token whose text completes a stop sequence (the one vLLM's token-by-token
         # check stops at), and the earliest one it completes
         end = len(self._tail)
         for i, p in enumerate(pieces):
             end += len(p)
+            if end <= floor:
+                continue
             hit, stop = -1, ""
             for s in stops:
-                j = search.find(s, 0, end)
+                j = search.find(s, max(0, floor - len(s) + 1), end)
                 if j >= 0 and (hit < 0 or j < hit):
                     hit, stop = j, s
             if hit >= 0:
                 self._tail = ""
                 return search[: hit + len(stop) if self._include_stop else hit], i + 1, stop
-        raise AssertionError("a stop sequence in the text and in no prefix of it")
+        return self._hold(search, finished, floor)  # the only matches end before min_tokens
+
+    def _hold(self, search: str, finished: bool, floor: int) -> tuple[str, int, str]:
+        """``search`` less the end that could start a stop sequence (held back as the tail)."""
+        keep = 0 if finished else _partial(search, self._stops)
+        if floor:
+            self._tail_floor = max(0, floor - (len(search) - keep))
+        if keep:
+            self._tail = search[-keep:]
+            return search[:-keep], -1, ""
+        self._tail = ""
+        return search, -1, ""
 
 
 def _partial(text: str, stops: list[str]) -> int:

@@ -39,6 +39,7 @@ __all__ = (
 MAX_TOP_LOGPROBS = 20  # the default of --max-logprobs (vLLM's default too)
 MAX_N = 128  # OpenAI's bound on n
 MAX_CHOICES = 1024  # choices of one request: len(prompt) * n
+MAX_STOP_TOKEN_IDS = 1024  # the built-in engine's bound (a longer list would fail in the engine)
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -455,6 +456,9 @@ def _common(req: _Common, max_tokens: int | None, lim: Limits) -> dict[str, Any]
     _int_range("min_tokens", min_tokens, 0, max_tokens if max_tokens is not None else lim.max_model_len,
                " (at most max_tokens)" if max_tokens is not None else "")  # fmt: skip
     stop_ids = list(req.stop_token_ids or [])
+    if len(stop_ids) > MAX_STOP_TOKEN_IDS:
+        raise ApiError(400, f"Invalid 'stop_token_ids': {len(stop_ids)} ids: expected at most {MAX_STOP_TOKEN_IDS}.",
+                       param="stop_token_ids", code="array_above_max_length")  # fmt: skip
     for i, t in enumerate(stop_ids):
         if not 0 <= t < lim.vocab_size:
             raise ApiError(400, f"Invalid 'stop_token_ids': stop_token_ids[{i}] = {t}: expected a token id, "
@@ -594,11 +598,13 @@ def parse_chat(body: bytes, lim: Limits) -> Parsed:
     top = -1
     if req.top_logprobs is not None:
         _int_range("top_logprobs", req.top_logprobs, 0, lim.max_logprobs, _why(lim))
-        if not req.logprobs:
+        if req.logprobs:
+            top = req.top_logprobs
+        elif req.top_logprobs:
+            # 0 asks for nothing: vLLM and SGLang take it without logprobs, and return none
             raise ApiError(
                 400, "Invalid 'top_logprobs': 'logprobs' must be true when 'top_logprobs' is set.", param="top_logprobs"
             )
-        top = req.top_logprobs
     elif req.logprobs:
         top = 0
     prompt = Prompt(chat_prompt(req.messages), None)
