@@ -339,3 +339,41 @@ def test_an_ipv6_loopback_endpoint_carries_frames() -> None:
         reader.close()
         far.close()
         target.close()
+
+
+def test_a_far_end_that_grants_everything_and_acknowledges_nothing_cannot_grow_the_senders_memory() -> None:
+    # a far end's credit is its own word: a huge credit never acknowledged (a buggy receiver,
+    # or a process that took the port first) must not make the sender read its ring into memory
+    ctx = zmq.Context()
+    far = ctx.socket(zmq.ROUTER)
+    port = far.bind_to_random_port("tcp://127.0.0.1")
+    near = shm.Ring.create(capacity=1 << 20, max_record=32 << 10)
+    cap, frame = 128 << 10, 16 << 10
+    sender = None
+    try:
+        sender = BridgeSender(
+            near.name, f"tcp://127.0.0.1:{port}", heartbeat=0.05, link_timeout=30.0, max_batch=8, max_held_bytes=cap
+        ).start()
+        assert far.poll(10_000)
+        peer, *parts = far.recv_multipart()
+        hello = P.decode([memoryview(p) for p in parts], max_payload=0)
+        assert isinstance(hello, P.Hello)
+        huge = (1 << 64) - 2
+        far.send_multipart([peer, P.encode_credit(7, 1, hello.next_seq, huge, huge, 1 << 30, P.WELCOME)])
+        wait_for(lambda: sender is not None and sender.state == "up", "the welcome")
+        written = 0
+        with pytest.raises(shm.RingFull):
+            while written < 4096:
+                near.write(b"f" * frame, timeout=2.0)
+                written += 1
+        st = sender.stats()
+        assert st.frames > 0 and st.credit_stalls >= 1
+        # the cap, plus the one read (of at most max_batch frames) that crossed it
+        assert st.held * frame <= cap + 8 * frame
+        assert written * frame >= near.capacity - 2 * frame  # the producer was held back instead
+    finally:
+        if sender is not None:
+            sender.close()
+        far.close(0)
+        ctx.term()
+        near.close()

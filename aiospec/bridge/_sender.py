@@ -6,7 +6,8 @@ sees back-pressure under its own rules (it waits, then fails or counts ``frames_
 entry it sends (a frame, a loss count, the producer's end) carries a sequence number and stays
 in the sender's memory until the far end acknowledges that its target has it; after a
 reconnection (or when the far end asks) the sender sends again from the first entry the far
-end lacks. What the sender holds is bounded by the far end's credit window plus one read batch.
+end lacks. What the sender holds is bounded by the far end's credit window plus one read batch,
+and by its own ``max_held_frames`` / ``max_held_bytes`` whatever the far end grants.
 
 The frames of one read are copied out of the ring in one call (``bytes.join``) and go out as
 DATA messages of several consecutive entries each (at most ``batch_bytes`` of payload, as the
@@ -62,7 +63,8 @@ class SenderStats:
         dropped: frames read and discarded while the link was down past ``drop_after``
             (announced to the far end, whose ring counts them in ``frames_lost``).
         upstream_lost: frames the local producer reported lost, forwarded likewise.
-        credit_stalls: times the sender stopped reading for want of credit.
+        credit_stalls: times the sender stopped reading for want of credit (or of
+            acknowledgements, past ``max_held_frames`` / ``max_held_bytes``).
         sessions: times the far end welcomed this sender (the first connection and each
             reconnection).
         protocol_errors: messages from the link that failed validation and were dropped.
@@ -149,6 +151,11 @@ class BridgeSender:
             also what one read aims at (as many frames as make it, at the last read's size).
         idle: how the sender waits for frames and credit: spin, then yield, then sleep on the
             bell and the link (``IdleStrategy``).
+        max_held_frames, max_held_bytes: the most entries, and payload bytes, the sender holds
+            unacknowledged, whatever credit the far end grants: past either it reads no more
+            until acknowledgements come (a far end that grants much and acknowledges nothing
+            cannot make it read the whole ring into memory). Defaults: 1,048,576 entries (the
+            largest receiver window) and 256 MiB.
 
     Raises:
         BridgeConfigError: a bad endpoint (non-loopback without keys) or key files.
@@ -171,6 +178,8 @@ class BridgeSender:
         max_batch: int = 64,
         batch_bytes: int = 256 << 10,
         idle: IdleStrategy | None = None,
+        max_held_frames: int = 1 << 20,
+        max_held_bytes: int = 256 << 20,
     ) -> None:
         check_endpoint(endpoint, curve, "near", "connect")
         if not 0 < heartbeat < link_timeout:
@@ -184,6 +193,12 @@ class BridgeSender:
             raise BridgeConfigError(f"max_batch = {max_batch!r}: expected 1..{P.MAX_BATCH}")
         if batch_bytes < 1:
             raise BridgeConfigError(f"batch_bytes = {batch_bytes!r}: expected a positive number of bytes")
+        if max_held_frames < 1 or max_held_bytes < 1:
+            raise BridgeConfigError(
+                f"max_held_frames = {max_held_frames!r}, max_held_bytes = {max_held_bytes!r}: expected positive numbers"
+            )
+        self.max_held_frames = max_held_frames
+        self.max_held_bytes = max_held_bytes
         self.endpoint = endpoint
         self.curve = curve
         self.heartbeat = heartbeat
@@ -659,6 +674,10 @@ class BridgeSender:
         if self._send_seq < self._next_seq:
             return False  # entries wait for credit or the socket: read no more
         ok = self._next_seq < self._credit_seq and self._cum < self._credit_bytes
+        if ok and self._chunks:
+            # the far end's credit is not the only bound: what this end holds unacknowledged
+            oldest = self._chunks[0]
+            ok = self._held() < self.max_held_frames and self._cum - oldest.cum0 < self.max_held_bytes
         if not ok and not self._credit_stalled:
             self._counts["credit_stalls"] += 1
         self._credit_stalled = not ok
@@ -672,7 +691,9 @@ class BridgeSender:
             return False
         reader = self.reader
         dropping = self._state != "up"
-        n = self.max_batch if dropping else min(self._poll_frames, self._credit_seq - self._next_seq)
+        n = self.max_batch
+        if not dropping:
+            n = min(self._poll_frames, self._credit_seq - self._next_seq, self.max_held_frames - self._held())
         a0 = reader.tail
         try:
             views = reader.poll(n)
