@@ -244,11 +244,13 @@ class Reader:
 
     def new_losses(self) -> int:
         """How much the ring's ``frames_lost`` counter rose since the last call (or since this
-        reader was taken): frames the producer reported it could not write."""
+        reader was taken): frames the producer reported it could not write. Never negative:
+        the counter only rises, and one found lower (a scribbled control word) is taken as
+        the new baseline, not as a negative loss."""
         lost = self._q[L.OFF_FRAMES_LOST // 8]
         delta = lost - self._lost_seen
         self._lost_seen = lost
-        return delta
+        return max(0, delta)
 
     def sleep_begin(self) -> bool:
         """Announce that this reader is about to sleep on its bell.

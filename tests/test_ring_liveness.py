@@ -184,3 +184,35 @@ def test_new_losses() -> None:
             assert ring.stats().frames_lost == 5
         finally:
             raw.close()
+
+
+def test_a_frames_lost_word_set_back_is_no_negative_loss() -> None:
+    import numpy as np
+
+    import aiospec
+    from aiospec._codec import encode_frame
+
+    with shm.Ring.create(capacity=CAP) as ring, ring.reader() as reader:
+        raw = RawSegment(ring.name)
+        try:
+            raw.set_u64(L.OFF_FRAMES_LOST, 5)
+            assert reader.new_losses() == 5
+            raw.set_u64(L.OFF_FRAMES_LOST, 2)  # moved backwards by a scribbler
+            assert reader.new_losses() == 0
+            raw.set_u64(L.OFF_FRAMES_LOST, 4)  # counted from where it was found
+            assert reader.new_losses() == 2
+            with aiospec.SyncReader([ring.name]) as sync:
+                raw.set_u64(L.OFF_FRAMES_LOST, 0)
+                ring.write(
+                    encode_frame(
+                        handles=np.array([1], np.uint64),
+                        token_offsets=np.array([0, 1], np.int32),
+                        token_ids=np.array([7], np.int32),
+                        step=1,
+                    )
+                )
+                assert [r.handle for r in sync.read(5.0)] == [1]
+                assert sync.read(0.05) == []  # no FramesLost with a negative count
+                assert sync.stats().frames_lost == 0
+        finally:
+            raw.close()
