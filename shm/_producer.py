@@ -19,7 +19,7 @@ from shm import _segment
 from shm import layout as L
 from shm._errors import CorruptControl, RingError, RingFull
 from shm._segment import Segment, bell_path, lock_holder, open_peer_bell
-from shm._sys import acquire_fence, full_fence, pid_state, release_fence
+from shm._sys import BeatAge, acquire_fence, full_fence, pid_state, release_fence
 
 _FRAME_HEADER = L.FRAME_HEADER
 _ALIGN_M1 = L.FRAME_ALIGN - 1
@@ -61,6 +61,8 @@ class Producer:
         # (generation, fd) of each slot's open bell, fd -1 for none: the native commit reads it
         self._bells = array.array("q", [0, -1] * seg.max_readers)
         self._hb_thread: threading.Thread | None = None
+        # each slot's heartbeat age as this producer sees it (a beat from the future included)
+        self._reader_beats = [BeatAge() for _ in range(seg.max_readers)]
         self._hb_stop = threading.Event()
 
     # -- frames --------------------------------------------------------------------------
@@ -272,7 +274,8 @@ class Producer:
             pid = w[seg.pid[slot]]
             # a reader in another pid namespace (state None) is judged by its heartbeat only
             dead = self.check_pids and pid_state(pid, q[seg.pidns[slot]]) is False
-            silent = self.reader_timeout is not None and now - q[seg.heartbeat[slot]] > self.reader_timeout * 1e9
+            age = self._reader_beats[slot].age_ns(q[seg.heartbeat[slot]], now)
+            silent = self.reader_timeout is not None and age > self.reader_timeout * 1e9
             if dead or silent:
                 gen = w[seg.generation[slot]]
                 if not seg.lock_slots(lock_timeout or 0.0):

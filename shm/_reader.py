@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from shm import layout as L
 from shm._errors import CorruptControl, CorruptFrame, ProducerGone, ProducerStalled, ReaderEvicted, RingError
 from shm._segment import Segment
-from shm._sys import PRIVATE, acquire_fence, full_fence, pid_state, release_fence
+from shm._sys import PRIVATE, BeatAge, acquire_fence, full_fence, pid_state, release_fence
 
 if TYPE_CHECKING:
     from shm._ring import Ring
@@ -103,6 +103,7 @@ class Reader:
         self._status = "live"
         self._stalls = 0
         self._revivals = 0
+        self._beat_age = BeatAge()  # the producer heartbeat's age, a beat from the future included
 
     @property
     def slot(self) -> int:
@@ -376,7 +377,7 @@ class Reader:
             self._gone(f"(pid {pid}) exited", presumed=False)
             return
         timeout = self._producer_timeout
-        age = (time.monotonic_ns() - q[L.OFF_HEARTBEAT_NS // 8]) / 1e9
+        age = self._beat_age.age_ns(q[L.OFF_HEARTBEAT_NS // 8], time.monotonic_ns()) / 1e9
         if timeout is None or age <= timeout:
             if self._status == "gone":
                 self._revivals += 1

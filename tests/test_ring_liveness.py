@@ -216,3 +216,31 @@ def test_a_frames_lost_word_set_back_is_no_negative_loss() -> None:
                 assert sync.stats().frames_lost == 0
         finally:
             raw.close()
+
+
+def test_heartbeats_from_the_future_still_go_stale() -> None:
+    # a heartbeat word ahead of this clock (scribbled, or a writer with an offset clock) is
+    # aged from when it was first seen: a word that stops changing goes stale all the same
+    with shm.Ring.create(capacity=CAP, reader_timeout=0.2) as ring:
+        att = shm.Ring.attach(ring.name)
+        reader = att.reader(spin=0.0, recheck=0.01, producer_timeout=0.2)
+        silent = ring.reader()
+        raw = RawSegment(ring.name)
+        try:
+            raw.set_u64(L.OFF_PRODUCER_PIDNS, 12345)  # another pid namespace: only the heartbeat tells
+            raw.set_u64(L.OFF_HEARTBEAT_NS, time.monotonic_ns() + 3600 * 10**9)
+            with pytest.raises(shm.ProducerGone) as info:
+                reader.wait(5.0)  # it was "fresh" for as long as it stayed ahead of this clock
+            assert info.value.presumed is True
+            # the producer's side: a reader whose heartbeat is ahead and frozen is evicted
+            hb = (L.READERS_BASE + silent.slot * L.READER_STRIDE + L.RD_HEARTBEAT_NS) // 8 * 8
+            raw.set_u64(hb, time.monotonic_ns() + 3600 * 10**9)
+            for _ in range(2 * CAP // 1024):
+                ring.write(b"x" * 1000, timeout=XPROC_TIMEOUT)
+                reader.read()
+            assert {r.slot: r.state for r in ring.stats().readers}[silent.slot] == "evicted"
+        finally:
+            raw.close()
+            silent.close()
+            reader.close()
+            att.close()
