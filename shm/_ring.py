@@ -200,7 +200,9 @@ class Ring:
         Raises:
             FileNotFoundError: no segment has that name.
             BadSegment: the file is not a ring this code can read (wrong magic, version,
-                sizes), or it cannot be mapped read-write.
+                sizes), or it cannot be mapped read-write; or the name is a symlink, not a
+                regular file, or a segment that grants group or others access (rings are
+                created 0600: anyone could have planted or written into it).
             ValueError: ``name`` is not a valid segment name.
         """
         _segment.check_name(name)

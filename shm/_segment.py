@@ -193,12 +193,36 @@ def create(name: str, capacity: int, max_readers: int, max_record: int) -> tuple
 def attach(name: str) -> tuple[int, mmap.mmap]:
     """Open and map an existing segment after validating its control page (section 2)."""
     path = os.path.join(SHM_DIR, name)
-    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
     try:
+        # never through a symlink: /dev/shm is everyone's, and a name is no secret
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise BadSegment(f"segment {name}: {path} is a symlink; refusing it") from None
+        if exc.errno == errno.EISDIR:
+            raise BadSegment(f"segment {name}: {path} is a directory, not a ring") from None
+        raise
+    try:
+        _check_private(fd, name)
         return fd, _map_validated(fd, name)
     except BaseException:
         os.close(fd)
         raise
+
+
+def _check_private(fd: int, name: str) -> None:
+    """Refuse what this library never creates: a segment that is not a regular file, or one
+    that grants group or others any access (rings are created 0600, section 1). Anyone who may
+    write into such a segment can forge frames and control words, so it could have been
+    planted under the name (another uid creating it first), or opened up to others."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise BadSegment(f"segment {name}: not a regular file (mode 0o{st.st_mode:o}), not a ring")
+    if st.st_mode & 0o077:
+        raise BadSegment(
+            f"segment {name}: mode 0o{stat.S_IMODE(st.st_mode):03o} (owner uid {st.st_uid}), expected no access "
+            "for group or others (rings are created 0600); refusing a segment others may write"
+        )
 
 
 def unlink(name: str) -> None:
