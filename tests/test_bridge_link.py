@@ -377,3 +377,40 @@ def test_a_far_end_that_grants_everything_and_acknowledges_nothing_cannot_grow_t
         far.close(0)
         ctx.term()
         near.close()
+
+
+def test_an_oversized_message_part_is_cut_off_before_the_receiver_buffers_it() -> None:
+    # no part of a message the receiver accepts exceeds its byte credit: a larger one (from
+    # an unauthenticated peer on loopback, say) must not be allocated in full at this end
+    from zmq.utils.monitor import recv_monitor_message
+
+    from aiospec.bridge import CallbackTarget
+
+    target = CallbackTarget(lambda p: None, max_payload=1 << 16)
+    recv = BridgeReceiver("tcp://127.0.0.1:0", target, window_bytes=1 << 20, **FAST).start()  # type: ignore[arg-type]
+    ctx = zmq.Context()
+    big, small = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+    monitor = big.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    try:
+        assert recv.endpoint_bound is not None
+        big.connect(recv.endpoint_bound)
+        small.connect(recv.endpoint_bound)
+        big.send(b"\0" * (8 << 20))  # 8 MiB in one part, against a 1 MiB credit
+        small.send(b"garbage")
+        wait_for(lambda: recv.stats().protocol_errors >= 1, "the small bad message to be counted")
+        cut = []
+
+        def cut_off() -> bool:
+            if monitor.poll(10):
+                cut.append(recv_monitor_message(monitor)["event"])
+            return bool(cut) or recv.stats().protocol_errors >= 2
+
+        wait_for(cut_off, "the big message's fate")
+        assert cut == [zmq.EVENT_DISCONNECTED] and recv.stats().protocol_errors == 1
+    finally:
+        big.disable_monitor()
+        monitor.close(0)
+        big.close(0)
+        small.close(0)
+        ctx.term()
+        recv.stop()

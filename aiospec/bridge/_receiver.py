@@ -272,6 +272,10 @@ class BridgeReceiver:
             # ZeroMQ's queues only ever hold what the credit allows, plus a few control messages
             sock.setsockopt(zmq.RCVHWM, 2 * self.window_frames + 1024)
             sock.setsockopt(zmq.SNDHWM, 1024)
+            # no part of a message this end accepts is larger than the byte credit it grants:
+            # a peer sending one (garbage, or an unauthenticated one on loopback) is cut off
+            # by ZeroMQ before it buffers the part, never allocated in full here
+            sock.setsockopt(zmq.MAXMSGSIZE, max_part(self.window_bytes))
             if is_ipv6(self.endpoint):
                 sock.setsockopt(zmq.IPV6, 1)  # off by default: an IPv6 address fails to bind
             if self.curve is not None:
@@ -606,6 +610,12 @@ class BridgeReceiver:
                 raise
             return False  # the near end's connection is gone
         return True
+
+
+def max_part(window_bytes: int) -> int:
+    """The largest message part a receiver granting ``window_bytes`` of credit accepts: a DATA
+    message's payloads (at most the credit), or its lengths part (``MAX_BATCH`` u32)."""
+    return max(window_bytes, 4 * P.MAX_BATCH, P.MAX_REASON) + 64
 
 
 def _put_many(target: FrameTarget, payloads: list[memoryview], timeout: float) -> int:

@@ -44,6 +44,7 @@ log = logging.getLogger("aiospec.bridge")
 # ZeroMQ's constants as plain ints (pyzmq's IntFlag arithmetic costs microseconds per send);
 # libzmq's values, stable since 2.x
 _NOBLOCK, _NOBLOCK_MORE, _EVENTS, _POLLIN = 1, 1 | 2, 15, 1
+_MAX_PART = 4096  # the largest message part the far end may send (a CREDIT is 88 bytes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -333,6 +334,8 @@ class BridgeSender:
             sock.setsockopt(zmq.SNDHWM, 1 << 16)
             sock.setsockopt(zmq.RCVHWM, 1 << 16)
             sock.setsockopt(zmq.RECONNECT_IVL, 50)
+            # the far end sends CREDIT messages only: a larger part is cut off by ZeroMQ
+            sock.setsockopt(zmq.MAXMSGSIZE, _MAX_PART)
             sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
             if is_ipv6(self.endpoint):
                 sock.setsockopt(zmq.IPV6, 1)  # off by default: an IPv6 address fails to connect
