@@ -148,11 +148,12 @@ class RingFeed:
         found again there, so start again at the ring's head with a new slot, as the bridge
         sender does; returns the frames skipped (the corrupt one and those after it, counted
         from the ring's ``frames_written``; at least 1). Raises ``exc`` again when the head
-        is where the corrupt frame is (nothing to skip to: the ring cannot be read)."""
+        is where the corrupt frame is (nothing to skip to: the ring cannot be read). A head
+        behind it is fine: a corrupt length sent the reader past the head."""
         at = self.reader.tail
         self.reader.close()
         self.reader = self._take_slot()
-        if self.reader.tail <= at:
+        if self.reader.tail == at:
             raise exc
         index = self.ring.frames_before(self.reader.tail)
         skipped = max(1, index - self._index)

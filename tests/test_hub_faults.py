@@ -143,3 +143,25 @@ def test_sync_reader_presumed_gone_then_revived(ring: shm.Ring) -> None:
         ring.write(enc([(1, [4], 0)]))
         assert [r.token_ids.tolist() for r in sr.read(timeout=T)] == [[4]]
         assert sr.stats().revivals == 1
+
+
+def test_sync_reader_reads_on_after_a_corrupt_length_sent_it_past_the_head(ring: shm.Ring) -> None:
+    # a commit word whose length is wrong but in range: the reader takes the frame, which
+    # does not decode, and lands past the head on a stale header; the head is behind it,
+    # and reading goes on from there
+    with SyncReader(ring.name, recheck=0.01) as sr:
+        ring.write(enc([(1, [1], 0)]))
+        head = ring.stats().head
+        past = 16 * L.FRAME_ALIGN
+        assert head < past
+        poke(ring.name, L.CONTROL_SIZE + L.FH_COMMIT, (past - 8) | L.FRAME_DATA << 32)
+        poke(ring.name, L.CONTROL_SIZE + past + L.FH_POSITION, 7)  # a header left by another lap
+        poke(ring.name, L.CONTROL_SIZE + past + L.FH_COMMIT, 64 | L.FRAME_DATA << 32)
+        causes = []
+        for _ in range(2):
+            with pytest.raises(FramesLost) as info:
+                sr.read(timeout=T)
+            causes.append(type(info.value.__cause__).__name__)
+        assert causes == ["FrameError", "CorruptFrame"] and sr.rings == (ring.name,)
+        ring.write(enc([(3, [4], 0)]))
+        assert [r.handle for r in sr.read(timeout=T)] == [3]
