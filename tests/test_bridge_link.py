@@ -414,3 +414,31 @@ def test_an_oversized_message_part_is_cut_off_before_the_receiver_buffers_it() -
         small.close(0)
         ctx.term()
         recv.stop()
+
+
+def test_a_peer_of_an_older_protocol_is_counted_without_flooding_the_log(caplog: pytest.LogCaptureFixture) -> None:
+    # an older sender says HELLO every heartbeat forever (or a peer sends garbage at will):
+    # each message is counted, the log gets the first and then one line per interval
+    import logging
+    import struct
+
+    from aiospec.bridge import CallbackTarget
+
+    recv = BridgeReceiver("tcp://127.0.0.1:0", CallbackTarget(lambda p: None), **FAST).start()  # type: ignore[arg-type]
+    ctx = zmq.Context()
+    old = ctx.socket(zmq.DEALER)
+    try:
+        assert recv.endpoint_bound is not None
+        old.connect(recv.endpoint_bound)
+        hello2 = struct.pack("<4sHHQQQI4xQ", P.MAGIC, 2, P.HELLO, 5, 1, 0, 1 << 16, 9)  # protocol 2
+        with caplog.at_level(logging.WARNING, logger="aiospec.bridge"):
+            for _ in range(200):
+                old.send(hello2)
+            wait_for(lambda: recv.stats().protocol_errors == 200, "the receiver to count them all")
+        lines = [r.getMessage() for r in caplog.records if "dropped a message" in r.getMessage()]
+        assert len(lines) == 1 and "version 2: expected 3" in lines[0]
+        assert recv.stats().sessions == 0
+    finally:
+        old.close(0)
+        ctx.term()
+        recv.stop()

@@ -195,6 +195,7 @@ class BridgeReceiver:
         self._a_pos: int | None = None
         self._a_next: int | None = None
         self._fenced: collections.deque[bytes] = collections.deque(maxlen=64)  # superseded peers
+        self._error_log = P.ErrorLog(log, "bridge receiver")
         self._counts = dict.fromkeys(
             ("frames", "messages", "bytes", "lost", "duplicates", "gaps", "protocol_errors", "sessions", "full_waits",
              "superseded", "refused", "resumed"),
@@ -478,7 +479,7 @@ class BridgeReceiver:
 
     def _protocol_error(self, peer: bytes, exc: ProtocolError) -> None:
         self._counts["protocol_errors"] += 1
-        log.warning("bridge receiver: dropped a message: %s", exc)
+        self._error_log.dropped(exc)
         if peer == self._peer and self._state == "up":
             # most of what the near end sends is DATA: have what may have been lost sent again
             self._ask_resend()

@@ -257,6 +257,7 @@ class BridgeSender:
             0,
         )  # fmt: skip
         self._credit_stalled = False
+        self._error_log = P.ErrorLog(log, "bridge sender")
 
     # -- public surface --------------------------------------------------------------------
 
@@ -516,7 +517,7 @@ class BridgeSender:
                 self._on_credit(msg)
             except ProtocolError as exc:
                 self._counts["protocol_errors"] += 1
-                log.warning("bridge sender: dropped a message: %s", exc)
+                self._error_log.dropped(exc)
 
     def _drain_monitor(self, monitor: Any, zmq: Any) -> None:
         from zmq.utils.monitor import recv_monitor_message
