@@ -442,3 +442,44 @@ def test_a_peer_of_an_older_protocol_is_counted_without_flooding_the_log(caplog:
         old.close(0)
         ctx.term()
         recv.stop()
+
+
+@pytest.mark.parametrize("field", ["next_seq", "cum_bytes", "lost"])
+def test_numbers_near_2_64_from_a_peer_never_end_the_receiver(field: str) -> None:
+    # a HELLO may start its sequence numbers and byte counts anywhere below 2**64, and a LOST
+    # may announce any count: the credit and the ring's frames_lost saturate, nothing raises
+    target = RingTarget(None, capacity=1 << 16)
+    far = shm.Ring.attach(target.name)
+    reader = far.reader()
+    recv = BridgeReceiver("tcp://127.0.0.1:0", target, **FAST).start()  # type: ignore[arg-type]
+    ctx = zmq.Context()
+    peer = ctx.socket(zmq.DEALER)
+    big = (1 << 64) - 2
+    try:
+        assert recv.endpoint_bound is not None
+        peer.connect(recv.endpoint_bound)
+        seq = big - 1 if field == "next_seq" else 1
+        cum = big if field == "cum_bytes" else 0
+        peer.send(P.encode_hello(5, seq, cum, 1 << 10, 9))
+        assert peer.poll(10_000)
+        welcome = P.decode([p.buffer for p in peer.recv_multipart(copy=False)], max_payload=0)
+        assert isinstance(welcome, P.Credit) and welcome.flags & P.WELCOME
+        assert welcome.credit_seq <= (1 << 64) - 1 and welcome.credit_bytes <= (1 << 64) - 1
+        if field == "lost":
+            peer.send(P.encode_lost(1, 5))
+            peer.send(P.encode_lost(2, big))
+            wait_for(lambda: recv.stats().lost == 5 + big, "the losses")
+            assert far.stats().frames_lost == (1 << 64) - 1  # saturated
+            assert reader.new_losses() == (1 << 64) - 1
+        else:
+            peer.send(P.encode_lost(seq, 3))  # an entry at the top of its numbers
+            wait_for(lambda: recv.stats().lost == 3, "the loss")
+            assert far.stats().frames_lost == 3
+        assert recv.failure is None and not recv.join(0.05)  # still running
+    finally:
+        peer.close(0)
+        ctx.term()
+        recv.stop()
+        reader.close()
+        far.close()
+        target.close()

@@ -37,6 +37,7 @@ log = logging.getLogger("aiospec.bridge")
 
 _NOBLOCK, _EVENTS, _POLLIN = 1, 15, 1  # libzmq's values (pyzmq's IntFlag arithmetic is slow)
 FULL_WAIT = 0.001  # seconds one delivery may wait for room in the target
+_U64 = (1 << 64) - 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -588,8 +589,9 @@ class BridgeReceiver:
 
     def _credit(self) -> tuple[int, int, int]:
         ack = self._expected - self._queued_current
-        credit_seq = self._expected + max(0, self.window_frames - self._queued)
-        credit_bytes = self._cum + max(0, self.window_bytes - self._queued_bytes)
+        # a near end's HELLO may start its numbers anywhere below 2**64: the credit stays a u64
+        credit_seq = min(_U64, self._expected + max(0, self.window_frames - self._queued))
+        credit_bytes = min(_U64, self._cum + max(0, self.window_bytes - self._queued_bytes))
         return ack, credit_seq, credit_bytes
 
     def _send(self, sock: Any, zmq: Any, peer: bytes, flags: int) -> bool:
