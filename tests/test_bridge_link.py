@@ -483,3 +483,38 @@ def test_numbers_near_2_64_from_a_peer_never_end_the_receiver(field: str) -> Non
         reader.close()
         far.close()
         target.close()
+
+
+def test_a_resume_point_the_ring_cannot_have_is_ignored_not_fatal() -> None:
+    # a far end welcoming a fresh sender with RESUME and a frame index beyond what the ring
+    # ever committed (near 2**64, say): the sender starts at its head and forwards on
+    ctx = zmq.Context()
+    far = ctx.socket(zmq.ROUTER)
+    port = far.bind_to_random_port("tcp://127.0.0.1")
+    near = shm.Ring.create(capacity=1 << 16)
+    sender = None
+    try:
+        near.write(b"before")
+        head = near.stats().head
+        sender = BridgeSender(near.name, f"tcp://127.0.0.1:{port}", heartbeat=0.05, link_timeout=30.0).start()
+        assert far.poll(10_000)
+        peer, *parts = far.recv_multipart()
+        hello = P.decode([memoryview(p) for p in parts], max_payload=0)
+        assert isinstance(hello, P.Hello)
+        flags = P.WELCOME | P.RESUME
+        far.send_multipart([peer, P.encode_credit(7, 1, 1, 100, 1 << 20, 1 << 20, flags, head, (1 << 64) - 1)])
+        wait_for(lambda: sender is not None and sender.state == "up", "the welcome")
+        near.write(b"after")
+        data = None
+        while data is None:
+            assert far.poll(10_000), "no DATA from the sender"
+            msg = P.decode([memoryview(p) for p in far.recv_multipart()[1:]], max_payload=1 << 20)
+            data = msg if isinstance(msg, P.Data) else None
+        assert [bytes(p) for p in data.payloads()] == [b"after"] and data.a_index == 2
+        assert sender.failure is None
+    finally:
+        if sender is not None:
+            sender.close()
+        far.close(0)
+        ctx.term()
+        near.close()

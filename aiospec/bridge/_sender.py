@@ -813,6 +813,17 @@ class BridgeSender:
         ``a_index``) when the ring still holds the frames from there whole; else at its oldest
         frame still whole (or its head), the far end counting the frames between as lost."""
         head = self.reader.tail  # this sender has read nothing yet
+        written = self._control[L.OFF_FRAMES_WRITTEN // 8]
+        if a_index > written:
+            # no more frames can lie before a position than the ring ever committed
+            log.error(
+                "bridge sender: ring %s: the far end's last frame is its frame %d, but the ring committed %d: "
+                "starting at the head",
+                self.ring.name,
+                a_index,
+                written,
+            )
+            return
         if a_pos > head:
             log.error(
                 "bridge sender: ring %s: the far end's last frame ends at %d, past the head %d: starting at the head",
