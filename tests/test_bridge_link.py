@@ -518,3 +518,26 @@ def test_a_resume_point_the_ring_cannot_have_is_ignored_not_fatal() -> None:
         far.close(0)
         ctx.term()
         near.close()
+
+
+def test_a_credit_message_from_the_near_end_is_a_protocol_error_not_the_end() -> None:
+    # CREDIT is the far end's message; a near end sending one (a confused or hostile peer on
+    # loopback) is dropped and counted, and the receiver serves on
+    recv = BridgeReceiver("tcp://127.0.0.1:0", RingTarget(None, capacity=1 << 16), **FAST).start()  # type: ignore[arg-type]
+    ctx = zmq.Context()
+    peer = ctx.socket(zmq.DEALER)
+    try:
+        assert recv.endpoint_bound is not None
+        peer.connect(recv.endpoint_bound)
+        peer.send(P.encode_hello(5, 1, 0, 1 << 10, 9))
+        assert peer.poll(10_000)
+        peer.recv_multipart()  # the welcome
+        peer.send(P.encode_credit(1, 1, 1, 1, 0, 0, 0))
+        peer.send(P.encode_lost(1, 2))
+        wait_for(lambda: recv.stats().lost == 2, "the LOST after the CREDIT")
+        assert recv.stats().protocol_errors == 1 and recv.failure is None
+    finally:
+        peer.close(0)
+        ctx.term()
+        recv.stop()
+        recv.target.close()

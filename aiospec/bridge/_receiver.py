@@ -397,6 +397,8 @@ class BridgeReceiver:
         peer = parts[0].bytes
         try:
             msg = P.decode([p.buffer for p in parts[1:]], max_payload=self.target.max_payload)
+            if isinstance(msg, P.Credit):  # the far end's own message: a near end never sends it
+                raise ProtocolError("CREDIT from a near end: expected HELLO, DATA, LOST, GONE or BEAT")
         except ProtocolError as exc:
             self._protocol_error(peer, exc)
             return
