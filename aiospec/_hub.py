@@ -21,7 +21,7 @@ from aiospec._reader import read_ring
 from aiospec._routing import RingFeed, Router, Unit
 from aiospec._stream import RequestStream
 from aiospec._stream_errors import HubClosed, ProducerLost, StreamError, StreamFramesLost
-from shm import AiospecError, ProducerGone, ReaderEvicted
+from shm import AiospecError, CorruptFrame, ProducerGone, ReaderEvicted
 
 __all__ = ("Hub", "HubStats", "RingInfo")
 
@@ -36,7 +36,9 @@ class RingInfo(msgspec.Struct, frozen=True, gc=False):
     ``ProducerLost``, and if it commits again the ring turns ``"live"`` and ``revivals``
     counts it), ``"failed"`` (its producer is gone or it cannot be read; ``error`` says why)
     or ``"closed"`` (the Hub closed). ``lag_bytes`` is the ring's head minus this reader's
-    tail while read, None otherwise. ``stalls`` counts the stalls seen.
+    tail while read, None otherwise. ``stalls`` counts the stalls seen. ``frames_skipped``
+    counts the frames skipped past corrupt frame headers (the streams that depended on the
+    ring ended with ``StreamFramesLost``; reading went on at the ring's head).
     """
 
     name: str
@@ -50,13 +52,15 @@ class RingInfo(msgspec.Struct, frozen=True, gc=False):
     error: str | None  # why it failed
     stalls: int = 0  # times the producer was found stalled (ProducerStalled)
     revivals: int = 0  # times a producer presumed gone committed again
+    frames_skipped: int = 0  # frames skipped past corrupt frame headers (reading went on at the head)
 
 
 class HubStats(msgspec.Struct, frozen=True, gc=False):
     """The Hub's counters, from ``Hub.stats()``: streams open, target records and tokens
     routed, records and tokens dropped (for handles with no open stream; any kind), records of
     draft and prompt frames read (routed to their streams as draft and prompt deltas), frames
-    read and lost (ring losses, undecodable frames, evictions), rates over the uptime, and one
+    read and lost (ring losses, undecodable frames, evictions, frames skipped past a corrupt
+    header), rates over the uptime, and one
     ``RingInfo`` per ring read now or before."""
 
     streams_open: int  # handles routed now
@@ -66,7 +70,7 @@ class HubStats(msgspec.Struct, frozen=True, gc=False):
     tokens_dropped: int
     records_draft: int  # records of draft frames read
     frames_read: int
-    frames_lost: int  # ring losses + undecodable frames + evictions
+    frames_lost: int  # ring losses + undecodable frames + evictions + frames skipped
     uptime_s: float
     frames_per_s: float  # averages over the uptime
     tokens_per_s: float
@@ -249,6 +253,7 @@ class Hub:
                 error=None,
                 stalls=f.stalls,
                 revivals=f.revivals,
+                frames_skipped=f.frames_skipped,
             )
             for name, f in self._feeds.items()
         ]
@@ -263,7 +268,7 @@ class Hub:
             tokens_dropped=rt.tokens_dropped,
             records_draft=rt.records_draft,
             frames_read=frames,
-            frames_lost=sum(i.frames_lost + i.frames_undecodable + i.evictions for i in infos),
+            frames_lost=sum(i.frames_lost + i.frames_undecodable + i.evictions + i.frames_skipped for i in infos),
             uptime_s=up,
             frames_per_s=frames / up if up > 0 else 0.0,
             tokens_per_s=rt.tokens_routed / up if up > 0 else 0.0,
@@ -287,6 +292,8 @@ class Hub:
         name = feed.name
         if isinstance(cause, ReaderEvicted):
             what = f"this hub's reader of ring {name} was evicted and missed frames"
+        elif isinstance(cause, CorruptFrame):
+            what = f"a frame header of ring {name} was corrupt ({cause}); {lost} frame(s) skipped to its head"
         elif cause is not None:
             what = f"a frame of ring {name} could not be decoded ({cause})"
         else:
@@ -339,5 +346,6 @@ class Hub:
             error=error,
             stalls=feed.stalls,
             revivals=feed.revivals,
+            frames_skipped=feed.frames_skipped,
         )
         feed.close()

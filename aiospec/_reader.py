@@ -21,7 +21,7 @@ from typing import Protocol
 
 from aiospec._codec import Frame
 from aiospec._routing import RingFeed, Unit
-from shm import ProducerGone, ProducerStalled, ReaderEvicted
+from shm import CorruptFrame, ProducerGone, ProducerStalled, ReaderEvicted
 
 __all__ = ("RingSink", "read_ring")
 
@@ -110,8 +110,9 @@ async def read_ring(
 ) -> None:
     """Read ``feed`` until its producer is gone or the task is cancelled.
 
-    Losses (the ring's ``frames_lost`` rising, an eviction, an undecodable payload) end the
-    affected streams and reading goes on; a stalled producer (old heartbeat, live process) is
+    Losses (the ring's ``frames_lost`` rising, an eviction, an undecodable payload, a corrupt
+    frame header, which is skipped by starting again at the head) end the affected streams and
+    reading goes on; a stalled producer (old heartbeat, live process) is
     counted and waited for; a producer presumed gone (old heartbeat, pid not checkable) ends
     the streams but the ring is still read; a gone producer or a broken ring ends it.
     """
@@ -136,6 +137,14 @@ async def _read(feed: RingFeed, sink: RingSink, bell: _Bell, yield_every: int, m
             sink.frames_lost(feed, 0, exc)
             bell.close()
             feed.retake_slot()
+            continue
+        except CorruptFrame as exc:
+            # unreadable where it is: the streams that may have lost records end, and reading
+            # goes on at the head (a corrupt frame at the head itself ends the ring)
+            bell.close()
+            skipped = feed.skip_corrupt(exc)
+            sink.frames_lost(feed, skipped, exc)
+            await asyncio.sleep(0)
             continue
         for unit in sink.plan(frames) if frames else ():
             n = len(unit)

@@ -52,6 +52,9 @@ class RingFeed:
         self.ring = shm.Ring.attach(name)
         try:
             self.reader = self._take_slot()
+            # the ring's index of the next frame this reader reads: frames skipped past a
+            # corrupt header are counted from it
+            self._index = self.ring.frames_before(self.reader.tail)
         except BaseException:
             self.ring.close()
             raise
@@ -60,6 +63,7 @@ class RingFeed:
         self.tokens_read = 0
         self.frames_lost = 0
         self.frames_undecodable = 0
+        self.frames_skipped = 0  # frames skipped past corrupt frame headers
         self.evictions = 0
         # the producer's liveness as this feed saw it: "live", "stalled" (old heartbeat, live
         # process) or "gone" (presumed gone from the heartbeat's age, still watched)
@@ -79,6 +83,7 @@ class RingFeed:
         views = self.reader.poll(max_frames)
         if not views:
             return [], []
+        self._index += len(views)
         if self.status != "live":  # frames are a sign of life
             if self.status == "gone":
                 self.revivals += 1
@@ -136,6 +141,25 @@ class RingFeed:
         self.evictions += 1
         self.reader.close()
         self.reader = self._take_slot()
+        self._index = self.ring.frames_before(self.reader.tail)
+
+    def skip_corrupt(self, exc: shm.CorruptFrame) -> int:
+        """After ``CorruptFrame``: the frame at the read position cannot be read, and would be
+        found again there, so start again at the ring's head with a new slot, as the bridge
+        sender does; returns the frames skipped (the corrupt one and those after it, counted
+        from the ring's ``frames_written``; at least 1). Raises ``exc`` again when the head
+        is where the corrupt frame is (nothing to skip to: the ring cannot be read). A head
+        behind it is fine: a corrupt length sent the reader past the head."""
+        at = self.reader.tail
+        self.reader.close()
+        self.reader = self._take_slot()
+        if self.reader.tail == at:
+            raise exc
+        index = self.ring.frames_before(self.reader.tail)
+        skipped = max(1, index - self._index)
+        self._index = index
+        self.frames_skipped += skipped
+        return skipped
 
     def _take_slot(self) -> shm.Reader:
         return self.ring.reader(spin=self._spin, recheck=self.recheck, producer_timeout=self._producer_timeout)

@@ -78,8 +78,8 @@ class StreamFramesLost(StreamError):
     so the stream cannot continue.
 
     ``lost`` is the number of frames lost, when known (0 otherwise); ``__cause__`` tells how
-    (the ring's ``FramesLost``, an eviction, a payload that did not decode) when there is a
-    cause.
+    (the ring's ``FramesLost``, an eviction, a payload that did not decode, a corrupt frame
+    header skipped) when there is a cause.
     """
 
     def __init__(self, message: str, handle: int, lost: int) -> None:

@@ -21,7 +21,7 @@ from aiospec._codec import Frame
 from aiospec._errors import FramesLost
 from aiospec._routing import RingFeed, check_handle
 from aiospec._stream_errors import TERMINAL_FLAGS
-from shm import AiospecError, ProducerGone, ProducerStalled, ReaderEvicted, RingError
+from shm import AiospecError, CorruptFrame, ProducerGone, ProducerStalled, ReaderEvicted, RingError
 
 __all__ = ("Record", "SyncReader", "SyncReaderStats")
 
@@ -122,9 +122,11 @@ class SyncReader:
     ``read(timeout)`` returns the records committed so far (waiting up to ``timeout`` seconds
     for the first); iterating blocks until records come. Ring problems are raised after the
     records read before them: ``FramesLost`` (frames lost, this reader evicted, a payload that
-    does not decode; reading goes on), ``ProducerStalled`` (with ``producer_timeout``: an old
+    does not decode, a corrupt frame header: that ring is read on from its head, the frames
+    skipped counted; reading goes on), ``ProducerStalled`` (with ``producer_timeout``: an old
     heartbeat but a live process; once per stall, reading goes on), ``ProducerGone`` and
-    ``CorruptFrame`` (that ring is dropped from this reader, except a producer only
+    ``CorruptFrame`` (a corrupt frame at the ring's head itself: that ring is dropped from
+    this reader, except a producer only
     ``presumed`` gone from its heartbeat's age: that ring is still read, and frames it
     commits again are delivered).
 
@@ -236,7 +238,19 @@ class SyncReader:
                 self._poller = self._make_poller()
                 self._lost(name, 0, f"this reader was evicted and missed frames ({exc})", exc)
                 continue
-            except RingError as exc:  # CorruptFrame: the ring cannot be read past it
+            except CorruptFrame as exc:
+                # unreadable where it is: read on at the head, the frames skipped counted
+                try:
+                    skipped = feed.skip_corrupt(exc)
+                except RingError as fatal:  # the corrupt frame is at the head itself
+                    self._drop(name, fatal)
+                    continue
+                self._poller = self._make_poller()
+                self._lost(
+                    name, skipped, f"a frame header was corrupt ({exc}); {skipped} frame(s) skipped to the head", exc
+                )
+                continue
+            except RingError as exc:  # the ring cannot be read any more
                 self._drop(name, exc)
                 continue
             self._frames_read += len(frames)

@@ -15,10 +15,11 @@ import time
 from types import ModuleType
 from typing import Any
 
+from shm import _segment
 from shm import layout as L
 from shm._errors import CorruptControl, RingError, RingFull
-from shm._segment import Segment, bell_path, open_peer_bell
-from shm._sys import acquire_fence, full_fence, pid_state, release_fence
+from shm._segment import Segment, bell_path, lock_holder, open_peer_bell
+from shm._sys import BeatAge, acquire_fence, full_fence, pid_state, release_fence
 
 _FRAME_HEADER = L.FRAME_HEADER
 _ALIGN_M1 = L.FRAME_ALIGN - 1
@@ -60,6 +61,8 @@ class Producer:
         # (generation, fd) of each slot's open bell, fd -1 for none: the native commit reads it
         self._bells = array.array("q", [0, -1] * seg.max_readers)
         self._hb_thread: threading.Thread | None = None
+        # each slot's heartbeat age as this producer sees it (a beat from the future included)
+        self._reader_beats = [BeatAge() for _ in range(seg.max_readers)]
         self._hb_stop = threading.Event()
 
     # -- frames --------------------------------------------------------------------------
@@ -257,8 +260,12 @@ class Producer:
         q, tail = self._q, self.seg.tail
         return min([self._head, *(q[tail[slot]] for slot in self.seg.active_slots())])
 
-    def _evict_blocking(self, needed_tail: int) -> None:
-        """Evict readers that hold the tail below ``needed_tail`` and are dead or silent."""
+    def _evict_blocking(self, needed_tail: int, lock_timeout: float | None = None) -> None:
+        """Evict readers that hold the tail below ``needed_tail`` and are dead or silent.
+
+        The slot lock is tried once (``lock_timeout`` None: the wait for room tries again on
+        its next round, so a process holding the lock never stretches the producer's timeout),
+        or waited for up to ``lock_timeout`` seconds (then ``RingError``)."""
         seg, q, w = self.seg, self._q, self._w
         now = time.monotonic_ns()
         for slot in seg.active_slots():
@@ -267,17 +274,27 @@ class Producer:
             pid = w[seg.pid[slot]]
             # a reader in another pid namespace (state None) is judged by its heartbeat only
             dead = self.check_pids and pid_state(pid, q[seg.pidns[slot]]) is False
-            silent = self.reader_timeout is not None and now - q[seg.heartbeat[slot]] > self.reader_timeout * 1e9
+            age = self._reader_beats[slot].age_ns(q[seg.heartbeat[slot]], now)
+            silent = self.reader_timeout is not None and age > self.reader_timeout * 1e9
             if dead or silent:
                 gen = w[seg.generation[slot]]
-                with seg.slot_lock():
+                if not seg.lock_slots(lock_timeout or 0.0):
+                    if lock_timeout is None:
+                        return  # held by another process: the next round tries again
+                    raise RingError(
+                        f"ring {self._name}: the slot lock (flock on the segment) was held by "
+                        f"{lock_holder(seg.fd)} for {lock_timeout} s; cannot evict a reader"
+                    )
+                try:
                     if w[seg.state[slot]] == L.READER_ACTIVE and w[seg.generation[slot]] == gen:
                         w[seg.state[slot]] = L.READER_EVICTED
+                finally:
+                    seg.unlock_slots()
 
     def evict_readers(self) -> None:
         """Evict the dead (and silent) readers wherever their tails are."""
         self._require_open("evict_dead_readers")
-        self._evict_blocking(1 << 62)
+        self._evict_blocking(1 << 62, _segment.SLOT_LOCK_TIMEOUT)
 
     def _describe_laggards(self, needed_tail: int) -> str:
         seg = self.seg

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from shm import layout as L
 from shm._errors import CorruptControl, CorruptFrame, ProducerGone, ProducerStalled, ReaderEvicted, RingError
 from shm._segment import Segment
-from shm._sys import PRIVATE, acquire_fence, full_fence, pid_state, release_fence
+from shm._sys import PRIVATE, BeatAge, acquire_fence, full_fence, pid_state, release_fence
 
 if TYPE_CHECKING:
     from shm._ring import Ring
@@ -103,6 +103,7 @@ class Reader:
         self._status = "live"
         self._stalls = 0
         self._revivals = 0
+        self._beat_age = BeatAge()  # the producer heartbeat's age, a beat from the future included
 
     @property
     def slot(self) -> int:
@@ -244,11 +245,13 @@ class Reader:
 
     def new_losses(self) -> int:
         """How much the ring's ``frames_lost`` counter rose since the last call (or since this
-        reader was taken): frames the producer reported it could not write."""
+        reader was taken): frames the producer reported it could not write. Never negative:
+        the counter only rises, and one found lower (a scribbled control word) is taken as
+        the new baseline, not as a negative loss."""
         lost = self._q[L.OFF_FRAMES_LOST // 8]
         delta = lost - self._lost_seen
         self._lost_seen = lost
-        return delta
+        return max(0, delta)
 
     def sleep_begin(self) -> bool:
         """Announce that this reader is about to sleep on its bell.
@@ -374,7 +377,7 @@ class Reader:
             self._gone(f"(pid {pid}) exited", presumed=False)
             return
         timeout = self._producer_timeout
-        age = (time.monotonic_ns() - q[L.OFF_HEARTBEAT_NS // 8]) / 1e9
+        age = self._beat_age.age_ns(q[L.OFF_HEARTBEAT_NS // 8], time.monotonic_ns()) / 1e9
         if timeout is None or age <= timeout:
             if self._status == "gone":
                 self._revivals += 1

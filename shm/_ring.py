@@ -200,7 +200,9 @@ class Ring:
         Raises:
             FileNotFoundError: no segment has that name.
             BadSegment: the file is not a ring this code can read (wrong magic, version,
-                sizes), or it cannot be mapped read-write.
+                sizes), or it cannot be mapped read-write; or the name is a symlink, not a
+                regular file, or a segment that grants group or others access (rings are
+                created 0600: anyone could have planted or written into it).
             ValueError: ``name`` is not a valid segment name.
         """
         _segment.check_name(name)
@@ -255,6 +257,24 @@ class Ring:
         where the chain ends and the DATA frames it passed. Only meaningful for frames a reader
         slot holds from being overwritten."""
         return self._seg.chain(start, stop)
+
+    def frames_before(self, pos: int) -> int:
+        """The DATA frames committed before position ``pos`` (a position at or below the head
+        whose frames are held whole, e.g. a reader slot's tail): ``frames_written`` less the
+        DATA frames from ``pos`` to the head, the two words read until they hold still. One
+        low while the producer is stopped between its stores of the head and of
+        ``frames_written`` (section 3, step 7)."""
+        seg = self._seg
+        if seg.closed:
+            raise RingError(f"frames_before: ring {self._name} is closed")
+        q = seg.q
+        for _ in range(1000):
+            written = q[L.OFF_FRAMES_WRITTEN // 8]
+            head = q[L.OFF_HEAD // 8]
+            sys_.acquire_fence()
+            if q[L.OFF_FRAMES_WRITTEN // 8] == written and q[L.OFF_HEAD // 8] == head:
+                break
+        return max(0, written - seg.chain(pos, head)[1])
 
     def write_bound(self, head: int) -> int:
         """The position below which a producer whose head is ``head`` may be writing now

@@ -31,6 +31,11 @@ SHM_DIR = "/dev/shm"  # segments and their bells (documented where shm exports i
 # A claim held from another pid namespace is taken over once its heartbeat is this old.
 CLAIM_STALE_S = 10.0
 
+# The longest wait for the slot lock: any process that can open the segment can flock it (a
+# buggy neighbour, flock(1), a process stopped inside the lock), and nothing may hang on it.
+SLOT_LOCK_TIMEOUT = 5.0
+FREE_LOCK_TIMEOUT = 0.5  # a leaving reader frees its slot without the lock after this long
+
 _NAME_RE = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}$")
 
 
@@ -126,6 +131,21 @@ def open_peer_bell(path: str, owners: tuple[int, ...]) -> int:
     return fd
 
 
+def lock_holder(fd: int) -> str:
+    """Who holds the flock of the file open at ``fd``, from /proc/locks: "pid N", or "another
+    process" where that cannot be read."""
+    ino = os.fstat(fd).st_ino
+    with suppress(OSError, ValueError, IndexError), open("/proc/locks") as f:
+        for line in f:
+            parts = line.split()
+            # "1: FLOCK  ADVISORY  WRITE 1234 00:1a:5678 0 EOF"; waiters have a "->" field
+            if "->" in parts or len(parts) < 6 or parts[1] != "FLOCK":
+                continue
+            if int(parts[5].rsplit(":", 1)[1]) == ino:
+                return f"pid {int(parts[4])}"
+    return "another process"
+
+
 def _lstat(path: str) -> os.stat_result | None:
     try:
         return os.lstat(path)
@@ -173,12 +193,36 @@ def create(name: str, capacity: int, max_readers: int, max_record: int) -> tuple
 def attach(name: str) -> tuple[int, mmap.mmap]:
     """Open and map an existing segment after validating its control page (section 2)."""
     path = os.path.join(SHM_DIR, name)
-    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
     try:
+        # never through a symlink: /dev/shm is everyone's, and a name is no secret
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise BadSegment(f"segment {name}: {path} is a symlink; refusing it") from None
+        if exc.errno == errno.EISDIR:
+            raise BadSegment(f"segment {name}: {path} is a directory, not a ring") from None
+        raise
+    try:
+        _check_private(fd, name)
         return fd, _map_validated(fd, name)
     except BaseException:
         os.close(fd)
         raise
+
+
+def _check_private(fd: int, name: str) -> None:
+    """Refuse what this library never creates: a segment that is not a regular file, or one
+    that grants group or others any access (rings are created 0600, section 1). Anyone who may
+    write into such a segment can forge frames and control words, so it could have been
+    planted under the name (another uid creating it first), or opened up to others."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise BadSegment(f"segment {name}: not a regular file (mode 0o{st.st_mode:o}), not a ring")
+    if st.st_mode & 0o077:
+        raise BadSegment(
+            f"segment {name}: mode 0o{stat.S_IMODE(st.st_mode):03o} (owner uid {st.st_uid}), expected no access "
+            "for group or others (rings are created 0600); refusing a segment others may write"
+        )
 
 
 def unlink(name: str) -> None:
@@ -299,14 +343,42 @@ class Segment:
 
     # -- the reader-slot table -----------------------------------------------------------
 
+    def lock_slots(self, timeout: float) -> bool:
+        """Take the slot lock (``flock``), waiting up to ``timeout`` seconds; False when another
+        process held it all that time."""
+        deadline = time.monotonic() + timeout
+        delay = 1e-4
+        while True:
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return True
+            except BlockingIOError:
+                pass
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(delay, left))
+            delay = min(2 * delay, 0.01)
+
+    def unlock_slots(self) -> None:
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+
     @contextmanager
-    def slot_lock(self) -> Iterator[None]:
-        """Serialize slot takeovers, releases and evictions between processes (``flock``)."""
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
+    def slot_lock(self, what: str, timeout: float | None = None) -> Iterator[None]:
+        """Serialize slot takeovers, releases and evictions between processes (``flock``);
+        raises ``RingError`` naming the holder when the lock stays taken ``timeout`` seconds
+        (default ``SLOT_LOCK_TIMEOUT``)."""
+        if timeout is None:
+            timeout = SLOT_LOCK_TIMEOUT
+        if not self.lock_slots(timeout):
+            raise RingError(
+                f"ring {self.name}: the slot lock (flock on the segment) was held by {lock_holder(self.fd)} "
+                f"for {timeout} s; cannot {what}"
+            )
         try:
             yield
         finally:
-            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            self.unlock_slots()
 
     def claim_producer(self) -> int:
         """Become the ring's producer (section 7); returns the claim's epoch.
@@ -317,7 +389,7 @@ class Segment:
         whose heartbeat is fresh, raises ``ProducerBusy`` naming the holder."""
         w, q = self.w, self.q
         me = os.getpid()
-        with self.slot_lock():
+        with self.slot_lock("claim the producer"):
             state = w[L.OFF_PRODUCER_STATE // 4]
             pid = w[L.OFF_PRODUCER_PID // 4]
             ns = q[L.OFF_PRODUCER_PIDNS // 8]
@@ -373,7 +445,7 @@ class Segment:
         position ``at`` when the frames from there to the head are still whole (else at the
         head)."""
         w, q = self.w, self.q
-        with self.slot_lock():
+        with self.slot_lock("take a reader slot"):
             self.check_line0("take a reader slot")
             free = [i for i in range(self.max_readers) if w[self.state[i]] != L.READER_ACTIVE]
             if not free:
@@ -496,14 +568,28 @@ class Segment:
 
     def free_slot(self, slot: int, generation: int) -> None:
         """Give the slot back, unless it stopped being ours (evicted, then taken again)."""
-        with self.slot_lock():
-            if self.w[self.generation[slot]] == generation:
-                self.w[self.sleeping[slot]] = 0
-                self.w[self.state[slot]] = L.READER_FREE
+        locked = self.lock_slots(FREE_LOCK_TIMEOUT)
+        try:
+            w = self.w
+            if locked and w[self.generation[slot]] == generation:
+                w[self.sleeping[slot]] = 0
+                w[self.state[slot]] = L.READER_FREE
                 # only while the slot is still ours: after an eviction a new reader may
                 # have taken it, and the bell at that path is its bell now
                 with suppress(FileNotFoundError):
                     os.unlink(bell_path(self.name, slot))
+            elif not locked and w[self.state[slot]] == L.READER_ACTIVE and w[self.generation[slot]] == generation:
+                # another process holds the lock, so every evictor and taker of this library
+                # waits on it: free the slot without it rather than leave a live reader's
+                # tail holding the producer back. The bell goes first, while the slot is
+                # still active and ours (nobody can take it and make a bell there yet)
+                with suppress(FileNotFoundError):
+                    os.unlink(bell_path(self.name, slot))
+                w[self.sleeping[slot]] = 0
+                w[self.state[slot]] = L.READER_FREE
+        finally:
+            if locked:
+                self.unlock_slots()
 
     # -- lifecycle ---------------------------------------------------------------------------
 

@@ -93,3 +93,25 @@ def pid_state(pid: int, pidns: int) -> bool | None:
     if pidns and PIDNS and pidns != PIDNS:
         return None
     return pid_alive(pid)
+
+
+class BeatAge:
+    """The age of a heartbeat word as one observer sees it.
+
+    A heartbeat is ``CLOCK_MONOTONIC`` nanoseconds, so its age is ``now - beat``; but a beat
+    from the future (a scribbled word, or a writer whose clock is offset, as in another time
+    namespace) would stay "fresh" for as long as it is ahead. Such a value is aged instead
+    from when this observer first saw it: a word that stops changing goes stale either way."""
+
+    __slots__ = ("_beat", "_seen")
+
+    def __init__(self) -> None:
+        self._beat = -1
+        self._seen = 0
+
+    def age_ns(self, beat: int, now: int) -> int:
+        if beat <= now:
+            return now - beat
+        if beat != self._beat:
+            self._beat, self._seen = beat, now
+        return now - self._seen

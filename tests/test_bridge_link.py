@@ -339,3 +339,205 @@ def test_an_ipv6_loopback_endpoint_carries_frames() -> None:
         reader.close()
         far.close()
         target.close()
+
+
+def test_a_far_end_that_grants_everything_and_acknowledges_nothing_cannot_grow_the_senders_memory() -> None:
+    # a far end's credit is its own word: a huge credit never acknowledged (a buggy receiver,
+    # or a process that took the port first) must not make the sender read its ring into memory
+    ctx = zmq.Context()
+    far = ctx.socket(zmq.ROUTER)
+    port = far.bind_to_random_port("tcp://127.0.0.1")
+    near = shm.Ring.create(capacity=1 << 20, max_record=32 << 10)
+    cap, frame = 128 << 10, 16 << 10
+    sender = None
+    try:
+        sender = BridgeSender(
+            near.name, f"tcp://127.0.0.1:{port}", heartbeat=0.05, link_timeout=30.0, max_batch=8, max_held_bytes=cap
+        ).start()
+        assert far.poll(10_000)
+        peer, *parts = far.recv_multipart()
+        hello = P.decode([memoryview(p) for p in parts], max_payload=0)
+        assert isinstance(hello, P.Hello)
+        huge = (1 << 64) - 2
+        far.send_multipart([peer, P.encode_credit(7, 1, hello.next_seq, huge, huge, 1 << 30, P.WELCOME)])
+        wait_for(lambda: sender is not None and sender.state == "up", "the welcome")
+        written = 0
+        with pytest.raises(shm.RingFull):
+            while written < 4096:
+                near.write(b"f" * frame, timeout=2.0)
+                written += 1
+        st = sender.stats()
+        assert st.frames > 0 and st.credit_stalls >= 1
+        # the cap, plus the one read (of at most max_batch frames) that crossed it
+        assert st.held * frame <= cap + 8 * frame
+        assert written * frame >= near.capacity - 2 * frame  # the producer was held back instead
+    finally:
+        if sender is not None:
+            sender.close()
+        far.close(0)
+        ctx.term()
+        near.close()
+
+
+def test_an_oversized_message_part_is_cut_off_before_the_receiver_buffers_it() -> None:
+    # no part of a message the receiver accepts exceeds its byte credit: a larger one (from
+    # an unauthenticated peer on loopback, say) must not be allocated in full at this end
+    from zmq.utils.monitor import recv_monitor_message
+
+    from aiospec.bridge import CallbackTarget
+
+    target = CallbackTarget(lambda p: None, max_payload=1 << 16)
+    recv = BridgeReceiver("tcp://127.0.0.1:0", target, window_bytes=1 << 20, **FAST).start()  # type: ignore[arg-type]
+    ctx = zmq.Context()
+    big, small = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+    monitor = big.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    try:
+        assert recv.endpoint_bound is not None
+        big.connect(recv.endpoint_bound)
+        small.connect(recv.endpoint_bound)
+        big.send(b"\0" * (8 << 20))  # 8 MiB in one part, against a 1 MiB credit
+        small.send(b"garbage")
+        wait_for(lambda: recv.stats().protocol_errors >= 1, "the small bad message to be counted")
+        cut = []
+
+        def cut_off() -> bool:
+            if monitor.poll(10):
+                cut.append(recv_monitor_message(monitor)["event"])
+            return bool(cut) or recv.stats().protocol_errors >= 2
+
+        wait_for(cut_off, "the big message's fate")
+        assert cut == [zmq.EVENT_DISCONNECTED] and recv.stats().protocol_errors == 1
+    finally:
+        big.disable_monitor()
+        monitor.close(0)
+        big.close(0)
+        small.close(0)
+        ctx.term()
+        recv.stop()
+
+
+def test_a_peer_of_an_older_protocol_is_counted_without_flooding_the_log(caplog: pytest.LogCaptureFixture) -> None:
+    # an older sender says HELLO every heartbeat forever (or a peer sends garbage at will):
+    # each message is counted, the log gets the first and then one line per interval
+    import logging
+    import struct
+
+    from aiospec.bridge import CallbackTarget
+
+    recv = BridgeReceiver("tcp://127.0.0.1:0", CallbackTarget(lambda p: None), **FAST).start()  # type: ignore[arg-type]
+    ctx = zmq.Context()
+    old = ctx.socket(zmq.DEALER)
+    try:
+        assert recv.endpoint_bound is not None
+        old.connect(recv.endpoint_bound)
+        hello2 = struct.pack("<4sHHQQQI4xQ", P.MAGIC, 2, P.HELLO, 5, 1, 0, 1 << 16, 9)  # protocol 2
+        with caplog.at_level(logging.WARNING, logger="aiospec.bridge"):
+            for _ in range(200):
+                old.send(hello2)
+            wait_for(lambda: recv.stats().protocol_errors == 200, "the receiver to count them all")
+        lines = [r.getMessage() for r in caplog.records if "dropped a message" in r.getMessage()]
+        assert len(lines) == 1 and "version 2: expected 3" in lines[0]
+        assert recv.stats().sessions == 0
+    finally:
+        old.close(0)
+        ctx.term()
+        recv.stop()
+
+
+@pytest.mark.parametrize("field", ["next_seq", "cum_bytes", "lost"])
+def test_numbers_near_2_64_from_a_peer_never_end_the_receiver(field: str) -> None:
+    # a HELLO may start its sequence numbers and byte counts anywhere below 2**64, and a LOST
+    # may announce any count: the credit and the ring's frames_lost saturate, nothing raises
+    target = RingTarget(None, capacity=1 << 16)
+    far = shm.Ring.attach(target.name)
+    reader = far.reader()
+    recv = BridgeReceiver("tcp://127.0.0.1:0", target, **FAST).start()  # type: ignore[arg-type]
+    ctx = zmq.Context()
+    peer = ctx.socket(zmq.DEALER)
+    big = (1 << 64) - 2
+    try:
+        assert recv.endpoint_bound is not None
+        peer.connect(recv.endpoint_bound)
+        seq = big - 1 if field == "next_seq" else 1
+        cum = big if field == "cum_bytes" else 0
+        peer.send(P.encode_hello(5, seq, cum, 1 << 10, 9))
+        assert peer.poll(10_000)
+        welcome = P.decode([p.buffer for p in peer.recv_multipart(copy=False)], max_payload=0)
+        assert isinstance(welcome, P.Credit) and welcome.flags & P.WELCOME
+        assert welcome.credit_seq <= (1 << 64) - 1 and welcome.credit_bytes <= (1 << 64) - 1
+        if field == "lost":
+            peer.send(P.encode_lost(1, 5))
+            peer.send(P.encode_lost(2, big))
+            wait_for(lambda: recv.stats().lost == 5 + big, "the losses")
+            assert far.stats().frames_lost == (1 << 64) - 1  # saturated
+            assert reader.new_losses() == (1 << 64) - 1
+        else:
+            peer.send(P.encode_lost(seq, 3))  # an entry at the top of its numbers
+            wait_for(lambda: recv.stats().lost == 3, "the loss")
+            assert far.stats().frames_lost == 3
+        assert recv.failure is None and not recv.join(0.05)  # still running
+    finally:
+        peer.close(0)
+        ctx.term()
+        recv.stop()
+        reader.close()
+        far.close()
+        target.close()
+
+
+def test_a_resume_point_the_ring_cannot_have_is_ignored_not_fatal() -> None:
+    # a far end welcoming a fresh sender with RESUME and a frame index beyond what the ring
+    # ever committed (near 2**64, say): the sender starts at its head and forwards on
+    ctx = zmq.Context()
+    far = ctx.socket(zmq.ROUTER)
+    port = far.bind_to_random_port("tcp://127.0.0.1")
+    near = shm.Ring.create(capacity=1 << 16)
+    sender = None
+    try:
+        near.write(b"before")
+        head = near.stats().head
+        sender = BridgeSender(near.name, f"tcp://127.0.0.1:{port}", heartbeat=0.05, link_timeout=30.0).start()
+        assert far.poll(10_000)
+        peer, *parts = far.recv_multipart()
+        hello = P.decode([memoryview(p) for p in parts], max_payload=0)
+        assert isinstance(hello, P.Hello)
+        flags = P.WELCOME | P.RESUME
+        far.send_multipart([peer, P.encode_credit(7, 1, 1, 100, 1 << 20, 1 << 20, flags, head, (1 << 64) - 1)])
+        wait_for(lambda: sender is not None and sender.state == "up", "the welcome")
+        near.write(b"after")
+        data = None
+        while data is None:
+            assert far.poll(10_000), "no DATA from the sender"
+            msg = P.decode([memoryview(p) for p in far.recv_multipart()[1:]], max_payload=1 << 20)
+            data = msg if isinstance(msg, P.Data) else None
+        assert [bytes(p) for p in data.payloads()] == [b"after"] and data.a_index == 2
+        assert sender.failure is None
+    finally:
+        if sender is not None:
+            sender.close()
+        far.close(0)
+        ctx.term()
+        near.close()
+
+
+def test_a_credit_message_from_the_near_end_is_a_protocol_error_not_the_end() -> None:
+    # CREDIT is the far end's message; a near end sending one (a confused or hostile peer on
+    # loopback) is dropped and counted, and the receiver serves on
+    recv = BridgeReceiver("tcp://127.0.0.1:0", RingTarget(None, capacity=1 << 16), **FAST).start()  # type: ignore[arg-type]
+    ctx = zmq.Context()
+    peer = ctx.socket(zmq.DEALER)
+    try:
+        assert recv.endpoint_bound is not None
+        peer.connect(recv.endpoint_bound)
+        peer.send(P.encode_hello(5, 1, 0, 1 << 10, 9))
+        assert peer.poll(10_000)
+        peer.recv_multipart()  # the welcome
+        peer.send(P.encode_credit(1, 1, 1, 1, 0, 0, 0))
+        peer.send(P.encode_lost(1, 2))
+        wait_for(lambda: recv.stats().lost == 2, "the LOST after the CREDIT")
+        assert recv.stats().protocol_errors == 1 and recv.failure is None
+    finally:
+        peer.close(0)
+        ctx.term()
+        recv.stop()
+        recv.target.close()

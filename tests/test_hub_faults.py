@@ -10,8 +10,9 @@ import pytest
 from _hubhelpers import T, enc, get, poke, until
 
 import shm
+from aiospec._errors import FramesLost
 from aiospec._hub import Hub
-from aiospec._stream_errors import ProducerLost, StreamError
+from aiospec._stream_errors import ProducerLost, StreamError, StreamFramesLost
 from aiospec._sync import SyncReader
 from shm import layout as L
 
@@ -34,26 +35,58 @@ def _two_frames_wiped(ring: shm.Ring, value: int = 0) -> None:
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("fault", ["wiped", "pad"])
-async def test_hub_reports_a_corrupt_commit_word(ring: shm.Ring, fault: str) -> None:
+async def test_hub_reports_a_corrupt_commit_word_and_reads_on_at_the_head(ring: shm.Ring, fault: str) -> None:
     async with Hub(ring.name) as hub:
         s = hub.open(1)
         ring.notify()
         _two_frames_wiped(ring, 0 if fault == "wiped" else (16 + 8) | L.FRAME_PAD << 32)
         expected = "commit word 0 below the head" if fault == "wiped" else "PAD frame of length 24, expected"
+        with pytest.raises(
+            StreamFramesLost,
+            match=rf"^request 0x1: a frame header of ring {ring.name} was corrupt \(.*\); 2 frame\(s\) skipped to "
+            r"its head; its records may be missing$",
+        ) as info:
+            await get(s)
+        assert isinstance(info.value.__cause__, shm.CorruptFrame) and info.value.lost == 2
+        assert expected in str(info.value.__cause__)
+        # the frames after the corrupt ones are read: the ring is live, its losses counted
+        s2 = hub.open(2)
+        ring.write(enc([(2, [9], 0)]))
+        assert (await get(s2)).token_list() == [9]
+        info2 = hub.stats().rings[0]
+        assert (info2.state, info2.frames_skipped, info2.error) == ("live", 2, None)
+        assert hub.stats().frames_lost == 2
+        s2.close()
+
+
+@pytest.mark.asyncio
+async def test_hub_fails_a_ring_whose_corrupt_frame_is_at_its_head(ring: shm.Ring) -> None:
+    # nothing to skip to: reading again at the head would find the same frame
+    async with Hub(ring.name) as hub:
+        s = hub.open(1)
+        ring.write(enc([(1, [1], 0)]))
+        assert (await get(s)).token_list() == [1]
+        head = ring.stats().head
+        poke(ring.name, L.CONTROL_SIZE + (head & (ring.capacity - 1)) + L.FH_COMMIT, 1 << 40)
         with pytest.raises(StreamError, match=r"cannot be read any more \(CorruptFrame\(") as info:
             await get(s)
         assert isinstance(info.value.__cause__, shm.CorruptFrame)
-        assert expected in str(info.value.__cause__)
         assert hub.stats().rings[0].state == "failed"
 
 
 @pytest.mark.parametrize("fault", ["wiped", "pad"])
-def test_sync_reader_reports_a_corrupt_commit_word(ring: shm.Ring, fault: str) -> None:
+def test_sync_reader_reports_a_corrupt_commit_word_and_reads_on_at_the_head(ring: shm.Ring, fault: str) -> None:
     with SyncReader(ring.name, recheck=0.01) as sr:
         _two_frames_wiped(ring, 0 if fault == "wiped" else (16 + 8) | L.FRAME_PAD << 32)
-        with pytest.raises(shm.CorruptFrame):
+        with pytest.raises(
+            FramesLost, match=r"a frame header was corrupt .*; 2 frame\(s\) skipped to the head"
+        ) as info:
             sr.read(timeout=T)
-        assert sr.rings == ()
+        assert isinstance(info.value.__cause__, shm.CorruptFrame) and info.value.lost == 2
+        assert sr.rings == (ring.name,)
+        ring.write(enc([(3, [4], 0)]))
+        assert [r.handle for r in sr.read(timeout=T)] == [3]
+        assert sr.stats().frames_lost == 2
 
 
 @pytest.mark.asyncio
@@ -110,3 +143,25 @@ def test_sync_reader_presumed_gone_then_revived(ring: shm.Ring) -> None:
         ring.write(enc([(1, [4], 0)]))
         assert [r.token_ids.tolist() for r in sr.read(timeout=T)] == [[4]]
         assert sr.stats().revivals == 1
+
+
+def test_sync_reader_reads_on_after_a_corrupt_length_sent_it_past_the_head(ring: shm.Ring) -> None:
+    # a commit word whose length is wrong but in range: the reader takes the frame, which
+    # does not decode, and lands past the head on a stale header; the head is behind it,
+    # and reading goes on from there
+    with SyncReader(ring.name, recheck=0.01) as sr:
+        ring.write(enc([(1, [1], 0)]))
+        head = ring.stats().head
+        past = 16 * L.FRAME_ALIGN
+        assert head < past
+        poke(ring.name, L.CONTROL_SIZE + L.FH_COMMIT, (past - 8) | L.FRAME_DATA << 32)
+        poke(ring.name, L.CONTROL_SIZE + past + L.FH_POSITION, 7)  # a header left by another lap
+        poke(ring.name, L.CONTROL_SIZE + past + L.FH_COMMIT, 64 | L.FRAME_DATA << 32)
+        causes = []
+        for _ in range(2):
+            with pytest.raises(FramesLost) as info:
+                sr.read(timeout=T)
+            causes.append(type(info.value.__cause__).__name__)
+        assert causes == ["FrameError", "CorruptFrame"] and sr.rings == (ring.name,)
+        ring.write(enc([(3, [4], 0)]))
+        assert [r.handle for r in sr.read(timeout=T)] == [3]

@@ -184,3 +184,63 @@ def test_new_losses() -> None:
             assert ring.stats().frames_lost == 5
         finally:
             raw.close()
+
+
+def test_a_frames_lost_word_set_back_is_no_negative_loss() -> None:
+    import numpy as np
+
+    import aiospec
+    from aiospec._codec import encode_frame
+
+    with shm.Ring.create(capacity=CAP) as ring, ring.reader() as reader:
+        raw = RawSegment(ring.name)
+        try:
+            raw.set_u64(L.OFF_FRAMES_LOST, 5)
+            assert reader.new_losses() == 5
+            raw.set_u64(L.OFF_FRAMES_LOST, 2)  # moved backwards by a scribbler
+            assert reader.new_losses() == 0
+            raw.set_u64(L.OFF_FRAMES_LOST, 4)  # counted from where it was found
+            assert reader.new_losses() == 2
+            with aiospec.SyncReader([ring.name]) as sync:
+                raw.set_u64(L.OFF_FRAMES_LOST, 0)
+                ring.write(
+                    encode_frame(
+                        handles=np.array([1], np.uint64),
+                        token_offsets=np.array([0, 1], np.int32),
+                        token_ids=np.array([7], np.int32),
+                        step=1,
+                    )
+                )
+                assert [r.handle for r in sync.read(5.0)] == [1]
+                assert sync.read(0.05) == []  # no FramesLost with a negative count
+                assert sync.stats().frames_lost == 0
+        finally:
+            raw.close()
+
+
+def test_heartbeats_from_the_future_still_go_stale() -> None:
+    # a heartbeat word ahead of this clock (scribbled, or a writer with an offset clock) is
+    # aged from when it was first seen: a word that stops changing goes stale all the same
+    with shm.Ring.create(capacity=CAP, reader_timeout=0.2) as ring:
+        att = shm.Ring.attach(ring.name)
+        reader = att.reader(spin=0.0, recheck=0.01, producer_timeout=0.2)
+        silent = ring.reader()
+        raw = RawSegment(ring.name)
+        try:
+            raw.set_u64(L.OFF_PRODUCER_PIDNS, 12345)  # another pid namespace: only the heartbeat tells
+            raw.set_u64(L.OFF_HEARTBEAT_NS, time.monotonic_ns() + 3600 * 10**9)
+            with pytest.raises(shm.ProducerGone) as info:
+                reader.wait(5.0)  # it was "fresh" for as long as it stayed ahead of this clock
+            assert info.value.presumed is True
+            # the producer's side: a reader whose heartbeat is ahead and frozen is evicted
+            hb = (L.READERS_BASE + silent.slot * L.READER_STRIDE + L.RD_HEARTBEAT_NS) // 8 * 8
+            raw.set_u64(hb, time.monotonic_ns() + 3600 * 10**9)
+            for _ in range(2 * CAP // 1024):
+                ring.write(b"x" * 1000, timeout=XPROC_TIMEOUT)
+                reader.read()
+            assert {r.slot: r.state for r in ring.stats().readers}[silent.slot] == "evicted"
+        finally:
+            raw.close()
+            silent.close()
+            reader.close()
+            att.close()

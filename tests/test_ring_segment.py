@@ -278,3 +278,55 @@ def test_attach_accepts_a_hand_written_segment(shm_tracker: ShmTracker) -> None:
 def test_attach_missing_segment(shm_tracker: ShmTracker) -> None:
     with pytest.raises(FileNotFoundError):
         shm.Ring.attach(shm_tracker.new_name())
+
+
+def test_attach_never_follows_a_symlink_at_the_rings_path(shm_tracker: ShmTracker) -> None:
+    with shm.Ring.create(capacity=CAP) as ring:
+        name = shm_tracker.new_name()
+        link = os.path.join(shm.SHM_DIR, name)
+        os.symlink(ring.path, link)  # a name planted to point at another segment
+        try:
+            with pytest.raises(shm.BadSegment, match=rf"^segment {name}: {link} is a symlink; refusing it$"):
+                shm.Ring.attach(name)
+            assert ring.stats().readers == ()
+        finally:
+            os.unlink(link)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+def test_attach_refuses_what_is_not_a_file_at_once(shm_tracker: ShmTracker, kind: str) -> None:
+    name = shm_tracker.new_name()
+    path = os.path.join(shm.SHM_DIR, name)
+    if kind == "fifo":
+        os.mkfifo(path, 0o600)
+    else:
+        os.mkdir(path, 0o700)
+    try:
+        with pytest.raises(shm.BadSegment, match=rf"^segment {name}: .*not a ring$"):
+            shm.Ring.attach(name)
+    finally:
+        (os.unlink if kind == "fifo" else os.rmdir)(path)
+
+
+@pytest.mark.parametrize("mode", [0o666, 0o640, 0o604])
+def test_attach_refuses_a_segment_others_may_open(shm_tracker: ShmTracker, mode: int) -> None:
+    # a ring is created 0600: a segment open to group or others (planted under the name by
+    # another uid, or opened up) may carry anyone's frames and control words
+    name = shm_tracker.new_name()
+    path = write_segment(name, control_page(), L.CONTROL_SIZE + CAP)
+    try:
+        os.chmod(path, mode)
+        if os.geteuid() == 0:
+            os.chown(path, 65534, 65534)  # as root: planted by another uid
+        owner = os.stat(path).st_uid
+        with pytest.raises(
+            shm.BadSegment,
+            match=rf"^segment {name}: mode 0o{mode:03o} \(owner uid {owner}\), expected no access for group or others",
+        ):
+            shm.Ring.attach(name)
+        os.chmod(path, 0o600)
+        if os.geteuid() == 0:
+            os.chown(path, 0, 0)
+        shm.Ring.attach(name).close()  # the same file, private again: a ring
+    finally:
+        os.unlink(path)

@@ -12,7 +12,9 @@ message), never an exception of another type.
 
 from __future__ import annotations
 
+import logging
 import struct
+import time
 from typing import NamedTuple
 
 from aiospec.bridge._errors import ProtocolError
@@ -285,3 +287,27 @@ def _check_seq(what: str, seq: int) -> None:
     # is reserved so that ``seq + 1`` stays a u64
     if not 0 < seq < _U64:
         raise ProtocolError(f"{what}: sequence number {seq}: expected 1..2**64-2")
+
+
+class ErrorLog:
+    """Log the messages a link drops without letting the peer flood the log: the first one,
+    then at most one per ``interval`` seconds, saying how many were dropped since (a peer
+    may send garbage, or an older protocol version, many times a second; every one is still
+    counted in ``protocol_errors``)."""
+
+    __slots__ = ("_due", "_interval", "_log", "_suppressed", "_what")
+
+    def __init__(self, log: logging.Logger, what: str, interval: float = 10.0) -> None:
+        self._log, self._what, self._interval = log, what, interval
+        self._due = 0.0
+        self._suppressed = 0
+
+    def dropped(self, exc: ProtocolError) -> None:
+        now = time.monotonic()
+        if now < self._due:
+            self._suppressed += 1
+            return
+        more = f" (and {self._suppressed} more in the last {self._interval:g} s)" if self._suppressed else ""
+        self._log.warning("%s: dropped a message: %s%s", self._what, exc, more)
+        self._due = now + self._interval
+        self._suppressed = 0

@@ -37,6 +37,7 @@ log = logging.getLogger("aiospec.bridge")
 
 _NOBLOCK, _EVENTS, _POLLIN = 1, 15, 1  # libzmq's values (pyzmq's IntFlag arithmetic is slow)
 FULL_WAIT = 0.001  # seconds one delivery may wait for room in the target
+_U64 = (1 << 64) - 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,6 +196,7 @@ class BridgeReceiver:
         self._a_pos: int | None = None
         self._a_next: int | None = None
         self._fenced: collections.deque[bytes] = collections.deque(maxlen=64)  # superseded peers
+        self._error_log = P.ErrorLog(log, "bridge receiver")
         self._counts = dict.fromkeys(
             ("frames", "messages", "bytes", "lost", "duplicates", "gaps", "protocol_errors", "sessions", "full_waits",
              "superseded", "refused", "resumed"),
@@ -272,6 +274,10 @@ class BridgeReceiver:
             # ZeroMQ's queues only ever hold what the credit allows, plus a few control messages
             sock.setsockopt(zmq.RCVHWM, 2 * self.window_frames + 1024)
             sock.setsockopt(zmq.SNDHWM, 1024)
+            # no part of a message this end accepts is larger than the byte credit it grants:
+            # a peer sending one (garbage, or an unauthenticated one on loopback) is cut off
+            # by ZeroMQ before it buffers the part, never allocated in full here
+            sock.setsockopt(zmq.MAXMSGSIZE, max_part(self.window_bytes))
             if is_ipv6(self.endpoint):
                 sock.setsockopt(zmq.IPV6, 1)  # off by default: an IPv6 address fails to bind
             if self.curve is not None:
@@ -391,6 +397,8 @@ class BridgeReceiver:
         peer = parts[0].bytes
         try:
             msg = P.decode([p.buffer for p in parts[1:]], max_payload=self.target.max_payload)
+            if isinstance(msg, P.Credit):  # the far end's own message: a near end never sends it
+                raise ProtocolError("CREDIT from a near end: expected HELLO, DATA, LOST, GONE or BEAT")
         except ProtocolError as exc:
             self._protocol_error(peer, exc)
             return
@@ -474,7 +482,7 @@ class BridgeReceiver:
 
     def _protocol_error(self, peer: bytes, exc: ProtocolError) -> None:
         self._counts["protocol_errors"] += 1
-        log.warning("bridge receiver: dropped a message: %s", exc)
+        self._error_log.dropped(exc)
         if peer == self._peer and self._state == "up":
             # most of what the near end sends is DATA: have what may have been lost sent again
             self._ask_resend()
@@ -583,8 +591,9 @@ class BridgeReceiver:
 
     def _credit(self) -> tuple[int, int, int]:
         ack = self._expected - self._queued_current
-        credit_seq = self._expected + max(0, self.window_frames - self._queued)
-        credit_bytes = self._cum + max(0, self.window_bytes - self._queued_bytes)
+        # a near end's HELLO may start its numbers anywhere below 2**64: the credit stays a u64
+        credit_seq = min(_U64, self._expected + max(0, self.window_frames - self._queued))
+        credit_bytes = min(_U64, self._cum + max(0, self.window_bytes - self._queued_bytes))
         return ack, credit_seq, credit_bytes
 
     def _send(self, sock: Any, zmq: Any, peer: bytes, flags: int) -> bool:
@@ -606,6 +615,12 @@ class BridgeReceiver:
                 raise
             return False  # the near end's connection is gone
         return True
+
+
+def max_part(window_bytes: int) -> int:
+    """The largest message part a receiver granting ``window_bytes`` of credit accepts: a DATA
+    message's payloads (at most the credit), or its lengths part (``MAX_BATCH`` u32)."""
+    return max(window_bytes, 4 * P.MAX_BATCH, P.MAX_REASON) + 64
 
 
 def _put_many(target: FrameTarget, payloads: list[memoryview], timeout: float) -> int:

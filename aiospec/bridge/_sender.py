@@ -6,7 +6,8 @@ sees back-pressure under its own rules (it waits, then fails or counts ``frames_
 entry it sends (a frame, a loss count, the producer's end) carries a sequence number and stays
 in the sender's memory until the far end acknowledges that its target has it; after a
 reconnection (or when the far end asks) the sender sends again from the first entry the far
-end lacks. What the sender holds is bounded by the far end's credit window plus one read batch.
+end lacks. What the sender holds is bounded by the far end's credit window plus one read batch,
+and by its own ``max_held_frames`` / ``max_held_bytes`` whatever the far end grants.
 
 The frames of one read are copied out of the ring in one call (``bytes.join``) and go out as
 DATA messages of several consecutive entries each (at most ``batch_bytes`` of payload, as the
@@ -43,6 +44,7 @@ log = logging.getLogger("aiospec.bridge")
 # ZeroMQ's constants as plain ints (pyzmq's IntFlag arithmetic costs microseconds per send);
 # libzmq's values, stable since 2.x
 _NOBLOCK, _NOBLOCK_MORE, _EVENTS, _POLLIN = 1, 1 | 2, 15, 1
+_MAX_PART = 4096  # the largest message part the far end may send (a CREDIT is 88 bytes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +64,8 @@ class SenderStats:
         dropped: frames read and discarded while the link was down past ``drop_after``
             (announced to the far end, whose ring counts them in ``frames_lost``).
         upstream_lost: frames the local producer reported lost, forwarded likewise.
-        credit_stalls: times the sender stopped reading for want of credit.
+        credit_stalls: times the sender stopped reading for want of credit (or of
+            acknowledgements, past ``max_held_frames`` / ``max_held_bytes``).
         sessions: times the far end welcomed this sender (the first connection and each
             reconnection).
         protocol_errors: messages from the link that failed validation and were dropped.
@@ -149,6 +152,11 @@ class BridgeSender:
             also what one read aims at (as many frames as make it, at the last read's size).
         idle: how the sender waits for frames and credit: spin, then yield, then sleep on the
             bell and the link (``IdleStrategy``).
+        max_held_frames, max_held_bytes: the most entries, and payload bytes, the sender holds
+            unacknowledged, whatever credit the far end grants: past either it reads no more
+            until acknowledgements come (a far end that grants much and acknowledges nothing
+            cannot make it read the whole ring into memory). Defaults: 1,048,576 entries (the
+            largest receiver window) and 256 MiB.
 
     Raises:
         BridgeConfigError: a bad endpoint (non-loopback without keys) or key files.
@@ -171,6 +179,8 @@ class BridgeSender:
         max_batch: int = 64,
         batch_bytes: int = 256 << 10,
         idle: IdleStrategy | None = None,
+        max_held_frames: int = 1 << 20,
+        max_held_bytes: int = 256 << 20,
     ) -> None:
         check_endpoint(endpoint, curve, "near", "connect")
         if not 0 < heartbeat < link_timeout:
@@ -184,6 +194,12 @@ class BridgeSender:
             raise BridgeConfigError(f"max_batch = {max_batch!r}: expected 1..{P.MAX_BATCH}")
         if batch_bytes < 1:
             raise BridgeConfigError(f"batch_bytes = {batch_bytes!r}: expected a positive number of bytes")
+        if max_held_frames < 1 or max_held_bytes < 1:
+            raise BridgeConfigError(
+                f"max_held_frames = {max_held_frames!r}, max_held_bytes = {max_held_bytes!r}: expected positive numbers"
+            )
+        self.max_held_frames = max_held_frames
+        self.max_held_bytes = max_held_bytes
         self.endpoint = endpoint
         self.curve = curve
         self.heartbeat = heartbeat
@@ -241,6 +257,7 @@ class BridgeSender:
             0,
         )  # fmt: skip
         self._credit_stalled = False
+        self._error_log = P.ErrorLog(log, "bridge sender")
 
     # -- public surface --------------------------------------------------------------------
 
@@ -318,6 +335,8 @@ class BridgeSender:
             sock.setsockopt(zmq.SNDHWM, 1 << 16)
             sock.setsockopt(zmq.RCVHWM, 1 << 16)
             sock.setsockopt(zmq.RECONNECT_IVL, 50)
+            # the far end sends CREDIT messages only: a larger part is cut off by ZeroMQ
+            sock.setsockopt(zmq.MAXMSGSIZE, _MAX_PART)
             sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
             if is_ipv6(self.endpoint):
                 sock.setsockopt(zmq.IPV6, 1)  # off by default: an IPv6 address fails to connect
@@ -498,7 +517,7 @@ class BridgeSender:
                 self._on_credit(msg)
             except ProtocolError as exc:
                 self._counts["protocol_errors"] += 1
-                log.warning("bridge sender: dropped a message: %s", exc)
+                self._error_log.dropped(exc)
 
     def _drain_monitor(self, monitor: Any, zmq: Any) -> None:
         from zmq.utils.monitor import recv_monitor_message
@@ -659,6 +678,10 @@ class BridgeSender:
         if self._send_seq < self._next_seq:
             return False  # entries wait for credit or the socket: read no more
         ok = self._next_seq < self._credit_seq and self._cum < self._credit_bytes
+        if ok and self._chunks:
+            # the far end's credit is not the only bound: what this end holds unacknowledged
+            oldest = self._chunks[0]
+            ok = self._held() < self.max_held_frames and self._cum - oldest.cum0 < self.max_held_bytes
         if not ok and not self._credit_stalled:
             self._counts["credit_stalls"] += 1
         self._credit_stalled = not ok
@@ -672,7 +695,9 @@ class BridgeSender:
             return False
         reader = self.reader
         dropping = self._state != "up"
-        n = self.max_batch if dropping else min(self._poll_frames, self._credit_seq - self._next_seq)
+        n = self.max_batch
+        if not dropping:
+            n = min(self._poll_frames, self._credit_seq - self._next_seq, self.max_held_frames - self._held())
         a0 = reader.tail
         try:
             views = reader.poll(n)
@@ -788,6 +813,17 @@ class BridgeSender:
         ``a_index``) when the ring still holds the frames from there whole; else at its oldest
         frame still whole (or its head), the far end counting the frames between as lost."""
         head = self.reader.tail  # this sender has read nothing yet
+        written = self._control[L.OFF_FRAMES_WRITTEN // 8]
+        if a_index > written:
+            # no more frames can lie before a position than the ring ever committed
+            log.error(
+                "bridge sender: ring %s: the far end's last frame is its frame %d, but the ring committed %d: "
+                "starting at the head",
+                self.ring.name,
+                a_index,
+                written,
+            )
+            return
         if a_pos > head:
             log.error(
                 "bridge sender: ring %s: the far end's last frame ends at %d, past the head %d: starting at the head",

@@ -138,7 +138,9 @@ class RingTarget:
     def lost(self, count: int) -> None:
         """Add ``count`` to the ring's ``frames_lost`` and wake the readers to notice it."""
         if count > 0 and not self._closed:
-            self._words[L.OFF_FRAMES_LOST // 8] += count
+            # a u64 counter: a count announced from afar near 2**64 saturates it, never fails
+            word = L.OFF_FRAMES_LOST // 8
+            self._words[word] = min((1 << 64) - 1, self._words[word] + count)
             self.ring.notify()
 
     def beat(self) -> None:
