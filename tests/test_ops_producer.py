@@ -289,7 +289,8 @@ def test_opening_bad_rings() -> None:
         Producer("../etc", device="cpu")
     name = "aiospec-test-notaring-" + os.urandom(4).hex()
     path = os.path.join(shm.SHM_DIR, name)
-    with open(path, "wb") as f:
+    # private, as rings are (a file others may open is refused before its control page is read)
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
         f.write(b"\0" * 8192)
     try:
         with pytest.raises(shm.BadSegment, match=rf"^segment {name}: magic 0x0000000000000000, expected "):

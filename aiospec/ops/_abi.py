@@ -92,7 +92,7 @@ class Status:
     EMIT = 1  # invalid input: EmitError
     RING_FULL = 2  # shm.RingFull
     BAD_SEGMENT = 3  # shm.BadSegment
-    CLOSED = 4  # shm.RingError
+    CLOSED = 4  # shm.RingError: the producer closed, or the slot lock held past its bound
     OS = 5  # OSError (errno from aiospec_last_errno)
     INVALID = 6  # ValueError: a bad argument to the C API itself
     INTERNAL = 7  # anything else (a bug): RuntimeError

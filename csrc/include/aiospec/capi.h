@@ -24,7 +24,7 @@ enum aiospec_status {
   AIOSPEC_STATUS_EMIT = 1,        /* invalid input; nothing written (aiospec_last_error_detail) */
   AIOSPEC_STATUS_RING_FULL = 2,   /* no room within the timeout; lagging readers named */
   AIOSPEC_STATUS_BAD_SEGMENT = 3, /* the segment is not a ring this library can write */
-  AIOSPEC_STATUS_CLOSED = 4,      /* the producer was closed */
+  AIOSPEC_STATUS_CLOSED = 4,      /* the producer was closed, or the slot lock stayed held past its bound */
   AIOSPEC_STATUS_OS = 5,          /* a system call failed (aiospec_last_errno) */
   AIOSPEC_STATUS_INVALID = 6,     /* a bad argument to this API (NULL producer, bad name) */
   AIOSPEC_STATUS_INTERNAL = 7,    /* unexpected (out of memory, a bug) */

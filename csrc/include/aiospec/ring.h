@@ -23,6 +23,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <charconv>
 #include <cstdint>
@@ -42,7 +43,7 @@ namespace aiospec {
 enum class RingErrc : int {
   bad_segment = 1,  // the control page does not describe a ring we can write (shm.BadSegment)
   ring_full = 2,    // no room within the timeout; message names the lagging readers (shm.RingFull)
-  closed = 3,       // this producer was closed (shm.RingError)
+  closed = 3,       // this producer was closed, or the slot lock stayed held past its bound (shm.RingError)
   os = 4,           // a system call failed; errno in .err (OSError)
   invalid = 5,      // a bad argument to the ring API itself (ValueError)
   busy = 6,         // another live process holds the producer claim (shm.ProducerBusy)
@@ -108,6 +109,67 @@ inline int pid_state(uint32_t pid, uint64_t pidns) {
 // A claim held from another pid namespace is taken over once its heartbeat is this old
 // (shm/_segment.py CLAIM_STALE_S).
 constexpr double kClaimStaleS = 10.0;
+
+// The longest wait for the slot lock where a caller must have it (shm/_segment.py
+// SLOT_LOCK_TIMEOUT): any process that can open the segment can flock it, so no wait for it
+// is unbounded.
+constexpr double kSlotLockTimeoutS = 5.0;
+
+// Who holds the flock of the file open at fd, from /proc/locks: "pid N", or "another process"
+// where that cannot be read (same rule as shm/_segment.py lock_holder).
+inline std::string lock_holder(int fd) {
+  struct stat st;
+  if (fstat(fd, &st) != 0) return "another process";
+  FILE* f = std::fopen("/proc/locks", "re");
+  if (f == nullptr) return "another process";
+  std::string who = "another process";
+  char line[256];
+  while (std::fgets(line, sizeof line, f) != nullptr) {
+    // "1: FLOCK  ADVISORY  WRITE 1234 00:1a:5678 0 EOF"; waiters have a "->" field
+    if (std::strstr(line, "->") != nullptr) continue;
+    char kind[16], adv[16], mode[16], dev_ino[64];
+    unsigned long pid = 0;
+    if (std::sscanf(line, "%*s %15s %15s %15s %lu %63s", kind, adv, mode, &pid, dev_ino) != 5) continue;
+    if (std::strcmp(kind, "FLOCK") != 0) continue;
+    const char* colon = std::strrchr(dev_ino, ':');
+    if (colon != nullptr && std::strtoull(colon + 1, nullptr, 10) == uint64_t(st.st_ino)) {
+      who = "pid " + std::to_string(pid);
+      break;
+    }
+  }
+  std::fclose(f);
+  return who;
+}
+
+// Takes the slot lock (flock) of fd, waiting up to timeout seconds (0: one try); false when
+// another process held it all that time.
+inline bool lock_slots(int fd, double timeout) {
+  const uint64_t deadline = monotonic_ns() + uint64_t(timeout > 0 ? timeout * 1e9 : 0);
+  long delay_ns = 100000;
+  for (;;) {
+    if (flock(fd, LOCK_EX | LOCK_NB) == 0) return true;
+    if (errno != EWOULDBLOCK && errno != EINTR) return false;
+    const uint64_t now = monotonic_ns();
+    if (now >= deadline) return false;
+    const uint64_t left = deadline - now;
+    struct timespec ts = {0, long(std::min<uint64_t>(uint64_t(delay_ns), left))};
+    nanosleep(&ts, nullptr);
+    delay_ns = std::min(2 * delay_ns, 10000000L);
+  }
+}
+
+// The age of a heartbeat word as one observer sees it (shm/_sys.py BeatAge): a beat from the
+// future (a scribbled word, a writer whose clock is offset) is aged from when this observer
+// first saw it, so a word that stops changing goes stale either way.
+struct BeatAge {
+  uint64_t beat = ~uint64_t(0);
+  uint64_t seen = 0;
+  uint64_t age_ns(uint64_t b, uint64_t now) {
+    if (b <= now) return now - b;
+    if (b != beat) beat = b, seen = now;
+    return now - seen;
+  }
+};
 
 // Same rule as shm/_segment.py: 1..200 of [A-Za-z0-9._-], not starting with '.', no ".bell".
 inline bool valid_ring_name(const std::string& name) {
@@ -176,9 +238,14 @@ class RingMap {
     }
     RingMap m;
     m.name = name;
-    m.fd = ::open(segment_path(name).c_str(), O_RDWR | O_CLOEXEC);
+    auto bad = [&](const std::string& what) { return RingError(RingErrc::bad_segment, "segment " + name + ": " + what); };
+    // never through a symlink (/dev/shm is everyone's and a name is no secret); O_NONBLOCK so
+    // that a FIFO planted under the name does not block the open
+    m.fd = ::open(segment_path(name).c_str(), O_RDWR | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
     if (m.fd < 0) {
       int err = errno;
+      if (err == ELOOP) throw bad(segment_path(name) + " is a symlink; refusing it");
+      if (err == EISDIR) throw bad(segment_path(name) + " is a directory, not a ring");
       throw RingError(RingErrc::os, "segment " + name + ": cannot open " + segment_path(name) + ": " + strerror(err),
                       err);
     }
@@ -187,8 +254,21 @@ class RingMap {
       int err = errno;
       throw RingError(RingErrc::os, "segment " + name + ": fstat: " + strerror(err), err);
     }
+    // what the library never creates (rings are 0600 regular files, section 1): anyone who may
+    // write into such a segment can forge frames and control words
+    if (!S_ISREG(st.st_mode)) {
+      char mode[16];
+      std::snprintf(mode, sizeof mode, "0o%o", unsigned(st.st_mode));
+      throw bad(std::string("not a regular file (mode ") + mode + "), not a ring");
+    }
+    if (st.st_mode & 0077) {
+      char mode[16];
+      std::snprintf(mode, sizeof mode, "0o%03o", unsigned(st.st_mode & 07777));
+      throw bad(std::string("mode ") + mode + " (owner uid " + std::to_string(st.st_uid) +
+                "), expected no access for group or others (rings are created 0600); refusing a segment others may "
+                "write");
+    }
     const uint64_t size = uint64_t(st.st_size);
-    auto bad = [&](const std::string& what) { return RingError(RingErrc::bad_segment, "segment " + name + ": " + what); };
     if (size < AIOSPEC_CONTROL_SIZE) {
       throw bad(std::to_string(size) + " bytes, expected at least the " + std::to_string(AIOSPEC_CONTROL_SIZE) +
                 "-byte control page");
@@ -296,7 +376,7 @@ class RingProducer {
   // Maps the ring and becomes its producer: stores this pid, a heartbeat and state live,
   // and continues from the head the previous producer left.
   explicit RingProducer(const std::string& name, ProducerOptions opts = ProducerOptions())
-      : map_(RingMap::open(name)), opts_(opts), bells_(map_.max_readers) {
+      : map_(RingMap::open(name)), opts_(opts), bells_(map_.max_readers), reader_beats_(map_.max_readers) {
     struct stat st;
     seg_uid_ = fstat(map_.fd, &st) == 0 ? st.st_uid : geteuid();
     claim();
@@ -312,9 +392,10 @@ class RingProducer {
   uint64_t claim() {
     const uint32_t me = uint32_t(getpid());
     const uint64_t ns = own_pidns();
-    if (flock(map_.fd, LOCK_EX) != 0) {
-      int err = errno;
-      throw RingError(RingErrc::os, "ring " + map_.name + ": flock: " + strerror(err), err);
+    if (!lock_slots(map_.fd, kSlotLockTimeoutS)) {
+      throw RingError(RingErrc::closed, "ring " + map_.name + ": the slot lock (flock on the segment) was held by " +
+                                            lock_holder(map_.fd) + " for " + py_float(kSlotLockTimeoutS) +
+                                            " s; cannot claim the producer");
     }
     const uint32_t state = load_acquire(map_.ctl32(AIOSPEC_OFF_PRODUCER_STATE));
     const uint32_t pid = load_relaxed(map_.ctl32(AIOSPEC_OFF_PRODUCER_PID));
@@ -510,7 +591,9 @@ class RingProducer {
   }
 
   // Evicts active readers whose tail is below needed_tail and whose process is gone (or
-  // whose heartbeat is older than reader_timeout); section 6. Returns how many.
+  // whose heartbeat is older than reader_timeout); section 6. Returns how many. The slot lock
+  // is tried once: while another process holds it nobody is evicted, and the wait for room
+  // tries again on its next round (a lock holder never stretches the producer's timeout).
   int evict_blocking(uint64_t needed_tail) {
     int evicted = 0;
     const uint64_t now = monotonic_ns();
@@ -521,10 +604,11 @@ class RingProducer {
       // a reader in another pid namespace (state -1) is judged by its heartbeat only
       const bool dead = opts_.check_pids && pid_state(pid, load_relaxed(map_.rd64(s, AIOSPEC_RD_PIDNS))) == 0;
       const uint64_t hb = load_relaxed(map_.rd64(s, AIOSPEC_RD_HEARTBEAT_NS));
-      const bool silent = opts_.reader_timeout > 0 && now > hb && double(now - hb) > opts_.reader_timeout * 1e9;
+      const uint64_t age = reader_beats_[s].age_ns(hb, now);
+      const bool silent = opts_.reader_timeout > 0 && double(age) > opts_.reader_timeout * 1e9;
       if (!dead && !silent) continue;
       const uint32_t gen = load_acquire(map_.rd32(s, AIOSPEC_RD_GENERATION));
-      if (flock(map_.fd, LOCK_EX) != 0) continue;
+      if (!lock_slots(map_.fd, 0)) return evicted;
       if (load_acquire(map_.rd32(s, AIOSPEC_RD_STATE)) == AIOSPEC_READER_ACTIVE &&
           load_acquire(map_.rd32(s, AIOSPEC_RD_GENERATION)) == gen) {
         store_release(map_.rd32(s, AIOSPEC_RD_STATE), uint32_t(AIOSPEC_READER_EVICTED));
@@ -694,6 +778,7 @@ class RingProducer {
   uid_t seg_uid_ = 0;  // the segment file's owner, who may own the bells too
   ProducerOptions opts_;
   std::vector<Bell> bells_;
+  std::vector<BeatAge> reader_beats_;  // per reader slot: its heartbeat's age as this producer sees it
   uint64_t head_ = 0;
   uint64_t min_tail_ = 0;  // a lower bound of every active reader's tail
   uint64_t frames_written_ = 0;

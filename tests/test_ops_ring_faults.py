@@ -1,0 +1,163 @@
+"""The emit op's C++ ring writer (csrc/include/aiospec/ring.h) under the faults the Python ring
+is tested against (tests/test_ring_faults.py, test_ring_segment.py, test_ring_liveness.py): a
+segment planted or opened up under the name, another process holding the slot lock, a
+reader's heartbeat from the future. The C++ writer opens, claims and evicts on its own, so
+each rule is checked through it too (``Producer(name, device="cpu")``)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+from _ringhelpers import (  # noqa: F401  (shm_tracker is an autouse fixture)
+    CAP,
+    SPAWN,
+    XPROC_TIMEOUT,
+    RawSegment,
+    control_page,
+    proc_dead_reader,
+    reap,
+    recv,
+    shm_tracker_fixture,
+    write_segment,
+)
+
+import shm
+from aiospec.ops import Producer
+from shm import layout as L
+
+_HOLD_LOCK = """
+import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDONLY)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("locked", flush=True)
+time.sleep(60)
+"""
+
+
+def _step(tokens: int = 200) -> dict[str, np.ndarray]:
+    return {
+        "handles": np.arange(1, tokens + 1, dtype=np.int64),
+        "token_ids": np.ones((tokens, 1), np.int32),
+        "num_tokens": np.ones(tokens, np.int32),
+    }
+
+
+def test_the_writer_never_opens_through_a_symlink(shm_tracker: object) -> None:
+    with shm.Ring.create(capacity=CAP) as ring:
+        name = shm_tracker.new_name()  # type: ignore[attr-defined]
+        link = os.path.join(shm.SHM_DIR, name)
+        os.symlink(ring.path, link)
+        try:
+            with pytest.raises(shm.BadSegment, match=rf"^segment {name}: {link} is a symlink; refusing it$"):
+                Producer(name, device="cpu")
+        finally:
+            os.unlink(link)
+
+
+def test_the_writer_refuses_what_is_not_a_file_at_once(shm_tracker: object) -> None:
+    name = shm_tracker.new_name()  # type: ignore[attr-defined]
+    path = os.path.join(shm.SHM_DIR, name)
+    os.mkfifo(path, 0o600)  # a blocking open of a FIFO would wait for a writer forever
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(shm.BadSegment, match=rf"^segment {name}: not a regular file \(mode 0o10600\), not a ring$"):
+            Producer(name, device="cpu")
+        assert time.monotonic() - t0 < 5.0
+    finally:
+        os.unlink(path)
+
+
+@pytest.mark.parametrize("mode", [0o666, 0o640, 0o602])
+def test_the_writer_refuses_a_segment_others_may_open(shm_tracker: object, mode: int) -> None:
+    name = shm_tracker.new_name()  # type: ignore[attr-defined]
+    path = write_segment(name, control_page(), L.CONTROL_SIZE + CAP)
+    try:
+        os.chmod(path, mode)
+        owner = os.stat(path).st_uid
+        with pytest.raises(
+            shm.BadSegment,
+            match=rf"^segment {name}: mode 0o{mode:03o} \(owner uid {owner}\), expected no access for group or others",
+        ):
+            Producer(name, device="cpu")
+        os.chmod(path, 0o600)
+        Producer(name, device="cpu").close()  # the same file, private again: a ring
+    finally:
+        os.unlink(path)
+
+
+def test_a_process_holding_the_slot_lock_never_hangs_the_writer() -> None:
+    # anyone who can open the segment can flock it: the writer's timeout still holds while a
+    # dead reader waits to be evicted, and a claim waits for the lock a bounded time only
+    with shm.Ring.create(capacity=CAP, max_record=4096) as ring:
+        parent, child = SPAWN.Pipe()
+        dead = SPAWN.Process(target=proc_dead_reader, args=(ring.name, child))
+        dead.start()
+        try:
+            slot, _pid = recv(parent, "the dead reader's slot")
+            dead.join(XPROC_TIMEOUT)
+        finally:
+            reap(dead)
+        producer = Producer(ring.name, device="cpu", timeout=0.3)
+        holder = subprocess.Popen([sys.executable, "-c", _HOLD_LOCK, ring.path], stdout=subprocess.PIPE)
+        try:
+            assert holder.stdout is not None and holder.stdout.readline() == b"locked\n"
+            outcome: list[BaseException] = []
+
+            def fill_up() -> None:
+                try:
+                    while True:
+                        producer.emit(**_step())
+                except BaseException as exc:
+                    outcome.append(exc)
+
+            t = threading.Thread(target=fill_up, daemon=True)
+            t.start()
+            t.join(10.0)
+            assert not t.is_alive(), "the writer waited past its timeout on another process's lock"
+            assert isinstance(outcome[0], shm.RingFull) and f"slot {slot} " in str(outcome[0])
+            # the claim of another process's writer: the lock is waited for 5 s, then named
+            code = (
+                "import sys; from aiospec.ops import Producer\n"
+                "try:\n    Producer(sys.argv[1], device='cpu')\n"
+                "except Exception as exc:\n    print(type(exc).__name__, exc)\n"
+            )
+            t0 = time.monotonic()
+            out = subprocess.run(
+                [sys.executable, "-c", code, ring.name], capture_output=True, text=True, timeout=60,
+                env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+            ).stdout  # fmt: skip
+            assert time.monotonic() - t0 < 30.0
+            assert out.startswith("RingError ") and f"held by pid {holder.pid} for 5.0 s; cannot claim" in out, out
+        finally:
+            holder.kill()
+            holder.wait()
+            if holder.stdout is not None:
+                holder.stdout.close()
+        producer.emit(**_step())  # the lock is free: the dead reader is evicted
+        producer.close()
+        assert [r.state for r in ring.stats().readers] == ["evicted"]
+
+
+def test_the_writer_evicts_a_reader_whose_heartbeat_is_frozen_in_the_future() -> None:
+    with shm.Ring.create(capacity=CAP, max_record=4096) as ring:
+        silent = ring.reader()
+        raw = RawSegment(ring.name)
+        producer = Producer(ring.name, device="cpu", timeout=XPROC_TIMEOUT, reader_timeout=0.2)
+        try:
+            hb = (L.READERS_BASE + silent.slot * L.READER_STRIDE + L.RD_HEARTBEAT_NS) // 8 * 8
+            raw.set_u64(hb, time.monotonic_ns() + 3600 * 10**9)  # ahead of this clock, and frozen
+            t0 = time.monotonic()
+            for _ in range(4 * CAP // 2048):
+                producer.emit(**_step())
+            assert time.monotonic() - t0 < 20.0
+            assert {r.slot: r.state for r in ring.stats().readers}[silent.slot] == "evicted"
+        finally:
+            producer.close()
+            raw.close()
+            silent.close()
