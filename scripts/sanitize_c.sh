@@ -41,4 +41,4 @@ AIOSPEC_CACHE_DIR="$CACHE" AIOSPEC_FORCE_CPU=1 \
 AIOSPEC_CXXFLAGS="-O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=undefined" \
 ASAN_OPTIONS=detect_leaks=0 LD_PRELOAD="$PRELOAD" \
   $PY -m pytest -q -p no:cacheprovider -k "not paddle" tests/test_ops_cpu.py tests/test_ops_prepared.py \
-  tests/test_ops_producer.py tests/test_ops_reference.py tests/test_integrations_fastdeploy.py
+  tests/test_ops_producer.py tests/test_ops_reference.py tests/test_integrations_fastdeploy.py tests/test_ops_ring_faults.py
