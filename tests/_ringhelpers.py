@@ -14,11 +14,12 @@ import os
 import re
 import signal
 import struct
+import subprocess
 import sys
 import time
 import zlib
 from collections.abc import Callable, Iterator, Sized
-from contextlib import suppress
+from contextlib import contextmanager, suppress
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -352,6 +353,64 @@ def proc_dead_reader(name: str, conn: Connection) -> None:
     reader = ring.reader()
     conn.send((reader.slot, os.getpid()))
     os._exit(0)
+
+
+def dead_reader_slot(name: str) -> int:
+    """The slot of a reader process of ring ``name`` that took it and died (``proc_dead_reader``)."""
+    parent, child = SPAWN.Pipe()
+    dead = SPAWN.Process(target=proc_dead_reader, args=(name, child))
+    dead.start()
+    try:
+        slot, _pid = recv(parent, "the dead reader's slot")
+        dead.join(XPROC_TIMEOUT)
+    finally:
+        reap(dead)
+    return int(slot)
+
+
+def raised_within(fn: Callable[[], object], seconds: float, what: str) -> BaseException:
+    """Call ``fn`` over and over in a thread until it raises; the exception, which must come
+    within ``seconds`` (``what`` names the wait that must not hang)."""
+    import threading
+
+    outcome: list[BaseException] = []
+
+    def loop() -> None:
+        try:
+            while True:
+                fn()
+        except BaseException as exc:
+            outcome.append(exc)
+
+    t = threading.Thread(target=loop, daemon=True)
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), f"{what} did not end within {seconds} s"
+    return outcome[0]
+
+
+_HOLD_LOCK = """
+import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDONLY)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("locked", flush=True)
+time.sleep(60)
+"""
+
+
+@contextmanager
+def slot_lock_held(path: str) -> Iterator[subprocess.Popen[bytes]]:
+    """Another process holding the slot lock (``flock``) of the segment at ``path``, as anyone who
+    can open it can (``flock(1)``, a process stopped inside the lock)."""
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD_LOCK, path], stdout=subprocess.PIPE)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == b"locked\n"
+        yield holder
+    finally:
+        holder.kill()
+        holder.wait()
+        if holder.stdout is not None:
+            holder.stdout.close()
 
 
 def proc_producer(

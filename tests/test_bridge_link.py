@@ -8,6 +8,7 @@ import shutil
 import stat
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -341,42 +342,58 @@ def test_an_ipv6_loopback_endpoint_carries_frames() -> None:
         target.close()
 
 
-def test_a_far_end_that_grants_everything_and_acknowledges_nothing_cannot_grow_the_senders_memory() -> None:
-    # a far end's credit is its own word: a huge credit never acknowledged (a buggy receiver,
-    # or a process that took the port first) must not make the sender read its ring into memory
+@contextlib.contextmanager
+def fake_far_end() -> Iterator[tuple[zmq.Socket[bytes], str]]:
+    """A ROUTER socket on loopback standing in for a far end, and its endpoint: the test speaks
+    the far end's part of the protocol by hand."""
     ctx = zmq.Context()
     far = ctx.socket(zmq.ROUTER)
     port = far.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        yield far, f"tcp://127.0.0.1:{port}"
+    finally:
+        far.close(0)
+        ctx.term()
+
+
+def sender_hello(far: zmq.Socket[bytes]) -> tuple[bytes, P.Hello]:
+    """The routing id and HELLO of the sender that connected to ``far``."""
+    assert far.poll(10_000), "no HELLO from the sender"
+    peer, *parts = far.recv_multipart()
+    hello = P.decode([memoryview(p) for p in parts], max_payload=0)
+    assert isinstance(hello, P.Hello)
+    return peer, hello
+
+
+def test_a_far_end_that_grants_everything_and_acknowledges_nothing_cannot_grow_the_senders_memory() -> None:
+    # a far end's credit is its own word: a huge credit never acknowledged (a buggy receiver,
+    # or a process that took the port first) must not make the sender read its ring into memory
     near = shm.Ring.create(capacity=1 << 20, max_record=32 << 10)
     cap, frame = 128 << 10, 16 << 10
     sender = None
-    try:
-        sender = BridgeSender(
-            near.name, f"tcp://127.0.0.1:{port}", heartbeat=0.05, link_timeout=30.0, max_batch=8, max_held_bytes=cap
-        ).start()
-        assert far.poll(10_000)
-        peer, *parts = far.recv_multipart()
-        hello = P.decode([memoryview(p) for p in parts], max_payload=0)
-        assert isinstance(hello, P.Hello)
-        huge = (1 << 64) - 2
-        far.send_multipart([peer, P.encode_credit(7, 1, hello.next_seq, huge, huge, 1 << 30, P.WELCOME)])
-        wait_for(lambda: sender is not None and sender.state == "up", "the welcome")
-        written = 0
-        with pytest.raises(shm.RingFull):
-            while written < 4096:
-                near.write(b"f" * frame, timeout=2.0)
-                written += 1
-        st = sender.stats()
-        assert st.frames > 0 and st.credit_stalls >= 1
-        # the cap, plus the one read (of at most max_batch frames) that crossed it
-        assert st.held * frame <= cap + 8 * frame
-        assert written * frame >= near.capacity - 2 * frame  # the producer was held back instead
-    finally:
-        if sender is not None:
-            sender.close()
-        far.close(0)
-        ctx.term()
-        near.close()
+    with fake_far_end() as (far, endpoint):
+        try:
+            sender = BridgeSender(
+                near.name, endpoint, heartbeat=0.05, link_timeout=30.0, max_batch=8, max_held_bytes=cap
+            ).start()
+            peer, hello = sender_hello(far)
+            huge = (1 << 64) - 2
+            far.send_multipart([peer, P.encode_credit(7, 1, hello.next_seq, huge, huge, 1 << 30, P.WELCOME)])
+            wait_for(lambda: sender is not None and sender.state == "up", "the welcome")
+            written = 0
+            with pytest.raises(shm.RingFull):
+                while written < 4096:
+                    near.write(b"f" * frame, timeout=2.0)
+                    written += 1
+            st = sender.stats()
+            assert st.frames > 0 and st.credit_stalls >= 1
+            # the cap, plus the one read (of at most max_batch frames) that crossed it
+            assert st.held * frame <= cap + 8 * frame
+            assert written * frame >= near.capacity - 2 * frame  # the producer was held back instead
+        finally:
+            if sender is not None:
+                sender.close()
+            near.close()
 
 
 def test_an_oversized_message_part_is_cut_off_before_the_receiver_buffers_it() -> None:
@@ -488,36 +505,29 @@ def test_numbers_near_2_64_from_a_peer_never_end_the_receiver(field: str) -> Non
 def test_a_resume_point_the_ring_cannot_have_is_ignored_not_fatal() -> None:
     # a far end welcoming a fresh sender with RESUME and a frame index beyond what the ring
     # ever committed (near 2**64, say): the sender starts at its head and forwards on
-    ctx = zmq.Context()
-    far = ctx.socket(zmq.ROUTER)
-    port = far.bind_to_random_port("tcp://127.0.0.1")
     near = shm.Ring.create(capacity=1 << 16)
     sender = None
-    try:
-        near.write(b"before")
-        head = near.stats().head
-        sender = BridgeSender(near.name, f"tcp://127.0.0.1:{port}", heartbeat=0.05, link_timeout=30.0).start()
-        assert far.poll(10_000)
-        peer, *parts = far.recv_multipart()
-        hello = P.decode([memoryview(p) for p in parts], max_payload=0)
-        assert isinstance(hello, P.Hello)
-        flags = P.WELCOME | P.RESUME
-        far.send_multipart([peer, P.encode_credit(7, 1, 1, 100, 1 << 20, 1 << 20, flags, head, (1 << 64) - 1)])
-        wait_for(lambda: sender is not None and sender.state == "up", "the welcome")
-        near.write(b"after")
-        data = None
-        while data is None:
-            assert far.poll(10_000), "no DATA from the sender"
-            msg = P.decode([memoryview(p) for p in far.recv_multipart()[1:]], max_payload=1 << 20)
-            data = msg if isinstance(msg, P.Data) else None
-        assert [bytes(p) for p in data.payloads()] == [b"after"] and data.a_index == 2
-        assert sender.failure is None
-    finally:
-        if sender is not None:
-            sender.close()
-        far.close(0)
-        ctx.term()
-        near.close()
+    with fake_far_end() as (far, endpoint):
+        try:
+            near.write(b"before")
+            head = near.stats().head
+            sender = BridgeSender(near.name, endpoint, heartbeat=0.05, link_timeout=30.0).start()
+            peer, _hello = sender_hello(far)
+            flags = P.WELCOME | P.RESUME
+            far.send_multipart([peer, P.encode_credit(7, 1, 1, 100, 1 << 20, 1 << 20, flags, head, (1 << 64) - 1)])
+            wait_for(lambda: sender is not None and sender.state == "up", "the welcome")
+            near.write(b"after")
+            data = None
+            while data is None:
+                assert far.poll(10_000), "no DATA from the sender"
+                msg = P.decode([memoryview(p) for p in far.recv_multipart()[1:]], max_payload=1 << 20)
+                data = msg if isinstance(msg, P.Data) else None
+            assert [bytes(p) for p in data.payloads()] == [b"after"] and data.a_index == 2
+            assert sender.failure is None
+        finally:
+            if sender is not None:
+                sender.close()
+            near.close()
 
 
 def test_a_credit_message_from_the_near_end_is_a_protocol_error_not_the_end() -> None:

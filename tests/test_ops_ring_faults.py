@@ -9,35 +9,25 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import threading
 import time
 
 import numpy as np
 import pytest
 from _ringhelpers import (  # noqa: F401  (shm_tracker is an autouse fixture)
     CAP,
-    SPAWN,
     XPROC_TIMEOUT,
     RawSegment,
     control_page,
-    proc_dead_reader,
-    reap,
-    recv,
+    dead_reader_slot,
+    raised_within,
     shm_tracker_fixture,
+    slot_lock_held,
     write_segment,
 )
 
 import shm
 from aiospec.ops import Producer
 from shm import layout as L
-
-_HOLD_LOCK = """
-import fcntl, os, sys, time
-fd = os.open(sys.argv[1], os.O_RDONLY)
-fcntl.flock(fd, fcntl.LOCK_EX)
-print("locked", flush=True)
-time.sleep(60)
-"""
 
 
 def _step(tokens: int = 200) -> dict[str, np.ndarray]:
@@ -95,32 +85,11 @@ def test_a_process_holding_the_slot_lock_never_hangs_the_writer() -> None:
     # anyone who can open the segment can flock it: the writer's timeout still holds while a
     # dead reader waits to be evicted, and a claim waits for the lock a bounded time only
     with shm.Ring.create(capacity=CAP, max_record=4096) as ring:
-        parent, child = SPAWN.Pipe()
-        dead = SPAWN.Process(target=proc_dead_reader, args=(ring.name, child))
-        dead.start()
-        try:
-            slot, _pid = recv(parent, "the dead reader's slot")
-            dead.join(XPROC_TIMEOUT)
-        finally:
-            reap(dead)
+        slot = dead_reader_slot(ring.name)
         producer = Producer(ring.name, device="cpu", timeout=0.3)
-        holder = subprocess.Popen([sys.executable, "-c", _HOLD_LOCK, ring.path], stdout=subprocess.PIPE)
-        try:
-            assert holder.stdout is not None and holder.stdout.readline() == b"locked\n"
-            outcome: list[BaseException] = []
-
-            def fill_up() -> None:
-                try:
-                    while True:
-                        producer.emit(**_step())
-                except BaseException as exc:
-                    outcome.append(exc)
-
-            t = threading.Thread(target=fill_up, daemon=True)
-            t.start()
-            t.join(10.0)
-            assert not t.is_alive(), "the writer waited past its timeout on another process's lock"
-            assert isinstance(outcome[0], shm.RingFull) and f"slot {slot} " in str(outcome[0])
+        with slot_lock_held(ring.path) as holder:
+            exc = raised_within(lambda: producer.emit(**_step()), 10.0, "the writer's wait on another process's lock")
+            assert isinstance(exc, shm.RingFull) and f"slot {slot} " in str(exc)
             # the claim of another process's writer: the lock is waited for 5 s, then named
             code = (
                 "import sys; from aiospec.ops import Producer\n"
@@ -134,11 +103,6 @@ def test_a_process_holding_the_slot_lock_never_hangs_the_writer() -> None:
             ).stdout  # fmt: skip
             assert time.monotonic() - t0 < 30.0
             assert out.startswith("RingError ") and f"held by pid {holder.pid} for 5.0 s; cannot claim" in out, out
-        finally:
-            holder.kill()
-            holder.wait()
-            if holder.stdout is not None:
-                holder.stdout.close()
         producer.emit(**_step())  # the lock is free: the dead reader is evicted
         producer.close()
         assert [r.state for r in ring.stats().readers] == ["evicted"]

@@ -370,68 +370,31 @@ class RawCtx(RawSegment):
 
 # -- a neighbour holding the slot lock ---------------------------------------------------------------
 
-_HOLD_LOCK = """
-import fcntl, os, sys, time
-fd = os.open(sys.argv[1], os.O_RDONLY)
-fcntl.flock(fd, fcntl.LOCK_EX)
-print("locked", flush=True)
-time.sleep(60)
-"""
-
 
 def test_a_process_holding_the_slot_lock_never_hangs_producer_or_readers(monkeypatch: pytest.MonkeyPatch) -> None:
     # anyone who can open the segment can flock it (flock(1), a process stopped inside the
     # lock): the producer's timeout still holds, taking and giving back slots are bounded
-    import subprocess
-    import sys
-    import threading
-
-    from _ringhelpers import proc_dead_reader, reap
+    from _ringhelpers import dead_reader_slot, raised_within, slot_lock_held
 
     monkeypatch.setattr(shm._segment, "SLOT_LOCK_TIMEOUT", 0.3)
     with shm.Ring.create(capacity=CAP, max_record=1024) as ring:
-        parent, child = SPAWN.Pipe()
-        dead = SPAWN.Process(target=proc_dead_reader, args=(ring.name, child))
-        dead.start()
-        try:
-            slot, _pid = recv(parent, "the dead reader's slot")
-            dead.join(XPROC_TIMEOUT)
-        finally:
-            reap(dead)
-        with ring.reader() as live:  # taken before the lock is held
-            holder = subprocess.Popen([sys.executable, "-c", _HOLD_LOCK, ring.path], stdout=subprocess.PIPE)
-            try:
-                assert holder.stdout is not None and holder.stdout.readline() == b"locked\n"
-                outcome: list[BaseException] = []
+        slot = dead_reader_slot(ring.name)
+        with ring.reader() as live, slot_lock_held(ring.path) as holder:  # the slot taken before the lock is held
 
-                def fill_up() -> None:
-                    try:
-                        while True:
-                            ring.write(b"x" * 900, timeout=0.3)
-                            live.read()  # only the dead reader holds the producer back
-                    except BaseException as exc:
-                        outcome.append(exc)
+            def write_and_read() -> None:
+                ring.write(b"x" * 900, timeout=0.3)
+                live.read()  # only the dead reader holds the producer back
 
-                t = threading.Thread(target=fill_up, daemon=True)
-                t.start()
-                t.join(10.0)
-                assert not t.is_alive(), "the producer waited past its timeout on another process's lock"
-                assert isinstance(outcome[0], shm.RingFull) and f"slot {slot} " in str(outcome[0])
-                with pytest.raises(
-                    shm.RingError, match=rf"slot lock .* held by pid {holder.pid} for 0.3 s; cannot take"
-                ):
-                    ring.reader()
-                with pytest.raises(shm.RingError, match=rf"held by pid {holder.pid} .*cannot evict"):
-                    ring.evict_dead_readers()
-                t0 = time.monotonic()
-                live.close()  # without the lock, after a short wait: the slot is free again
-                assert time.monotonic() - t0 < 3.0
-                assert [r.slot for r in ring.stats().readers] == [slot]
-                assert not os.path.exists(f"{ring.path}.bell{live.slot}")
-            finally:
-                holder.kill()
-                holder.wait()
-                if holder.stdout is not None:
-                    holder.stdout.close()
+            exc = raised_within(write_and_read, 10.0, "the producer's wait on another process's lock")
+            assert isinstance(exc, shm.RingFull) and f"slot {slot} " in str(exc)
+            with pytest.raises(shm.RingError, match=rf"slot lock .* held by pid {holder.pid} for 0.3 s; cannot take"):
+                ring.reader()
+            with pytest.raises(shm.RingError, match=rf"held by pid {holder.pid} .*cannot evict"):
+                ring.evict_dead_readers()
+            t0 = time.monotonic()
+            live.close()  # without the lock, after a short wait: the slot is free again
+            assert time.monotonic() - t0 < 3.0
+            assert [r.slot for r in ring.stats().readers] == [slot]
+            assert not os.path.exists(f"{ring.path}.bell{live.slot}")
         ring.write(b"x" * 900, timeout=5.0)  # the lock is free: the dead reader is evicted
         assert [r.state for r in ring.stats().readers] == ["evicted"]
