@@ -237,6 +237,18 @@ class Hub:
         first = self._await_first if await_first is None else bool(await_first)
         return RequestStream(self._router.open(handle, deps, first))
 
+    def fail(self, handle: int, error: StreamError) -> bool:
+        """End the open stream of request ``handle`` with ``error`` after the deltas it
+        buffered (e.g. ``RequestRefused`` when the engine refused the request: no record will
+        come). Returns False when no stream of that handle is open (never opened, ended
+        already: it keeps its end, or closed); records that come for it later are dropped."""
+        c = self._router.table.get(handle)
+        if c is None or c.ended:
+            return False
+        if c.fail(error):
+            c.wake()
+        return True
+
     def stats(self) -> HubStats:
         """The Hub's counters and its rings, now."""
         rt = self._router

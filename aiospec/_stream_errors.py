@@ -20,6 +20,7 @@ __all__ = (
     "RequestAborted",
     "RequestPreempted",
     "RequestRecoveryStopped",
+    "RequestRefused",
     "StreamBusy",
     "StreamClosed",
     "StreamError",
@@ -63,6 +64,21 @@ class RequestRecoveryStopped(StreamError):
 
 class RequestAborted(StreamError):
     """The engine aborted the request (``Flag.ABORTED``)."""
+
+
+class RequestRefused(StreamError, ValueError):
+    """The engine refused the request (an ``Admit``, or under PD the decode engine a
+    ``Handoff``): no output will come. ``reason`` is the engine's message (it names the field,
+    its value and what was expected); ``invalid`` is True when a field of the request was out
+    of the engine's range (the client's to fix), False when the engine refused it for its own
+    reason (a handle already running there: the server's)."""
+
+    def __init__(self, message: str, handle: int, reason: str, *, invalid: bool = True) -> None:
+        super().__init__(message, handle)
+        #: The engine's message.
+        self.reason = reason
+        #: Whether the request's own fields were out of range.
+        self.invalid = invalid
 
 
 class ProducerLost(StreamError, ConnectionError):

@@ -6,11 +6,12 @@ import asyncio
 import os
 import time
 
+import msgspec
 import numpy as np
 import pytest
 
 import shm
-from aiospec import Flag, decode_frame
+from aiospec import Flag, Hub, RequestRefused, decode_frame
 from aiospec.engine import (
     Admit,
     EngineConfig,
@@ -21,8 +22,9 @@ from aiospec.engine import (
     Vocabulary,
     default_vocabulary,
 )
+from aiospec.engine._core import ProtocolRefusal
 from aiospec.engine._model import SALT_SAMPLE, log_softmax, ranks_of, request_key, top_k, uniform
-from aiospec.engine._protocol import FrameBuffer, Handoff, encode
+from aiospec.engine._protocol import Failed, FrameBuffer, Handoff, decode_to_server, encode
 from aiospec.engine._sinks import reference_payload
 
 VOCAB = default_vocabulary()
@@ -342,6 +344,29 @@ def test_control_framing_reassembles_split_messages() -> None:
         FrameBuffer().feed(b"\xff\xff\xff\xff")
 
 
+def test_failed_names_the_refused_request_and_decodes_both_ways() -> None:
+    class OldFailed(msgspec.Struct, tag="failed", array_like=True):  # an engine before the handle
+        message: str
+
+    old = msgspec.msgpack.encode(OldFailed("engine failed: boom"))
+    assert decode_to_server(memoryview(old)) == Failed("engine failed: boom", -1, False)
+    new = msgspec.msgpack.encode(Failed("max_tokens = 0 (handle 2): expected at least 1", 2, True))
+    assert msgspec.msgpack.decode(new, type=OldFailed) == OldFailed("max_tokens = 0 (handle 2): expected at least 1")
+    assert decode_to_server(memoryview(new)) == Failed("max_tokens = 0 (handle 2): expected at least 1", 2, True)
+
+
+def test_refusals_that_are_not_the_requests_fields_are_protocol_refusals() -> None:
+    core = EngineCore(EngineConfig(max_batch=2))
+    core.admit(Admit(1, [1], max_tokens=3))
+    with pytest.raises(ProtocolRefusal, match=r"^handle = 1: already running in this engine$"):
+        core.admit(Admit(1, [1], max_tokens=3))
+    with pytest.raises(ProtocolRefusal, match=r"^handoff \(handle 2\): only a decode engine takes handoffs$"):
+        core.handoff(Handoff(Admit(2, [1], max_tokens=3), 1, -1))
+    with pytest.raises(ValueError, match=r"^max_tokens = 0 \(handle 3\): expected at least 1$") as info:
+        core.admit(Admit(3, [1], max_tokens=0))
+    assert not isinstance(info.value, ProtocolRefusal)  # a field out of range: the client's to fix
+
+
 # -- the engine process ------------------------------------------------------------------------
 
 
@@ -409,6 +434,43 @@ async def test_engine_abort_and_bad_request_are_reported() -> None:
         while (s := (await group.stats())[0]).aborted != 1:
             assert time.monotonic() < deadline
         assert s.running == 0 and s.admitted == 1
+    finally:
+        await group.stop()
+
+
+@pytest.mark.asyncio
+async def test_a_refused_admission_ends_its_stream_with_the_engines_reason() -> None:
+    group = EngineGroup(EngineConfig(max_batch=4, step_time=0.005))
+    names = await group.start(timeout=120)
+    refused: list[RequestRefused] = []
+    try:
+        async with Hub(names) as hub:
+
+            def on_refused(err: RequestRefused) -> None:
+                refused.append(err)
+                hub.fail(err.handle, err)
+
+            group.on_refused = on_refused
+            ok, bad, long = hub.open(1), hub.open(2), hub.open(3)
+            group.admit(Admit(1, [1], max_tokens=5, ignore_eos=True))
+            group.admit(Admit(2, [1], max_tokens=0))  # a field only the engine checks here
+            group.admit(Admit(3, [1], max_tokens=100_000))
+            group.admit(Admit(3, [1], max_tokens=5))  # the handle is running already
+            msg = r"^request 0x2: the engine refused it: max_tokens = 0 \(handle 2\): expected at least 1$"
+            with pytest.raises(RequestRefused, match=msg) as info:
+                await asyncio.wait_for(bad.get(), 60)
+            assert info.value.handle == 2 and info.value.invalid
+            assert info.value.reason == "max_tokens = 0 (handle 2): expected at least 1"
+            with pytest.raises(RequestRefused, match=r"^request 0x3: the engine refused it: handle = 3: already "
+                               r"running in this engine$") as info:  # fmt: skip
+                async for _ in long:
+                    pass
+            assert not info.value.invalid  # not the request's fields: the sender's fault
+            tokens = [t async for d in ok for t in d.token_list()]
+            assert len(tokens) == 5
+            assert [e.handle for e in refused] == [2, 3] and group.refused == 2
+            assert hub.stats().streams_open == 0
+            group.abort(3)
     finally:
         await group.stop()
 

@@ -18,7 +18,7 @@ import pytest
 import shm
 from aiospec._codec import Flag, encode_frame
 from aiospec._hub import Hub
-from aiospec._stream_errors import EndOfStream, RequestAborted, StreamError
+from aiospec._stream_errors import EndOfStream, RequestAborted, RequestRefused, StreamError
 from aiospec.baselines import (
     FastDeployStyleEmitter,
     FastDeployStyleHub,
@@ -26,7 +26,8 @@ from aiospec.baselines import (
     VllmStyleHub,
     gather,
 )
-from aiospec.baselines._fastdeploy import TOPK_MSG_BYTES
+from aiospec.baselines._fastdeploy import TOPK_MSG_BYTES, FastDeployStyleStream
+from aiospec.baselines._vllm import VllmStyleStream
 from aiospec.ops import EmitStep, Logprobs
 from aiospec.ops._reference import build_frame
 
@@ -304,3 +305,20 @@ def test_vllm_encoding_sends_big_arrays_as_extra_frames() -> None:
         assert len(em.encode(gather(EmitStep.from_kwargs(**kw)))) == 1
     finally:
         em.close()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("path", ["vllm", "fastdeploy"])
+async def test_a_baseline_stream_fails_with_the_error_given(path: str) -> None:
+    forgotten: list[int] = []
+    cls = VllmStyleStream if path == "vllm" else FastDeployStyleStream
+    s = cls(5, forgotten.append)
+    waiter = asyncio.ensure_future(s.get())
+    await asyncio.sleep(0)  # the consumer waits
+    err = RequestRefused("request 0x5: the engine refused it: no", 5, "no")
+    assert s.fail(err) is True and forgotten == [5]
+    assert s.fail(err) is False  # it ended already
+    with pytest.raises(RequestRefused, match=r"^request 0x5: the engine refused it: no$"):
+        await asyncio.wait_for(waiter, 10)
+    with pytest.raises(RequestRefused):
+        s.get_nowait()  # again on every later read

@@ -14,7 +14,7 @@ import shm
 from aiospec import _routing
 from aiospec._codec import Flag, Frame, FrameError
 from aiospec._hub import Hub
-from aiospec._stream_errors import HubClosed, ProducerLost, StreamError, StreamFramesLost
+from aiospec._stream_errors import HubClosed, ProducerLost, RequestRefused, StreamError, StreamFramesLost
 from shm import layout as L
 
 pytestmark = pytest.mark.usefixtures("no_segment_left")
@@ -210,3 +210,31 @@ async def test_a_ring_failure_ends_only_the_streams_that_depend_on_it(ring: shm.
         decode.write(enc([(1, [1], Flag.FINISHED)]))
         assert [d.token_list() for d in await drain(on_decode)] == [[1]]
         assert [r.state for r in hub.stats().rings] == ["live", "failed"]
+
+
+# -- one stream ----------------------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_fail_ends_one_stream_after_what_it_buffered(ring: shm.Ring) -> None:
+    async with Hub(ring.name) as hub:
+        s1, s2 = hub.open(1), hub.open(2)
+        waiter = await waiting_get(s2)  # a consumer waiting is woken by the failure
+        ring.write(enc([(1, [5, 6], 0)]))
+        await until(lambda: s1.statistics().buffered_tokens == 2, "the tokens of request 1")
+        err = RequestRefused("request 0x1: the engine refused it: no", 1, "no")
+        assert hub.fail(1, err) is True
+        assert hub.fail(1, err) is False  # it ended already: it keeps its end
+        assert hub.fail(9, err) is False  # no stream of that handle
+        assert (await get(s1)).token_list() == [5, 6]
+        with pytest.raises(RequestRefused, match=r"^request 0x1: the engine refused it: no$") as info:
+            await get(s1)
+        assert info.value.handle == 1 and info.value.reason == "no" and info.value.invalid
+        assert isinstance(info.value, ValueError)
+        assert not waiter.done()  # the other stream is untouched
+        assert hub.fail(2, RequestRefused("request 0x2: the engine refused it: no", 2, "no")) is True
+        with pytest.raises(RequestRefused):
+            await asyncio.wait_for(waiter, T)
+        ring.write(enc([(1, [7], Flag.FINISHED)]))  # records of a failed stream are dropped
+        await until(lambda: hub.stats().records_dropped == 1, "the dropped record")
+        assert hub.stats().streams_open == 0

@@ -189,6 +189,17 @@ class BaselineStream(DeltaStream):
             finally:
                 self._waiting = False
 
+    def fail(self, error: StreamError) -> bool:
+        """End the stream with ``error`` after the deltas it holds (the server's: the engine
+        refused the request); False when it had ended already (it keeps its end)."""
+        if self._ended or self._closed:
+            return False
+        self._error = error
+        self._ended = True
+        self._forget(self.handle)
+        self._wake()
+        return True
+
     def _finish(self, flags: int) -> None:
         """Apply a record's terminal flags (the request leaves the routing table)."""
         if flags & ERROR_FLAGS:

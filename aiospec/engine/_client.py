@@ -4,7 +4,8 @@
 joined by a handoff socket), waits for their ``Ready`` messages and then sends admissions and
 aborts. Messages written during one event-loop iteration go out in one ``send`` per engine.
 Handles come from ``HandleAllocator``: a 32-bit slot index plus a 31-bit generation, so a
-reused index never matches an earlier request's handle.
+reused index never matches an earlier request's handle. A request an engine refuses comes
+back as ``Failed`` with its handle, and ``on_refused`` gets a ``RequestRefused`` for it.
 """
 
 from __future__ import annotations
@@ -18,12 +19,13 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import msgspec
 
 import shm
+from aiospec._stream_errors import RequestRefused
 from aiospec.engine._core import EngineConfig
 from aiospec.engine._protocol import (
     Abort,
@@ -104,8 +106,15 @@ class _Conn:
     """One engine process (None: an engine another process started) and the server end of
     its control socket (or of a connection to its server socket)."""
 
-    def __init__(self, role: str, proc: subprocess.Popen[bytes] | None, sock: socket.socket) -> None:
+    def __init__(
+        self,
+        role: str,
+        proc: subprocess.Popen[bytes] | None,
+        sock: socket.socket,
+        refused: Callable[[_Conn, Failed], None] | None = None,
+    ) -> None:
         self.role = role
+        self._refused = refused
         self.proc = proc
         self.sock = sock
         self.ready: asyncio.Future[Ready] | None = None
@@ -156,8 +165,11 @@ class _Conn:
             elif isinstance(msg, Failed):
                 self.failures.append(msg.message)
                 del self.failures[:-100]
+                if msg.handle >= 0 and self._refused is not None:
+                    self._refused(self, msg)  # one request refused: its stream ends
+                    continue
                 log.warning("%s engine: %s", self.role, msg.message)
-                if self.ready is not None and not self.ready.done():
+                if msg.handle < 0 and self.ready is not None and not self.ready.done():
                     self.ready.set_exception(EngineError(f"{self.role} engine failed to start: {msg.message}"))
 
     def _lost(self, why: str) -> None:
@@ -246,6 +258,22 @@ class _Engines:
         self._ids: Iterator[int] = itertools.count(1)
         self._started = False
         self._stopped = False
+        #: Called with a ``RequestRefused`` for every request an engine refuses (its
+        #: ``Admit``, or under PD its ``Handoff``): the owner of the request's stream ends it
+        #: with that error (``Hub.fail(error.handle, error)``). None: the refusal is logged.
+        self.on_refused: Callable[[RequestRefused], None] | None = None
+        self.refused = 0  # requests the engines refused
+
+    def _refused(self, conn: _Conn, msg: Failed) -> None:
+        self.refused += 1
+        who = "the engine" if conn.role == "both" else f"the {conn.role} engine"
+        err = RequestRefused(
+            f"request {msg.handle:#x}: {who} refused it: {msg.message}", msg.handle, msg.message, invalid=msg.invalid
+        )
+        if self.on_refused is None:
+            log.warning("%s: %s", who, err)
+            return
+        self.on_refused(err)
 
     @property
     def transports(self) -> list[str]:
@@ -342,7 +370,7 @@ class EngineGroup(_Engines):
                     proc = subprocess.Popen(cmd, pass_fds=fds, env=_child_env(), stdin=subprocess.DEVNULL)
                 finally:
                     theirs.close()
-                self._conns.append(_Conn(role, proc, ours))
+                self._conns.append(_Conn(role, proc, ours, self._refused))
         finally:
             if handoff_pair is not None:
                 for s in handoff_pair:
@@ -477,7 +505,7 @@ class RemoteEngines(_Engines):
             for role, address in zip(roles, self.addresses, strict=True):
                 sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 sock.setblocking(False)
-                c = _Conn(role, None, sock)
+                c = _Conn(role, None, sock, self._refused)
                 self._conns.append(c)
                 try:
                     await asyncio.wait_for(loop.sock_connect(sock, address), timeout)

@@ -66,7 +66,7 @@ from aiospec.engine._protocol import Admit, Handoff
 from aiospec.engine._vocab import Vocabulary, default_vocabulary
 from aiospec.ops._step import Drafts, EmitStep, Logprobs
 
-__all__ = ("EngineConfig", "EngineCore", "LogprobsMode", "StepOutput", "ring_geometry")
+__all__ = ("EngineConfig", "EngineCore", "LogprobsMode", "ProtocolRefusal", "StepOutput", "ring_geometry")
 
 Role = Literal["both", "prefill", "decode"]
 LogprobsMode = Literal["raw", "processed"]
@@ -214,6 +214,13 @@ class _Procs:
         return self.bias is not None or self.counts is not None
 
 
+class ProtocolRefusal(ValueError):
+    """The engine refused a request for a reason that is not one of its fields being out of
+    range: a handle out of range or already running here, a message this engine's role does
+    not take, a handoff whose tokens are not in the vocabulary (the sender's fault, not the
+    client's)."""
+
+
 def _bad(name: str, value: object, handle: int, expected: str) -> ValueError:
     return ValueError(f"{name} = {value!r} (handle {handle}): expected {expected}")
 
@@ -285,9 +292,9 @@ class EngineCore:
         h = req.handle
         cfg = self.config
         if not 0 <= h <= _HANDLE_MAX:
-            raise ValueError(f"handle = {h}: expected 0..2**63-1")
+            raise ProtocolRefusal(f"handle = {h}: expected 0..2**63-1")
         if h in self._slot_of or h in self._waiting_handles:
-            raise ValueError(f"handle = {h}: already running in this engine")
+            raise ProtocolRefusal(f"handle = {h}: already running in this engine")
         if req.max_tokens < 1:
             raise ValueError(f"max_tokens = {req.max_tokens} (handle {h}): expected at least 1")
         if req.top_logprobs > cfg.max_top_logprobs:
@@ -333,9 +340,10 @@ class EngineCore:
 
     def admit(self, req: Admit) -> bool:
         """Queue a new request; False if it was aborted before it arrived. Raises
-        ``ValueError`` naming the first field that is out of range."""
+        ``ValueError`` naming the first field that is out of range (``ProtocolRefusal`` for
+        a handle out of range or running already, or a decode engine)."""
         if self.config.role == "decode":
-            raise ValueError(f"admit (handle {req.handle}): a decode engine takes handoffs, not admissions")
+            raise ProtocolRefusal(f"admit (handle {req.handle}): a decode engine takes handoffs, not admissions")
         if self._consume_tombstone(req.handle):
             return False
         self._check_new(req)
@@ -345,15 +353,15 @@ class EngineCore:
         return True
 
     def handoff(self, h: Handoff) -> bool:
-        """PD decode side: continue a request after its first token."""
+        """PD decode side: continue a request after its first token; raises as ``admit``."""
         if self.config.role != "decode":
-            raise ValueError(f"handoff (handle {h.request.handle}): only a decode engine takes handoffs")
+            raise ProtocolRefusal(f"handoff (handle {h.request.handle}): only a decode engine takes handoffs")
         if self._consume_tombstone(h.request.handle):
             return False
         self._check_new(h.request)
         v = len(self.vocab)
         if not 0 <= h.first_token < v or not -1 <= h.draft_token < v:
-            raise ValueError(
+            raise ProtocolRefusal(
                 f"handoff (handle {h.request.handle}): first_token = {h.first_token}, draft_token = "
                 f"{h.draft_token}: expected 0..{v - 1}"
             )

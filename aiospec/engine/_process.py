@@ -11,6 +11,13 @@ server process connects, says ``Hello`` (its index and pid) and gets ``Ready``; 
 admissions, aborts and stats requests like the owner does, and gets its own answers. When an
 API server's connection ends (its process died), the engine aborts the requests whose handles
 carry that server's index and evicts the ring reader slots of its pid, at once.
+
+A request the engine refuses (``EngineCore.admit`` / ``handoff`` raise ``ValueError``) is
+answered with ``Failed(message, handle, invalid)``: a refused ``Admit`` to the connection it
+came by, a refused ``Handoff`` (a decode engine's; it came from the prefill engine) to the
+server that owns the handle. The refusal travels on the control channel, not the token path,
+so it reaches the server alike on the ring and the baseline paths; no tokens of a refused
+request follow it (a refused handoff's first token, from the prefill engine, may precede it).
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ import traceback
 import msgspec
 
 import shm
-from aiospec.engine._core import EngineConfig, EngineCore, StepOutput
+from aiospec.engine._core import EngineConfig, EngineCore, ProtocolRefusal, StepOutput
 from aiospec.engine._protocol import (
     Abort,
     Admit,
@@ -122,8 +129,25 @@ class _Loop:
             elif isinstance(msg, Shutdown) and peer is None:
                 self.stop = True  # only the owner stops the engine
         except ValueError as exc:
-            # a bad request fails alone; the server logs it
-            self._reply(peer, Failed(str(exc)))
+            # a refused request fails alone: the server that owns its handle ends its stream
+            invalid = not isinstance(exc, ProtocolRefusal)
+            if isinstance(msg, Admit):
+                self._reply(peer, Failed(str(exc), msg.handle, invalid))
+            elif isinstance(msg, Handoff):
+                self._to_owner(Failed(str(exc), msg.request.handle, invalid))
+            else:
+                self._reply(peer, Failed(str(exc)))
+
+    def _to_owner(self, msg: Failed) -> None:
+        """A refused handoff: it came from the prefill engine, not from a server, so the
+        refusal goes to the API server whose index the handle carries (``--api-servers``),
+        else to the control socket (the server, or the parent process that logs it)."""
+        server = msg.handle >> _SERVER_SHIFT
+        for peer in self._peers.values():
+            if peer.server == server:
+                self._reply(peer, msg)
+                return
+        self.send(msg)
 
     def _accept(self) -> None:
         assert self.listen is not None

@@ -112,7 +112,17 @@ class EngineStats(msgspec.Struct, tag="stats", array_like=True, gc=False):
 
 
 class Failed(msgspec.Struct, tag="failed", array_like=True, gc=False):
+    """The engine failed (``handle`` -1: it is stopping, or a message was not about one
+    request) or refused one request: an ``Admit``, or a ``Handoff`` on the decode engine,
+    whose ``handle`` it names. ``invalid``: a field of that request was out of the engine's
+    range (False: the engine refused it for its own reason, e.g. a handle already running).
+    The trailing fields have defaults, so that a ``Failed`` of an older engine (the message
+    alone) still decodes, and an older server decodes this one (extra array items are
+    ignored)."""
+
     message: str
+    handle: int = -1
+    invalid: bool = False
 
 
 ToEngine = Admit | Abort | Shutdown | StatsRequest | Handoff | Hello

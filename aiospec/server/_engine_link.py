@@ -21,6 +21,7 @@ import msgspec
 import shm
 from aiospec._hub import Hub
 from aiospec._stream import RequestStream
+from aiospec._stream_errors import RequestRefused
 from aiospec.engine import Admit, EngineConfig, EngineGroup, EngineStats, HandleAllocator, default_vocabulary
 from aiospec.engine._client import SERVER_SHIFT, RemoteEngines
 from aiospec.engine._vocab import Vocabulary
@@ -119,7 +120,9 @@ class EngineLink:
         self.restarts = 0
         self.on_fatal: Callable[[str], None] | None = None
         self._rings = 0  # rings the Hub must be reading (ring path)
-        self._inflight: set[int] = set()  # handles admitted to the current engines
+        # handles admitted to the current engines, and their streams
+        self._inflight: dict[int, Any] = {}
+        self.refused = 0  # requests the engines refused
         self._supervisor: asyncio.Task[None] | None = None
         # the rings, attached without a reader slot, to see who holds them full (ring path)
         self._probes: list[shm.Ring] = []
@@ -137,9 +140,28 @@ class EngineLink:
 
     def _engines(self, cfg: EngineConfig) -> EngineGroup | RemoteEngines:
         s = self.settings
+        engines: EngineGroup | RemoteEngines
         if self.remote:
-            return RemoteEngines(cfg, list(s.engine_sockets), server=s.server_index, pd=s.pd)
-        return EngineGroup(cfg, pd=s.pd)
+            engines = RemoteEngines(cfg, list(s.engine_sockets), server=s.server_index, pd=s.pd)
+        else:
+            engines = EngineGroup(cfg, pd=s.pd)
+        engines.on_refused = self._refused
+        return engines
+
+    def _refused(self, err: RequestRefused) -> None:
+        """An engine refused a request: end its stream with ``err`` (the handler answers with
+        the error; the handle is released when it ends). A handle of engines since replaced,
+        or already finished, is nobody's now."""
+        stream = self._inflight.get(err.handle)
+        if stream is None:
+            log.warning("a refusal for a request no longer running: %s", err)
+            return
+        self.refused += 1
+        log.info("%s", err)
+        if self._baseline is None:
+            self.source.fail(err.handle, err)
+        else:
+            stream.fail(err)
 
     async def start(self) -> None:
         """Start the engines and the token path, then supervise them."""
@@ -357,14 +379,14 @@ class EngineLink:
             stream.close()
             self.handles.release(handle)
             raise
-        self._inflight.add(handle)
+        self._inflight[handle] = stream
         return handle, stream
 
     def finish(self, handle: int, *, abort: bool) -> None:
         """The request is over for the server; ``abort`` tells the engine to drop it."""
         # a request of engines that were since restarted is nobody's to abort
         if handle in self._inflight:
-            self._inflight.discard(handle)
+            del self._inflight[handle]
             if abort and self.engines is not None:
                 with contextlib.suppress(Exception):
                     self.engines.abort(handle)

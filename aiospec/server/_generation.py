@@ -31,7 +31,7 @@ from starlette.types import Receive, Scope, Send
 
 from aiospec._codec import Kind
 from aiospec._stream import Delta, RequestStream
-from aiospec._stream_errors import EndOfStream, StreamClosed, StreamError
+from aiospec._stream_errors import EndOfStream, RequestRefused, StreamClosed, StreamError
 from aiospec.openai import (
     SSE_DONE,
     ChatChunkEncoder,
@@ -108,10 +108,17 @@ class _Completion(msgspec.Struct, tag_field="object", tag="text_completion", gc=
     usage: Usage
 
 
-def _error_event(exc: BaseException) -> bytes:
-    if isinstance(exc, ApiError):  # the server's own reason (its graceful stop)
-        return b"data: " + exc.body() + b"\n\n"
-    err = ApiError(500, f"the request ended early: {exc}", code=type(exc).__name__)
+def _ended_early(exc: StreamError) -> ApiError:
+    """The error response of a request that the engine side ended early."""
+    if isinstance(exc, RequestRefused):
+        # 400 when the engine found a field out of its range, 500 when it refused for its own reason
+        return ApiError(400 if exc.invalid else 500, f"the engine refused the request: {exc.reason}",
+                        code="RequestRefused")  # fmt: skip
+    return ApiError(500, f"the request ended early: {exc}", code=type(exc).__name__)
+
+
+def _error_event(exc: StreamError | ApiError) -> bytes:
+    err = exc if isinstance(exc, ApiError) else _ended_early(exc)  # an ApiError: the server's graceful stop
     return b"data: " + err.body() + b"\n\n"
 
 
@@ -487,7 +494,7 @@ class Generation(Response):
             if isinstance(r, StreamError):
                 c.end = "error"
                 c.engine_done = True
-                err = ApiError(500, f"the request ended early: {r}", code=type(r).__name__)
+                err = _ended_early(r)
                 await send_json(send, err.status, err.body())
                 return err.status
             if isinstance(r, BaseException):
