@@ -122,11 +122,12 @@ def bridge_pair(
     via_proxy: bool = False,
     recv_kw: dict[str, object] | None = None,
     send_kw: dict[str, object] | None = None,
+    far_reader_timeout: float | None = None,
 ) -> Iterator[tuple[shm.Ring, BridgeSender, BridgeReceiver, shm.Reader, Proxy | None]]:
     """A near ring, a sender, a receiver writing a far ring, and a reader of the far ring (from
     a handle of its own), all in this process; optionally a proxy between the ends."""
     near = shm.Ring.create(capacity=near_capacity, max_record=near_max_record)
-    target = RingTarget(None, capacity=far_capacity)
+    target = RingTarget(None, capacity=far_capacity, reader_timeout=far_reader_timeout)
     far = shm.Ring.attach(target.name)
     far_reader = far.reader()
     recv = BridgeReceiver("tcp://127.0.0.1:0", target, **(recv_kw or {}))  # type: ignore[arg-type]

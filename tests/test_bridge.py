@@ -77,6 +77,30 @@ def test_a_full_far_ring_holds_the_producer_back_and_loses_nothing() -> None:
         assert far.ring.stats().frames_lost == 0 and near.stats().frames_lost == 0
 
 
+def test_a_stuck_reader_of_the_far_ring_is_evicted_not_holding_back_the_link() -> None:
+    # a far reader that stopped (a stuck API server) holds the far ring full: with the ring's
+    # reader_timeout (aiospec bridge recv --reader-timeout) it is evicted, and the link, the
+    # other readers and the near producer go on
+    with bridge_pair(1 << 20, 1 << 16, near_max_record=8192, recv_kw=FAST, send_kw=FAST, far_reader_timeout=0.3) as (
+        near, sender, recv, far, _,
+    ):  # fmt: skip
+        wait_for(lambda: sender.state == "up", "the link")
+        stuck = far.ring.reader()  # takes frames and never reads them
+        payloads = [make_payload(i, 4000) for i in range(100)]  # 6x the far ring
+        got: list[bytes] = []
+        for p in payloads:
+            near.write(p, timeout=30)
+            got += far.read()
+        got += drain(far, len(payloads) - len(got), timeout=60)
+        assert got == payloads
+        states = {r.slot: r.state for r in far.ring.stats().readers}
+        assert states[stuck.slot] == "evicted" and states[far.slot] == "active"
+        with pytest.raises(shm.ReaderEvicted):
+            stuck.read()
+        stuck.close()
+        assert recv.stats().lost == 0 and far.ring.stats().frames_lost == 0
+
+
 def test_a_corrupt_frame_in_the_near_ring_is_skipped_and_counted_never_read_again() -> None:
     # the far reader reads nothing at first, so the credit runs out and the frames after it wait
     # in the near ring; one of them is then corrupted where it lies: once the credit returns the

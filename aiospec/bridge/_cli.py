@@ -78,6 +78,10 @@ def register(sub: Any) -> None:
         "--window-bytes", type=int, default=None, help="credit: bytes likewise (default max(16 MiB, 2 frames))"
     )
     r.add_argument("--curve-clients", metavar="DIR", help="directory of the near ends' allowed public keys (*.key)")
+    r.add_argument("--reader-timeout", type=_seconds_or_never, default=5.0, metavar="SECONDS", help=(
+        "evict a reader of the ring that holds it full and gave no sign of life for this many seconds (a stuck "
+        "API server would otherwise hold back every reader and, through the credit, the far producer), 0 = never "
+        "(%(default)s)"))  # fmt: skip
     _add_link_args(r, give_up="30")
     r.set_defaults(func=_recv)
 
@@ -152,7 +156,10 @@ def _recv(a: argparse.Namespace) -> int:
     try:
         if curve is not None:
             curve.check("far")
-        target = RingTarget(a.ring, capacity=a.capacity, max_record=a.max_record, max_readers=a.max_readers)
+        target = RingTarget(
+            a.ring, capacity=a.capacity, max_record=a.max_record, max_readers=a.max_readers,
+            reader_timeout=a.reader_timeout,
+        )  # fmt: skip
     except (BridgeConfigError, ValueError, OSError) as exc:
         print(f"aiospec bridge recv: {exc}", file=sys.stderr)
         return 2

@@ -69,14 +69,28 @@ class RingTarget:
         name: the ring's segment name. A segment of that name left by a bridge that died (its
             creator and producer gone, ``Ring.orphaned()``) is removed first; one whose
             producer lives raises ``BridgeConfigError``.
-        capacity, max_record, max_readers: as for ``shm.Ring.create()``.
+        capacity, max_record, max_readers, reader_timeout: as for ``shm.Ring.create()``
+            (``reader_timeout``: a reader of this ring that holds it full and gave no sign of
+            life for that many seconds is evicted; None, the default here, never; ``aiospec
+            bridge recv`` passes 5 s, as the built-in engine does for its rings).
     """
 
     def __init__(
-        self, name: str | None = None, *, capacity: int = 16 << 20, max_record: int | None = None, max_readers: int = 8
+        self,
+        name: str | None = None,
+        *,
+        capacity: int = 16 << 20,
+        max_record: int | None = None,
+        max_readers: int = 8,
+        reader_timeout: float | None = None,
     ) -> None:
+        def create() -> shm.Ring:
+            return shm.Ring.create(
+                name, capacity=capacity, max_record=max_record, max_readers=max_readers, reader_timeout=reader_timeout
+            )
+
         try:
-            self.ring = shm.Ring.create(name, capacity=capacity, max_record=max_record, max_readers=max_readers)
+            self.ring = create()
         except FileExistsError:
             assert name is not None
             old = shm.Ring.attach(name)
@@ -91,7 +105,7 @@ class RingTarget:
                 old.unlink()
             finally:
                 old.close()
-            self.ring = shm.Ring.create(name, capacity=capacity, max_record=max_record, max_readers=max_readers)
+            self.ring = create()
         # The frames_lost word is the producer's (wire-format section 2); shm.Ring has no call
         # that raises it, so the producer maps the control page's words itself.
         fd = os.open(self.ring.path, os.O_RDWR | os.O_NOFOLLOW)
