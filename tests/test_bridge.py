@@ -128,6 +128,26 @@ def test_a_corrupt_frame_in_the_near_ring_is_skipped_and_counted_never_read_agai
         assert sender.stats().frames == len(first) + 1 and recv.stats().lost == 2
 
 
+def test_a_corrupt_frame_at_the_near_rings_head_ends_the_link_with_the_reason() -> None:
+    # a committed-looking header where the head is: a new slot would start on it again (the
+    # sender used to take one and count a loss about 350 times a second, forever); ring A
+    # cannot be read, so the far end is told and its readers end, as after a producer's end
+    with bridge_pair(send_kw=FAST, recv_kw=FAST) as (near, sender, recv, far, _):
+        wait_for(lambda: sender.state == "up", "the link")
+        near.write(b"a")
+        assert drain(far, 1) == [b"a"]
+        head = near.stats().head
+        base = L.CONTROL_SIZE + (head & (near.capacity - 1))
+        poke(near.name, base, head)
+        poke(near.name, base + 8, 64 | (7 << 32))  # an unknown frame type, committed at the head
+        assert sender.join(10), "the sender went on retaking slots at the head"
+        assert sender.result is not None and "cannot be read" in sender.result, sender.result
+        with pytest.raises(shm.ProducerGone, match=r"closed the ring$"):  # the reason is in the receiver's log
+            far.wait(5)
+        assert recv.stats().lost == 0 and far.new_losses() == 0
+        wait_for(lambda: recv.state == "done", "the receiver to end")
+
+
 def test_upstream_losses_reach_the_far_ring_and_the_end_closes_it() -> None:
     with bridge_pair() as (near, sender, recv, far, _):
         wait_for(lambda: sender.state == "up", "the link")

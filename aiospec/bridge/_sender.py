@@ -223,6 +223,7 @@ class BridgeSender:
         self._thread: threading.Thread | None = None
         self._failure: BaseException | None = None
         self.result: str | None = None
+        self._unreadable = ""  # why ring A cannot be read past a corrupt frame at its head
         # link state (the sender's thread only)
         self._chunks: collections.deque[_Chunk] = collections.deque()
         self._poll_frames = max_batch  # frames of the next read (batch_bytes at the last read's size)
@@ -390,7 +391,8 @@ class BridgeSender:
                 return why
             progress = self._send_entries(sock, zmq, now)
             if self._ended():
-                return f"the ring's producer is gone and the far end has every frame ({self._counts['acked']} entries)"
+                end = self._unreadable or "the ring's producer is gone"
+                return f"{end} and the far end has every frame ({self._counts['acked']} entries)"
             if self._read_ring(now):
                 # send what was just read at once: one loop iteration less before it leaves
                 self._send_entries(sock, zmq, now)
@@ -754,8 +756,20 @@ class BridgeSender:
         # frame at its tail is corrupt: what lies between its tail and the new slot's head is
         # counted from the ring's frames_written, at least one frame
         log.error("bridge sender: %s; %s", exc, why)
+        at = self.reader.tail
         self.reader.close()
         self.reader = self.ring.reader(spin=self._spin, recheck=self._recheck)
+        if isinstance(exc, shm.CorruptFrame) and self.reader.tail == at:
+            # the corrupt frame is at the head itself: nothing to skip to, and every new slot
+            # would find it again (its producer cannot write past it either, section 3). Ring A
+            # cannot be read: the far end is told, as for a producer that is gone, so ring B's
+            # readers drain what came before it and end with the reason (the Hub and
+            # SyncReader end such a ring the same way)
+            log.error("bridge sender: ring %s cannot be read past %d: ending the link", self.ring.name, at)
+            self._unreadable = f"ring {self.ring.name} cannot be read: {exc}"
+            self._append(P.GONE, self._unreadable)
+            self._gone_queued = True
+            return
         index = self._index_at(self.reader.tail)
         missed = max(1, index - self._a_index)
         self._a_index = index
