@@ -20,7 +20,7 @@ import time
 from typing import Protocol
 
 from aiospec._codec import Frame
-from aiospec._routing import RingFeed, Unit
+from aiospec._routing import RingFeed, Unit, frames_of
 from shm import CorruptFrame, ProducerGone, ProducerStalled, ReaderEvicted
 
 __all__ = ("RingSink", "read_ring")
@@ -143,7 +143,8 @@ async def _read(feed: RingFeed, sink: RingSink, bell: _Bell, yield_every: int, m
             # goes on at the head (a corrupt frame at the head itself ends the ring)
             bell.close()
             skipped = feed.skip_corrupt(exc)
-            sink.frames_lost(feed, skipped, exc)
+            if skipped:  # 0: what lay before was counted already (a corrupt length, recounted)
+                sink.frames_lost(feed, skipped, exc)
             await asyncio.sleep(0)
             continue
         for unit in sink.plan(frames) if frames else ():
@@ -160,7 +161,7 @@ async def _read(feed: RingFeed, sink: RingSink, bell: _Bell, yield_every: int, m
                     await asyncio.sleep(0)
                     budget = yield_every
         for err in bad:
-            sink.frames_lost(feed, 1, err)
+            sink.frames_lost(feed, frames_of(err), err)
         lost = feed.new_losses()
         if lost:
             sink.frames_lost(feed, lost, None)

@@ -20,6 +20,22 @@ from aiospec._codec import Frame, FrameError, decode_frame
 from aiospec._collector import Collector
 from aiospec._stream_errors import StreamError
 
+
+class FramesJumped(FrameError):
+    """Frames a reader went over without reading them: a frame whose length was changed to a
+    larger, in-range one spans them (docs/wire-format.md section 3). ``count`` of them are
+    lost; ``RingFeed.read`` returns it among the frames that did not decode."""
+
+    def __init__(self, count: int) -> None:
+        super().__init__(f"{count} frame(s) went over unread: a corrupt frame length spanned them")
+        self.count = count
+
+
+def frames_of(err: FrameError) -> int:
+    """The frames one of ``RingFeed.read``'s errors stands for: 1 for a frame that did not decode."""
+    return err.count if isinstance(err, FramesJumped) else 1
+
+
 __all__ = ("RingFeed", "Router", "Unit", "check_handle")
 
 _U64 = 1 << 64
@@ -109,6 +125,15 @@ class RingFeed:
             self.tokens_read += f.num_tokens
         self.frames_read += len(frames)
         self.frames_undecodable += len(bad)
+        if bad:
+            # a frame that does not decode may have a changed length that took the reader over
+            # frames it never read (exactly onto a later frame, or past the head): recount
+            # from the ring's frames_written, as after a skip
+            jumped = self.ring.frames_before(self.reader.tail) - self._index
+            if jumped > 0:
+                self._index += jumped
+                self.frames_skipped += jumped
+                bad.append(FramesJumped(jumped))
         return frames, bad
 
     def new_losses(self) -> int:
@@ -156,7 +181,10 @@ class RingFeed:
         if self.reader.tail == at:
             raise exc
         index = self.ring.frames_before(self.reader.tail)
-        skipped = max(1, index - self._index)
+        # a head behind the corrupt position: a changed length sent the reader past the head,
+        # and every frame before it was counted already (read, or recounted by read()); a head
+        # beyond it: the corrupt frame itself is one, whatever frames_written says yet
+        skipped = max(0 if self.reader.tail < at else 1, index - self._index)
         self._index = index
         self.frames_skipped += skipped
         return skipped

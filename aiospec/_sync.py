@@ -19,7 +19,7 @@ import numpy as np
 from aiospec import _payload_layout as L
 from aiospec._codec import Frame
 from aiospec._errors import FramesLost
-from aiospec._routing import RingFeed, check_handle
+from aiospec._routing import RingFeed, check_handle, frames_of
 from aiospec._stream_errors import TERMINAL_FLAGS
 from shm import AiospecError, CorruptFrame, ProducerGone, ProducerStalled, ReaderEvicted, RingError
 
@@ -246,9 +246,13 @@ class SyncReader:
                     self._drop(name, fatal)
                     continue
                 self._poller = self._make_poller()
-                self._lost(
-                    name, skipped, f"a frame header was corrupt ({exc}); {skipped} frame(s) skipped to the head", exc
-                )
+                if skipped:  # 0: what lay before was counted already (a corrupt length, recounted)
+                    self._lost(
+                        name,
+                        skipped,
+                        f"a frame header was corrupt ({exc}); {skipped} frame(s) skipped to the head",
+                        exc,
+                    )
                 continue
             except RingError as exc:  # the ring cannot be read any more
                 self._drop(name, exc)
@@ -264,7 +268,7 @@ class SyncReader:
                             self._tracked.discard(rec.handle)
                     out.append(rec)
             for e in bad:
-                self._lost(name, 1, f"a frame could not be decoded ({e})", e)
+                self._lost(name, frames_of(e), f"a frame could not be decoded ({e})", e)
             lost = feed.new_losses()
             if lost:
                 self._lost(name, lost, "the producer lost frames", None)
