@@ -13,12 +13,14 @@ __all__ = ("FramesLost",)
 
 class FramesLost(RingError):
     """Records are missing from what a reader returned: the producer counted frames it could
-    not write (the ring's ``frames_lost`` word rose), this reader was evicted, or a payload
-    did not decode.
+    not write (the ring's ``frames_lost`` word rose), this reader was evicted, a payload did
+    not decode, or a corrupt frame header made the reader skip to the ring's head.
 
     Attributes:
-        lost: frames the producer reported lost; 1 for a payload that did not decode, 0 after an
-            eviction (how many were missed is unknown).
+        lost: frames the producer reported lost; 1 for a payload that did not decode; the
+            frames skipped after a corrupt frame header, or gone over unread by a corrupt
+            length (docs/wire-format.md section 3, counted from the ring's ``frames_written``);
+            0 after an eviction (how many were missed is unknown).
     """
 
     def __init__(self, message: str, lost: int) -> None:
