@@ -217,6 +217,9 @@ def test_batches_across_credit_limits_keep_every_frame_and_the_window() -> None:
             done.set()
             t.join()
         assert got == sent
+        # the sender counts a message after its send returns, which the far end may have read
+        # before: its counters are final once the far end acknowledged every frame
+        wait_for(lambda: sender.stats().held == 0, "every frame acknowledged")
         st, rs = sender.stats(), recv.stats()
         assert max(queued) <= 5 and rs.protocol_errors == 0 and st.resent == 0
         assert len(sent) / 5 <= st.messages < len(sent)  # batches, none over the window
