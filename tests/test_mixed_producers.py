@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from _hubhelpers import poke
+from _ringhelpers import ring_paths_fixture  # noqa: F401  (used by name below)
 
 import shm
 from aiospec import decode_frame, encode_frame
@@ -89,14 +90,8 @@ def test_the_emit_op_never_overwrites_a_frame_committed_at_its_own_head() -> Non
         assert len(frames) == 2 and frames[1] == b"\x07" * 48  # both intact
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
-def test_ring_write_never_overwrites_a_frame_committed_at_its_own_head(
-    native: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    if not native:
-        monkeypatch.setattr(shm._sys, "native", None)
-    elif shm._sys.native is None:
-        pytest.skip("shm._native is not built here")
+@pytest.mark.usefixtures("ring_paths")  # Ring.write's native and Python paths
+def test_ring_write_never_overwrites_a_frame_committed_at_its_own_head() -> None:
     with shm.Ring.create(capacity=1 << 16) as ring, ring.reader() as reader, Producer(ring, device="cpu") as op:
         ring.write(b"\x01" * 48)  # [0, 64)
         op.emit(*STEP)  # [64, 256)
