@@ -480,6 +480,11 @@ class Segment:
         start = head if self.capacity - off >= self.max_record else head - off + self.capacity
         return start + self.max_record + L.FRAME_HEADER
 
+    def _reach(self, head: int, live: bool) -> int:
+        """Where what a producer at ``head`` may overwrite ends: its ``write_bound`` while it
+        may write, else only the zeroed header at its head."""
+        return self.write_bound(head) if live else head + L.FRAME_HEADER
+
     def producer_may_write(self) -> bool:
         """False when the producer closed the ring or its process is known dead (nothing of
         it can be in flight); True otherwise, a pid of another namespace included."""
@@ -498,11 +503,11 @@ class Segment:
         q = self.q
         for _attempt in range(8):
             live = self.producer_may_write()
-            start = self.oldest_frame(head, self.write_bound(head) if live else head + L.FRAME_HEADER)
+            start = self.oldest_frame(head, self._reach(head, live))
             q[self.tail[slot]] = start
             full_fence()
             head = q[L.OFF_HEAD // 8]
-            reach = self.write_bound(head) if live else head + L.FRAME_HEADER
+            reach = self._reach(head, live)
             if reach - start <= self.capacity:
                 return start
         q[self.tail[slot]] = head
@@ -518,7 +523,7 @@ class Segment:
             q[self.tail[slot]] = at
             full_fence()
             head2 = q[L.OFF_HEAD // 8]
-            reach = self.write_bound(head2) if live else head2 + L.FRAME_HEADER
+            reach = self._reach(head2, live)
             if reach - at <= self.capacity:
                 return at
             q[self.tail[slot]] = head
