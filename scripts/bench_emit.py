@@ -830,16 +830,16 @@ def byte_table(k_values: list[int]) -> list[dict[str, Any]]:
                  "mtp_save_first_token_with_topk": "speculate_save_output_topk"}.get(op, op)  # fmt: skip
         fd = FD_SIZES[fd_op]
         lp, kk = k is not None, k or 0
+        every = [sizes(r, spec, drafts, kk, lp) for r in range(1, max_rows + 1)]  # every live batch size
         rows_out = []
         for rows in (r for r in SIZE_ROWS if r <= max_rows):
-            payload, worst, floor = sizes(rows, spec, drafts, kk, lp)
+            payload, worst, floor = every[rows - 1]
             rows_out.append({
                 "rows": rows, "tokens": shapes(rows, spec)[0], "aiospec": payload, "aiospec_in_ring": ring(payload),
                 "aiospec_max": worst, "aiospec_max_in_ring": ring(worst), "identity_floor": floor, "fastdeploy": fd,
                 "ratio": round(fd / payload, 3), "aiospec_larger": ring(payload) > fd,
                 "aiospec_le_fastdeploy": ring(payload) <= fd, "aiospec_max_le_fastdeploy": ring(worst) <= fd,
             })  # fmt: skip
-        every = [sizes(r, spec, drafts, kk, lp) for r in range(1, max_rows + 1)]
 
         def up_to(fits: list[bool]) -> int:
             """The most rows up to which every live batch size fits (0: not even one row)."""
