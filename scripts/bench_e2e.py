@@ -99,6 +99,7 @@ def _load(
     ramp_up: float,
     clients: int = 1,
     cpus: set[int] | None = None,
+    detailed: str | None = None,
 ) -> tuple[dict[str, Any], float]:
     """``aiospec loadtest`` in ``clients`` child processes at nice 10 (the streams split
     between them); the merged summary and their CPU seconds."""
@@ -117,6 +118,8 @@ def _load(
                    "--prompt-logprobs", str(a.prompt_logprobs),
                    "--duration", str(a.time_cap), "--ramp-up", str(ramp_up), "--model", "aiospec-toy",
                    "-q", "--json", out.name]  # fmt: skip
+            if detailed:
+                cmd += ["--save-detailed", f"{detailed}-{k}.jsonl"]
             procs.append(subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True))
         errs = [p.communicate(timeout=a.time_cap * 3 + 120)[1] for p in procs]
         after = os.times()
@@ -214,8 +217,9 @@ def run_one(path: str, concurrency: int, a: argparse.Namespace, servers: int = 1
         s0 = _http(srv.url + "/stats")
         e0 = _engine_counters(s0)
         t0 = time.perf_counter()
+        detailed = os.path.join(a.save_detailed, f"{path}-n{servers}-c{concurrency}") if a.save_detailed else None
         s, client_cpu = _load(srv.url, concurrency, n, a.max_tokens, a, ramp_up=a.ramp_up, clients=a.clients,
-                              cpus=others)  # fmt: skip
+                              cpus=others, detailed=detailed)  # fmt: skip
         wall = time.perf_counter() - t0
         per_server_cpu = {p: _cpu(p) - c for p, c in cpu0.items()}
         cpu = sum(per_server_cpu.values())
@@ -416,12 +420,16 @@ def main() -> int:
     p.add_argument("--device", choices=("auto", "cpu", "python", "cuda"), default="auto",
                    help="the engine's emit op backend (the server's side is the same for all)")  # fmt: skip
     p.add_argument("--json", metavar="PATH", help="also write the JSON here")
+    p.add_argument("--save-detailed", metavar="DIR", help="every request's chunk times, per run and load "
+                   "generator, as JSON lines in DIR (aiospec loadtest --save-detailed)")  # fmt: skip
     a = p.parse_args()
     if a.prompt_tokens is not None:
         a.prompt_words = _words_for(a.prompt_tokens)
     a.prompt_tokens_mean = round(_prompt_tokens(a.prompt_words), 1)
     if a.prompt_logprobs >= 0 and a.paths != ["ring"]:
         p.error("--prompt-logprobs: the baseline token paths carry output tokens only (--paths ring)")
+    if a.save_detailed:
+        os.makedirs(a.save_detailed, exist_ok=True)
 
     samples: dict[tuple[int, int, str], list[dict[str, Any]]] = {}
     failures: list[dict[str, Any]] = []

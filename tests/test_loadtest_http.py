@@ -10,7 +10,7 @@ from contextlib import asynccontextmanager
 
 import pytest
 
-from aiospec.loadtest import LoadConfig, run_load, summarize
+from aiospec.loadtest import LoadConfig, run_load, save_detailed, summarize
 
 
 def _event(tokens: int, text: str = "ab") -> bytes:
@@ -304,3 +304,27 @@ async def test_without_logprobs_the_usage_chunk_counts_the_tokens() -> None:
     assert res.token_counts == [3, 2, 2, 3, 2, 2] and seen == [7, 14]
     s = summarize(res)
     assert s["output_tokens"] == 14 and s["tokens_per_chunk"] == pytest.approx(7 / 3)
+
+
+@pytest.mark.asyncio
+async def test_save_detailed_writes_every_request_with_its_chunks(tmp_path: pytest.TempPathFactory) -> None:
+    async def handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        while True:
+            await _read_request(r)
+            w.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(SSE) + SSE)
+            await w.drain()
+
+    async with _server(handle) as url:
+        res = await run_load(_cfg(url, requests=2))
+    path = str(tmp_path / "detail.jsonl")  # type: ignore[operator]
+    save_detailed(res, path)
+    with open(path) as f:
+        head, *rows = (json.loads(line) for line in f)
+    assert head["settings"]["requests"] == 2 and head["model"] == "m" and head["wall_s"] == res.wall
+    assert "api_key" not in head["settings"]
+    assert len(rows) == 2
+    for row, r in zip(rows, res.results, strict=True):
+        # 2 chunks of 2 and 1 tokens, one gap between them
+        assert row["ok"] and row["output_tokens"] == 3 and row["chunk_tokens"] == [2, 1]
+        assert row["itl"] == r.itl and len(row["itl"]) == 1
+        assert row["start"] == r.start and row["ttft"] == r.ttft and row["e2e"] == r.e2e

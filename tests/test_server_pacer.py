@@ -331,3 +331,46 @@ async def test_every_stream_is_served_in_turn_when_the_server_is_the_bound() -> 
     assert max(gaps) <= 32, sorted(gaps)[-10:]
     counts = [len(its) for its in turns.values()]
     assert min(counts) >= 0.6 * max(counts), counts
+
+
+@pytest.mark.asyncio
+async def test_the_rest_of_a_split_delta_goes_on_first_in_line_not_a_round_later() -> None:
+    """40 streams take turns of 1.1 ms in 4 ms windows (the server is the bound: a round of
+    them is 10 iterations or more). A stream whose delta was split into pieces gets each next
+    piece in the same or the next iteration (``resume``), where a new turn waits for the
+    round; the other streams keep getting turns meanwhile."""
+    p = Pacer(budget=0.004)
+    for _ in range(200):
+        p.charge(0.0011)
+    tick = _Ticker()
+    done = False
+    served = 0
+
+    async def stream() -> None:
+        nonlocal served
+        while not done:
+            await p.turn()
+            served += 1
+            p.charge(0.0011)
+
+    streams = [asyncio.ensure_future(stream()) for _ in range(40)]
+    for _ in range(30):
+        await asyncio.sleep(0)  # every stream has had turns: the queue is a round long
+    await p.turn()
+    runs = [tick.iteration]
+    for _ in range(5):
+        p.charge(0.0011)
+        await p.resume()
+        runs.append(tick.iteration)
+    p.charge(0.0011)
+    before = served
+    t0 = tick.iteration
+    await p.turn()  # a new turn, for comparison: behind the round
+    waited = tick.iteration - t0
+    done = True
+    await asyncio.wait_for(asyncio.gather(*streams), 60)
+    tick.stop()
+    gaps = [b - a for a, b in itertools.pairwise(runs)]
+    assert max(gaps) <= 2, gaps
+    assert waited >= 8, waited
+    assert served > before  # the others were served while the new turn waited

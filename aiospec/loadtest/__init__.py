@@ -11,9 +11,18 @@ from aiospec._lazy import lazy_getattr
 
 if TYPE_CHECKING:
     from aiospec.loadtest._client import LoadConfig, LoadResult, RequestResult, run_load
-    from aiospec.loadtest._report import plot, render_table, summarize
+    from aiospec.loadtest._report import plot, render_table, save_detailed, summarize
 
-__all__ = ("LoadConfig", "LoadResult", "RequestResult", "plot", "render_table", "run_load", "summarize")
+__all__ = (
+    "LoadConfig",
+    "LoadResult",
+    "RequestResult",
+    "plot",
+    "render_table",
+    "run_load",
+    "save_detailed",
+    "summarize",
+)
 
 _WHERE = {
     "LoadConfig": "aiospec.loadtest._client",
@@ -22,6 +31,7 @@ _WHERE = {
     "run_load": "aiospec.loadtest._client",
     "plot": "aiospec.loadtest._report",
     "render_table": "aiospec.loadtest._report",
+    "save_detailed": "aiospec.loadtest._report",
     "summarize": "aiospec.loadtest._report",
 }
 

@@ -29,4 +29,8 @@ def add_load_args(p: argparse.ArgumentParser, *, concurrency: int, requests: int
     p.add_argument("--ramp-up", type=float, default=0.0, help="spread the first requests over this many seconds")
     p.add_argument("--json", metavar="PATH", help="write the summary as JSON")
     p.add_argument("--plot", metavar="PATH", help="write a latency plot (PNG)")
+    p.add_argument(
+        "--save-detailed", metavar="PATH",
+        help="write every request's start, TTFT, end, chunk gaps and tokens per chunk as JSON lines",
+    )  # fmt: skip
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar or table")

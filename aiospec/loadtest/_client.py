@@ -82,6 +82,7 @@ class RequestResult(msgspec.Struct, gc=False):
     output_tokens: int = 0
     chunks: int = 0
     itl: list[float] = []  # gaps between content chunks
+    chunk_tokens: list[int] = []  # tokens in each content chunk
     error: str = ""
     text: str = ""
 
@@ -298,6 +299,8 @@ class _Stream:
         res = self.res
         res.e2e = time.perf_counter() - self.start
         res.itl = self.itl
+        counts = self.rec.counts
+        res.chunk_tokens = [counts[i] for i in self.idx]
         res.text = "".join(self.text)
         if not self.fut.done():
             self.fut.set_result(None)

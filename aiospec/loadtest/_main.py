@@ -11,7 +11,7 @@ from typing import Any
 import uvloop
 
 from aiospec.loadtest._client import LoadConfig, LoadResult, RequestResult, run_load
-from aiospec.loadtest._report import plot, render_table, summarize
+from aiospec.loadtest._report import plot, render_table, save_detailed, summarize
 
 __all__ = ("config_from_args", "loadtest_command", "run_with_progress")
 
@@ -68,6 +68,8 @@ def report(res: LoadResult, a: argparse.Namespace) -> dict[str, Any]:
     if a.json:
         with open(a.json, "w") as f:
             json.dump(summary, f, indent=2)
+    if getattr(a, "save_detailed", None):
+        save_detailed(res, a.save_detailed)
     if a.plot:
         path = os.path.abspath(plot(res, a.plot))
         if not a.quiet:

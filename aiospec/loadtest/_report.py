@@ -10,7 +10,7 @@ import numpy as np
 
 from aiospec.loadtest._client import LoadResult
 
-__all__ = ("plot", "render_table", "summarize")
+__all__ = ("plot", "render_table", "save_detailed", "summarize")
 
 _PCTS = (50, 90, 99)
 
@@ -59,6 +59,22 @@ def summarize(res: LoadResult) -> dict[str, Any]:
         "e2e_ms": _dist([r.e2e for r in ok]),
         "settings": {k: v for k, v in msgspec.to_builtins(res.config).items() if k != "api_key"},
     }
+
+
+def save_detailed(res: LoadResult, path: str) -> None:
+    """JSON lines: the run (settings, model, wall seconds), then one line per request (start,
+    TTFT and end in seconds, output tokens, the gaps between its content chunks, the tokens of
+    each chunk, the error if it failed): what percentiles of other definitions, or over a
+    window of the run, need."""
+    enc = msgspec.json.Encoder()
+    head = {"settings": {k: v for k, v in msgspec.to_builtins(res.config).items() if k != "api_key"},
+            "model": res.model, "wall_s": res.wall}  # fmt: skip
+    with open(path, "wb") as f:
+        f.write(enc.encode(head) + b"\n")
+        for r in res.results:
+            row = {"ok": r.ok, "start": r.start, "ttft": r.ttft, "e2e": r.e2e, "output_tokens": r.output_tokens,
+                   "itl": r.itl, "chunk_tokens": r.chunk_tokens, "error": r.error}  # fmt: skip
+            f.write(enc.encode(row) + b"\n")
 
 
 def render_table(summary: dict[str, Any]) -> Any:

@@ -334,7 +334,7 @@ class Generation(Response):
         pieces: list[Delta] = []  # the rest of a delta too large for one piece of work
         while True:
             if pieces:
-                await pacer.turn()
+                await pacer.resume()  # in this iteration or first in the next, not a round later
                 if c.error is not None:  # ended by the server's stop meanwhile: no more chunks
                     return
             t0 = time.perf_counter()

@@ -12,7 +12,8 @@ carries more of them: the loop stays responsive and the cost per token falls und
 
 The expected costs decide how many waiters an iteration releases; the measured ones bound
 what runs: a released task that finds the work already charged in its iteration over the
-budget (pieces larger than the average) queues again, ahead of the others.
+budget (pieces larger than the average) queues again, ahead of the others, as does the rest
+of a delta split into several pieces (``resume``).
 
 Two kinds of work wait in two queues: the streams' chunks (``turn``) and the set-up of new
 requests (``admission``, charged with ``charge(seconds, admission=True)``), each with its own
@@ -173,6 +174,13 @@ class Pacer:
             self.deferred += 1
             self._arm()
             await fut
+
+    async def resume(self) -> None:
+        """Go on with work a stream already took a turn for (the rest of a delta split for its
+        size): its tokens are here already, so it goes on in this iteration while the budget
+        lasts, then first in line in the next window; queued behind every stream that waits
+        for a turn, the rest would reach the client a whole round after the first piece."""
+        await self.settle()
 
     def after(self, fut: asyncio.Future[None]) -> asyncio.Future[None]:
         """A stream's turn that is queued once ``fut`` is done: a task that waits for data and
