@@ -36,7 +36,7 @@ rings for its own requests; on the vLLM-style path one ZeroMQ output socket per 
 CPU is then the sum over the server processes (and their parent); each process gets a CPU of
 its own, the engine and the load generators the rest. ``--clients K`` runs K load-generator
 processes with the streams split between them (one Python client cannot receive what eight
-servers send); their tokens are summed and the latency percentiles are the worst client's.
+servers send); their tokens are summed and the latency percentiles are over every request of every client.
 The engine's own counters (``/stats``: steps, step and emit seconds) say whether it was the
 bound: ``engine.busy`` is the fraction of the wall time it spent stepping and emitting, and
 ``engine.steps_per_s`` against ``1 / step_ms`` how far behind its pace it fell.
@@ -61,6 +61,9 @@ import tempfile
 import time
 import urllib.request
 from typing import Any
+
+import msgspec
+import numpy as np
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, _ROOT)
@@ -104,6 +107,8 @@ def _load(
     """``aiospec loadtest`` in ``clients`` child processes at nice 10 (the streams split
     between them); the merged summary and their CPU seconds."""
     outs = [tempfile.NamedTemporaryFile(suffix=".json") for _ in range(clients)]  # noqa: SIM115
+    tmp = tempfile.TemporaryDirectory(prefix="bench_e2e.")
+    details = [f"{detailed or os.path.join(tmp.name, 'load')}-{k}.jsonl" for k in range(clients)]
     try:
         pin = [] if a.no_pin or not cpus else ["taskset", "-c", ",".join(map(str, sorted(cpus)))]
         env = dict(os.environ, PYTHONPATH=_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -118,8 +123,7 @@ def _load(
                    "--prompt-logprobs", str(a.prompt_logprobs),
                    "--duration", str(a.time_cap), "--ramp-up", str(ramp_up), "--model", "aiospec-toy",
                    "-q", "--json", out.name]  # fmt: skip
-            if detailed:
-                cmd += ["--save-detailed", f"{detailed}-{k}.jsonl"]
+            cmd += ["--save-detailed", details[k]]
             procs.append(subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True))
         errs = [p.communicate(timeout=a.time_cap * 3 + 120)[1] for p in procs]
         after = os.times()
@@ -130,16 +134,41 @@ def _load(
                     summaries.append(json.load(f))
             except (OSError, ValueError):
                 raise RuntimeError(f"aiospec loadtest exited with {p.returncode}: {err[-2000:]}") from None
+        merged = _merge(summaries)
+        merged.update(_latencies(details))
     finally:
         for out in outs:
             out.close()
+        tmp.cleanup()
     cpu = (after.children_user + after.children_system) - (before.children_user + before.children_system)
-    return _merge(summaries), cpu
+    return merged, cpu
+
+
+def _latencies(paths: list[str]) -> dict[str, dict[str, float]]:
+    """Latency percentiles (ms) over every request of every load generator (their
+    ``--save-detailed`` files): TTFT, ITL (the gap between two chunks, vLLM's definition),
+    ITL per token (a gap spread over the chunk's tokens, SGLang's), TPOT, E2EL."""
+    rows = []
+    for path in paths:
+        with open(path, "rb") as f:
+            rows += [r for r in map(msgspec.json.decode, f.readlines()[1:]) if r["ok"]]
+    gaps = [g for r in rows for g in r["itl"]]
+    per_token = [g / max(r["chunk_tokens"][j + 1], 1) for r in rows for j, g in enumerate(r["itl"])]
+    tpot = [(r["e2e"] - r["ttft"]) / (r["output_tokens"] - 1) for r in rows if r["output_tokens"] > 1]
+
+    def dist(v: list[float]) -> dict[str, float]:
+        if not v:
+            return {"p50": 0.0, "p99": 0.0}
+        p50, p99 = np.percentile(np.asarray(v) * 1e3, (50, 99))
+        return {"p50": float(p50), "p99": float(p99)}
+
+    return {"ttft_ms": dist([r["ttft"] for r in rows]), "itl_ms": dist(gaps), "itl_per_token_ms": dist(per_token),
+            "tpot_ms": dist(tpot), "e2e_ms": dist([r["e2e"] for r in rows])}  # fmt: skip
 
 
 def _merge(ss: list[dict[str, Any]]) -> dict[str, Any]:
-    """One summary of several load generators: counts and tokens/s summed, latency percentiles
-    the worst generator's, tokens per chunk averaged by tokens."""
+    """One summary of several load generators: counts and tokens/s summed, tokens per chunk
+    averaged by tokens (the latency percentiles come from every request: ``_latencies``)."""
     if len(ss) == 1:
         return ss[0]
     out = dict(ss[0])
@@ -148,8 +177,6 @@ def _merge(ss: list[dict[str, Any]]) -> dict[str, Any]:
     out["error_samples"] = [e for s in ss for e in s["error_samples"]][:10]
     tokens = max(out["output_tokens"], 1)
     out["tokens_per_chunk"] = sum(s["tokens_per_chunk"] * s["output_tokens"] for s in ss) / tokens
-    for k in ("ttft_ms", "itl_ms"):
-        out[k] = {q: max(s[k][q] for s in ss) for q in ("p50", "p99")}
     return out
 
 
@@ -257,6 +284,7 @@ def run_one(path: str, concurrency: int, a: argparse.Namespace, servers: int = 1
         "tokens_per_chunk": round(s["tokens_per_chunk"], 2),
         "ttft_ms": {"p50": round(s["ttft_ms"]["p50"], 2), "p99": round(s["ttft_ms"]["p99"], 2)},
         "itl_ms": {"p50": round(s["itl_ms"]["p50"], 2), "p99": round(s["itl_ms"]["p99"], 2)},
+        **{k: {q: round(v, 2) for q, v in s[k].items()} for k in ("itl_per_token_ms", "tpot_ms", "e2e_ms")},
         "server_cpu_s": round(cpu, 3),
         "server_cpu_us_per_token": round(cpu / tokens * 1e6, 2),
         "server_cpu_s_per_process": [round(v, 3) for v in per_server_cpu.values()],

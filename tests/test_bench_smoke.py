@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
@@ -65,9 +66,10 @@ def test_bench_e2e_runs_each_path_and_reports_ratios() -> None:
         # the clients' rate is measured inside the run's wall time, so it is at least tokens / wall
         assert r["tokens_per_s"] >= 0.99 * r["output_tokens"] / r["wall_s"] > 0, r
         assert 1 <= r["tokens_per_chunk"] <= 8, r
-        for lat in (r["ttft_ms"], r["itl_ms"]):
+        for lat in (r["ttft_ms"], r["itl_ms"], r["itl_per_token_ms"], r["tpot_ms"], r["e2e_ms"]):
             assert 0 <= lat["p50"] <= lat["p99"] and math.isfinite(lat["p99"]), r
         assert r["ttft_ms"]["p50"] > 0, r
+        assert r["e2e_ms"]["p99"] >= r["ttft_ms"]["p99"] and r["itl_per_token_ms"]["p99"] <= r["itl_ms"]["p99"], r
         # chunks that reach the client in one read have a gap of 0 (so p50 may be 0 on a busy
         # machine); the gaps that span an engine step are not
         assert r["itl_ms"]["p99"] > 0, r
@@ -104,10 +106,10 @@ def test_bench_e2e_runs_each_path_and_reports_ratios() -> None:
 
 
 @pytest.mark.slow
-def test_bench_e2e_sweeps_api_servers_side_by_side() -> None:
+def test_bench_e2e_sweeps_api_servers_side_by_side(tmp_path: Path) -> None:
     out = _run("bench_e2e.py", "--concurrency", "6", "--paths", "ring", "vllm", "--api-servers", "1", "2",
                "--clients", "2", "--requests-per-stream", "1", "--max-tokens", "8", "--ramp-up", "0",
-               "--time-cap", "30")  # fmt: skip
+               "--time-cap", "30", "--save-detailed", str(tmp_path))  # fmt: skip
     assert out["failures"] == []
     runs = out["runs"]
     assert isinstance(runs, list)
@@ -120,6 +122,14 @@ def test_bench_e2e_sweeps_api_servers_side_by_side() -> None:
         assert r["loop_lag_ms"]["p99_ms"] == max(r["loop_lag_p99_ms_per_server"]), r
         e = r["engine"]
         assert 0 < e["busy"] < 1 and e["steps_per_s"] > 0 and e["paced_steps_per_s"] == 100.0, e
+        # each load generator's requests in a file of its own; the percentiles are over all of them
+        rows = []
+        for k in range(2):
+            with open(tmp_path / f"{r['path']}-n{r['api_servers']}-c6-{k}.jsonl") as f:
+                rows += [json.loads(line) for line in f.readlines()[1:]]
+        assert len(rows) == 6 and all(x["ok"] and sum(x["chunk_tokens"]) == 8 for x in rows), rows
+        ttft = np.percentile([x["ttft"] * 1e3 for x in rows], 99)
+        assert r["ttft_ms"]["p99"] == pytest.approx(ttft, abs=0.01), (r, rows)
     t = out["targets"]["6/N=2"]  # type: ignore[index]
     ring2 = runs[2]["tokens_per_s"]  # type: ignore[index]
     assert t["ring_N2_over_N1"] == pytest.approx(ring2 / runs[0]["tokens_per_s"], rel=1e-2)  # type: ignore[index]
