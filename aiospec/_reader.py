@@ -107,8 +107,10 @@ async def read_ring(
     yield_every: int = 128,
     max_frames: int = 64,
     spin: float = 20e-6,
+    plan_records: int = 8192,
 ) -> None:
-    """Read ``feed`` until its producer is gone or the task is cancelled.
+    """Read ``feed`` until its producer is gone or the task is cancelled (``plan_records``: at
+    most this many records planned in one step, ``_groups``).
 
     Losses (the ring's ``frames_lost`` rising, an eviction, an undecodable payload, a corrupt
     frame header, which is skipped by starting again at the head) end the affected streams and
@@ -119,7 +121,7 @@ async def read_ring(
     bell = _Bell(asyncio.get_running_loop())
     try:
         try:
-            await _read(feed, sink, bell, yield_every, max_frames, spin)
+            await _read(feed, sink, bell, yield_every, max_frames, spin, plan_records)
         finally:
             bell.close()  # before anyone closes the reader's descriptor
     except asyncio.CancelledError:
@@ -128,7 +130,27 @@ async def read_ring(
         sink.ring_failed(feed, exc)
 
 
-async def _read(feed: RingFeed, sink: RingSink, bell: _Bell, yield_every: int, max_frames: int, spin: float) -> None:
+def _groups(frames: list[Frame], records: int) -> list[list[Frame]]:
+    """Consecutive runs of ``frames`` of at most ``records`` records each (a larger frame alone):
+    a backlog of frames read at once is planned, a vectorized pass over every record of the
+    frames planned together, in steps of bounded work rather than in one."""
+    out: list[list[Frame]] = []
+    run: list[Frame] = []
+    n = 0
+    for f in frames:
+        if run and n + f.num_records > records:
+            out.append(run)
+            run, n = [], 0
+        run.append(f)
+        n += f.num_records
+    if run:
+        out.append(run)
+    return out
+
+
+async def _read(
+    feed: RingFeed, sink: RingSink, bell: _Bell, yield_every: int, max_frames: int, spin: float, plan_records: int
+) -> None:
     budget = yield_every
     while True:
         try:
@@ -147,19 +169,22 @@ async def _read(feed: RingFeed, sink: RingSink, bell: _Bell, yield_every: int, m
                 sink.frames_lost(feed, skipped, exc)
             await asyncio.sleep(0)
             continue
-        for unit in sink.plan(frames) if frames else ():
-            n = len(unit)
-            start = 0
-            while start < n:
-                stop = min(n, start + budget)
-                sink.route(unit, start, stop)
-                budget -= stop - start
-                start = stop
-                if budget <= 0:
-                    # let other tasks run; the streams are woken once, after the batch,
-                    # so a backlog reaches each consumer as one coalesced delta
-                    await asyncio.sleep(0)
-                    budget = yield_every
+        for i, group in enumerate(_groups(frames, plan_records)):
+            if i:
+                await asyncio.sleep(0)  # a backlog is planned a group at a time, with yields between
+            for unit in sink.plan(group):
+                n = len(unit)
+                start = 0
+                while start < n:
+                    stop = min(n, start + budget)
+                    sink.route(unit, start, stop)
+                    budget -= stop - start
+                    start = stop
+                    if budget <= 0:
+                        # let other tasks run; the streams are woken once, after the batch,
+                        # so a backlog reaches each consumer as one coalesced delta
+                        await asyncio.sleep(0)
+                        budget = yield_every
         for err in bad:
             sink.frames_lost(feed, frames_of(err), err)
         lost = feed.new_losses()

@@ -104,6 +104,33 @@ async def test_yields_to_the_loop_inside_a_big_frame_and_wakes_once(ring: shm.Ri
 
 
 @pytest.mark.asyncio
+async def test_a_backlog_of_frames_is_planned_in_bounded_groups_and_wakes_once(ring: shm.Ring) -> None:
+    """Five frames of 3,000 records read at once are planned in groups of at most 8,192
+    records (a vectorized pass over each group, with yields between), in ring order; each
+    stream still gets its five tokens as one delta, woken once."""
+    n, frames = 3000, 5
+    async with Hub(ring.name) as hub:
+        planned: list[int] = []
+        plan = hub.plan
+
+        def counting_plan(group: list) -> list:  # type: ignore[type-arg]
+            planned.append(sum(f.num_records for f in group))
+            return plan(group)
+
+        hub.plan = counting_plan  # type: ignore[method-assign]
+        streams = [hub.open(h) for h in range(n)]
+        waiters = [asyncio.ensure_future(s.get()) for s in streams]
+        await until(lambda: all(s.statistics().waiting for s in streams), "every consumer to wait")
+        for step in range(frames):  # committed before the hub's task runs again: one read
+            ring.write(enc([(h, [step], 0) for h in range(n)], step=step + 1))
+        deltas = await asyncio.wait_for(asyncio.gather(*waiters), T)
+        assert planned == [6000, 6000, 3000]
+        assert all(d.token_list() == list(range(frames)) for d in deltas)
+        for s in streams:
+            s.close()
+
+
+@pytest.mark.asyncio
 async def test_many_requests_under_back_pressure(ring: shm.Ring) -> None:
     """A producer faster than slow consumers: the ring fills, nothing is lost or reordered."""
     rng = random.Random(99)

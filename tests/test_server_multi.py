@@ -369,3 +369,47 @@ def test_metrics_share_sums_counters_over_every_process_and_gauges_over_live_one
     ms[1].loop_lag._n = 5
     ms[0].loop_lag.reset()
     assert shares[1]._reset_epoch() != shares[1]._reset_seen
+
+
+def test_metrics_share_writes_its_file_off_the_event_loop(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file write that waits (a disk's write-back) does not hold the event loop: the
+    periodic snapshot is written by a thread while a 5 ms ticker keeps its pace."""
+    import asyncio
+
+    import msgspec
+
+    from aiospec.server._metrics import Metrics, MetricsShare
+
+    m = Metrics()
+    share = MetricsShare(str(tmp_path), 0, m, lambda: [], interval=0.01)
+    replace = os.replace
+
+    def slow_replace(a: str, b: str) -> None:
+        time.sleep(0.15)  # the disk
+        replace(a, b)
+
+    monkeypatch.setattr(os, "replace", slow_replace)
+
+    async def main() -> float:
+        share._task = asyncio.get_running_loop().create_task(share._run())
+        m.tokens = 7
+        worst, t = 0.0, time.perf_counter()
+        for _ in range(60):
+            await asyncio.sleep(0.005)
+            now = time.perf_counter()
+            worst, t = max(worst, now - t), now
+        await share.stop()
+        return worst
+
+    worst = asyncio.run(main())
+    assert worst < 0.1, worst  # a write on the loop would hold it 150 ms
+    assert msgspec.msgpack.decode((tmp_path / "server-0.msgpack").read_bytes())["tokens"] == 7
+
+
+def test_the_server_processes_share_a_directory_on_tmpfs_where_there_is_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    from aiospec.server import _multi
+
+    expected = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK | os.X_OK) else None
+    assert _multi._runtime_dir() == expected
+    monkeypatch.setattr(os, "access", lambda *a, **k: False)
+    assert _multi._runtime_dir() is None  # the default temporary directory then

@@ -15,6 +15,7 @@ import bisect
 import contextlib
 import gc
 import os
+import threading
 import time
 from collections import defaultdict, deque
 from collections.abc import Callable
@@ -347,14 +348,18 @@ class MetricsShare:
             self.write()  # the counters of a process that stopped still count
 
     async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(self.interval)
             epoch = self._reset_epoch()
             if epoch != self._reset_seen:
                 self._reset_seen = epoch
                 self.metrics.loop_lag.reset(everywhere=False)
+            # the snapshot is taken on the loop; the file is written by a thread: a write and
+            # rename that waited for the disk held the loop for up to 77 ms (16-core machine)
+            data = msgspec.msgpack.encode(self._snapshot())
             with contextlib.suppress(OSError):
-                self.write()
+                await loop.run_in_executor(None, self._store, data)
 
     def _reset_epoch(self) -> int:
         try:
@@ -368,13 +373,21 @@ class MetricsShare:
                 f.write(f"{os.getpid()}\n")
             self._reset_seen = self._reset_epoch()
 
-    def write(self, extra: list[Extra] | None = None) -> dict[str, Any]:
+    def _snapshot(self, extra: list[Extra] | None = None) -> dict[str, Any]:
         snap = self.metrics.snapshot(self.local_extra() if extra is None else extra)
         snap["index"] = self.index
-        tmp = f"{self._path}.{os.getpid()}.tmp"
+        return snap
+
+    def _store(self, data: bytes) -> None:
+        # a name of its own per thread: the loop's write (``merged``) may meet the thread's
+        tmp = f"{self._path}.{os.getpid()}.{threading.get_ident()}.tmp"
         with open(tmp, "wb") as f:
-            f.write(msgspec.msgpack.encode(snap))
+            f.write(data)
         os.replace(tmp, self._path)
+
+    def write(self, extra: list[Extra] | None = None) -> dict[str, Any]:
+        snap = self._snapshot(extra)
+        self._store(msgspec.msgpack.encode(snap))
         return snap
 
     def peers(self) -> list[dict[str, Any]]:
