@@ -7,6 +7,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import pytest
 
@@ -35,6 +36,18 @@ async def _read_request(r: asyncio.StreamReader) -> tuple[bytes, dict[bytes, byt
     headers = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(b":") for ln in lines[1:] if ln)}
     await r.readexactly(int(headers.get(b"content-length", b"0")))
     return lines[0], headers
+
+
+def _answer_each_with(body: bytes) -> Callable[[asyncio.StreamReader, asyncio.StreamWriter], object]:
+    """A handler that answers every request on its connection with ``body`` (Content-Length)."""
+
+    async def handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        while True:
+            await _read_request(r)
+            w.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+            await w.drain()
+
+    return handle
 
 
 @asynccontextmanager
@@ -291,14 +304,7 @@ async def test_without_logprobs_the_usage_chunk_counts_the_tokens() -> None:
         + b"data: [DONE]\n\n"
     )
     seen: list[int] = []
-
-    async def handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        while True:
-            await _read_request(r)
-            w.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(sse) + sse)
-            await w.drain()
-
-    async with _server(handle) as url:
+    async with _server(_answer_each_with(sse)) as url:
         res = await run_load(_cfg(url, requests=2, logprobs=False), on_result=lambda r, n: seen.append(n))
     assert [r.output_tokens for r in res.results] == [7, 7] and [r.chunks for r in res.results] == [3, 3]
     assert res.token_counts == [3, 2, 2, 3, 2, 2] and seen == [7, 14]
@@ -307,16 +313,10 @@ async def test_without_logprobs_the_usage_chunk_counts_the_tokens() -> None:
 
 
 @pytest.mark.asyncio
-async def test_save_detailed_writes_every_request_with_its_chunks(tmp_path: pytest.TempPathFactory) -> None:
-    async def handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        while True:
-            await _read_request(r)
-            w.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(SSE) + SSE)
-            await w.drain()
-
-    async with _server(handle) as url:
+async def test_save_detailed_writes_every_request_with_its_chunks(tmp_path: Path) -> None:
+    async with _server(_answer_each_with(SSE)) as url:
         res = await run_load(_cfg(url, requests=2))
-    path = str(tmp_path / "detail.jsonl")  # type: ignore[operator]
+    path = str(tmp_path / "detail.jsonl")
     save_detailed(res, path)
     with open(path) as f:
         head, *rows = (json.loads(line) for line in f)
