@@ -357,10 +357,11 @@ async def test_the_rest_of_a_split_delta_goes_on_first_in_line_not_a_round_later
     for _ in range(30):
         await asyncio.sleep(0)  # every stream has had turns: the queue is a round long
     await p.turn()
+    started = time.perf_counter()
     runs = [tick.iteration]
     for _ in range(5):
         p.charge(0.0011)
-        await p.resume()
+        assert not await p.resume(started)  # (the pieces here cost no wall time)
         runs.append(tick.iteration)
     p.charge(0.0011)
     before = served
@@ -374,3 +375,44 @@ async def test_the_rest_of_a_split_delta_goes_on_first_in_line_not_a_round_later
     assert max(gaps) <= 2, gaps
     assert waited >= 8, waited
     assert served > before  # the others were served while the new turn waited
+
+
+@pytest.mark.asyncio
+async def test_a_very_large_delta_takes_at_most_a_budget_a_turn() -> None:
+    """A delta of 12 pieces of 1.1 ms (of a 4 ms budget) while 40 other streams wait: its
+    pieces go on while its turn has lasted less than one budget, then it queues for a new
+    turn behind the others (a round), so it cannot hold the budget of many iterations."""
+    p = Pacer(budget=0.004)
+    for _ in range(200):
+        p.charge(0.0011)
+    tick = _Ticker()
+    done = False
+
+    async def stream() -> None:
+        while not done:
+            await p.turn()
+            p.charge(0.0011)
+
+    streams = [asyncio.ensure_future(stream()) for _ in range(40)]
+    for _ in range(30):
+        await asyncio.sleep(0)
+    await p.turn()
+    started = time.perf_counter()
+    new_turns: list[tuple[int, int]] = []  # (piece, iterations its turn waited)
+    for piece in range(1, 12):
+        t_end = time.perf_counter() + 0.0011  # the piece's work
+        while time.perf_counter() < t_end:
+            pass
+        p.charge(0.0011)
+        before = tick.iteration
+        if await p.resume(started):
+            new_turns.append((piece, tick.iteration - before))
+            started = time.perf_counter()
+    done = True
+    await asyncio.wait_for(asyncio.gather(*streams), 60)
+    tick.stop()
+    # a new turn after every 4 ms of pieces (at most 4 of them; fewer if the machine is busy),
+    # each behind the round
+    assert len(new_turns) >= 2, new_turns
+    assert all(b - a <= 4 for (a, _), (b, _) in itertools.pairwise([(0, 0), *new_turns])), new_turns
+    assert all(waited >= 8 for _, waited in new_turns), new_turns

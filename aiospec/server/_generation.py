@@ -332,9 +332,13 @@ class Generation(Response):
         chat = self.chat
         enc = ChatChunkEncoder(self.rid, self.model, self.created, index=c.index) if chat else None
         pieces: list[Delta] = []  # the rest of a delta too large for one piece of work
+        started = 0.0  # when this stream's current turn began
         while True:
             if pieces:
-                await pacer.resume()  # in this iteration or first in the next, not a round later
+                # in this iteration or first in the next, not a round later (up to a budget's
+                # worth of pieces a turn)
+                if await pacer.resume(started):
+                    started = time.perf_counter()
                 if c.error is not None:  # ended by the server's stop meanwhile: no more chunks
                     return
             t0 = time.perf_counter()
@@ -342,6 +346,7 @@ class Generation(Response):
                 try:
                     # wait for data and for this iteration's budget, then take all that arrived
                     got, t0 = await paced_get(stream, pacer)
+                    started = t0
                 except (StreamClosed, EndOfStream):
                     return
                 except StreamError as exc:

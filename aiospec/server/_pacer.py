@@ -28,6 +28,7 @@ backlog of requests not yet admitted, and nothing starves.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
 
 __all__ = ("Pacer",)
@@ -175,12 +176,20 @@ class Pacer:
             self._arm()
             await fut
 
-    async def resume(self) -> None:
+    async def resume(self, started: float) -> bool:
         """Go on with work a stream already took a turn for (the rest of a delta split for its
-        size): its tokens are here already, so it goes on in this iteration while the budget
-        lasts, then first in line in the next window; queued behind every stream that waits
-        for a turn, the rest would reach the client a whole round after the first piece."""
-        await self.settle()
+        size), its turn having begun at ``started`` (``time.perf_counter()``): the rest's tokens
+        are here already, so it goes on in this iteration while the budget lasts, then first
+        in line in the next window (queued behind every stream that waits for a turn, it would
+        reach the client a whole round after the first piece). Once the stream has had a
+        budget's worth of work since ``started``, it queues for a new turn like any other, so
+        that one very large delta cannot hold the budget of many iterations. Returns whether
+        it took a new turn (the caller's ``started`` begins again)."""
+        if time.perf_counter() - started < self.budget:
+            await self.settle()
+            return False
+        await self.turn()
+        return True
 
     def after(self, fut: asyncio.Future[None]) -> asyncio.Future[None]:
         """A stream's turn that is queued once ``fut`` is done: a task that waits for data and
