@@ -367,6 +367,15 @@ class Collector:
             return True
         return False
 
+    def end_with(self, error: StreamError) -> bool:
+        """``fail`` now, outside a batch (waking the consumer at once): the server's end of a
+        stream (``DeltaStream.fail``). False when it had ended already."""
+        if self._state is not _OPEN:
+            return False
+        if self.fail(error):
+            self.wake()
+        return True
+
     def wake(self) -> None:
         """Resolve the consumer's waiter (the router calls this once per batch)."""
         self._wake_queued = False

@@ -238,16 +238,10 @@ class Hub:
         return RequestStream(self._router.open(handle, deps, first))
 
     def fail(self, handle: int, error: StreamError) -> bool:
-        """End the open stream of request ``handle`` with ``error`` after the deltas it
-        buffered (e.g. ``RequestRefused`` when the engine refused the request: no record will
-        come). Returns False when no stream of that handle is open (never opened, ended
-        already: it keeps its end, or closed); records that come for it later are dropped."""
+        """``RequestStream.fail`` of the open stream of request ``handle``, found by its
+        handle: False too when no stream of that handle is open."""
         c = self._router.table.get(handle)
-        if c is None or c.ended:
-            return False
-        if c.fail(error):
-            c.wake()
-        return True
+        return c is not None and c.end_with(error)
 
     def stats(self) -> HubStats:
         """The Hub's counters and its rings, now."""

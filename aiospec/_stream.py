@@ -19,6 +19,7 @@ from aiospec import _payload_layout as L
 from aiospec._stream_errors import (
     EndOfStream,
     StreamBusy,
+    StreamError,
 )
 
 if TYPE_CHECKING:
@@ -118,7 +119,7 @@ class DeltaStream(abc.ABC):
     """The protocol of a stream of deltas, shared by ``RequestStream`` and the baselines'
     streams so that a server can swap them.
 
-    Subclasses give ``get_nowait()``, ``get()``, ``ready()``, ``wait()`` and ``close()``; this
+    Subclasses give ``get_nowait()``, ``get()``, ``ready()``, ``wait()``, ``close()`` and ``fail()``; this
     class builds ``async for``, ``aclose()`` and ``async with`` on them.
     """
 
@@ -145,6 +146,13 @@ class DeltaStream(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Close the stream now; every later read raises ``StreamClosed``. Idempotent."""
+
+    @abc.abstractmethod
+    def fail(self, error: StreamError) -> bool:
+        """End the stream with ``error`` after the deltas it holds (the server's end of it,
+        e.g. ``RequestRefused`` when the engine refused the request: no record will come);
+        records that come for it later are dropped. False when it had ended already (it keeps
+        its end) or was closed."""
 
     def __aiter__(self) -> DeltaStream:
         return self
@@ -233,6 +241,9 @@ class RequestStream(DeltaStream):
         """Close now (synchronous twin of ``aclose``): the Hub forgets the handle at once, a
         waiting ``get()`` raises ``StreamClosed``; idempotent."""
         self._c.close()
+
+    def fail(self, error: StreamError) -> bool:
+        return self._c.end_with(error)
 
     def __repr__(self) -> str:
         st = self._c.statistics()

@@ -232,9 +232,14 @@ async def test_fail_ends_one_stream_after_what_it_buffered(ring: shm.Ring) -> No
         assert info.value.handle == 1 and info.value.reason == "no" and info.value.invalid
         assert isinstance(info.value, ValueError)
         assert not waiter.done()  # the other stream is untouched
-        assert hub.fail(2, RequestRefused("request 0x2: the engine refused it: no", 2, "no")) is True
+        assert s1.fail(err) is False  # the stream's own fail: the same end
+        # the stream's own fail, as the server calls it on every token path
+        assert s2.fail(RequestRefused("request 0x2: the engine refused it: no", 2, "no")) is True
         with pytest.raises(RequestRefused):
             await asyncio.wait_for(waiter, T)
+        s3 = hub.open(3)
+        s3.close()
+        assert s3.fail(err) is False and hub.fail(3, err) is False  # closed: nothing to end
         ring.write(enc([(1, [7], Flag.FINISHED)]))  # records of a failed stream are dropped
         await until(lambda: hub.stats().records_dropped == 1, "the dropped record")
         assert hub.stats().streams_open == 0

@@ -190,8 +190,6 @@ class BaselineStream(DeltaStream):
                 self._waiting = False
 
     def fail(self, error: StreamError) -> bool:
-        """End the stream with ``error`` after the deltas it holds (the server's: the engine
-        refused the request); False when it had ended already (it keeps its end)."""
         if self._ended or self._closed:
             return False
         self._error = error

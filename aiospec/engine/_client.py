@@ -260,7 +260,7 @@ class _Engines:
         self._stopped = False
         #: Called with a ``RequestRefused`` for every request an engine refuses (its
         #: ``Admit``, or under PD its ``Handoff``): the owner of the request's stream ends it
-        #: with that error (``Hub.fail(error.handle, error)``). None: the refusal is logged.
+        #: with that error (``DeltaStream.fail``). None: the refusal is logged.
         self.on_refused: Callable[[RequestRefused], None] | None = None
         self.refused = 0  # requests the engines refused
 

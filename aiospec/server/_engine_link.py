@@ -20,7 +20,7 @@ import msgspec
 
 import shm
 from aiospec._hub import Hub
-from aiospec._stream import RequestStream
+from aiospec._stream import DeltaStream, RequestStream
 from aiospec._stream_errors import RequestRefused
 from aiospec.engine import Admit, EngineConfig, EngineGroup, EngineStats, HandleAllocator, default_vocabulary
 from aiospec.engine._client import SERVER_SHIFT, RemoteEngines
@@ -121,7 +121,7 @@ class EngineLink:
         self.on_fatal: Callable[[str], None] | None = None
         self._rings = 0  # rings the Hub must be reading (ring path)
         # handles admitted to the current engines, and their streams
-        self._inflight: dict[int, Any] = {}
+        self._inflight: dict[int, DeltaStream] = {}
         self.refused = 0  # requests the engines refused
         self._supervisor: asyncio.Task[None] | None = None
         # the rings, attached without a reader slot, to see who holds them full (ring path)
@@ -158,10 +158,7 @@ class EngineLink:
             return
         self.refused += 1
         log.info("%s", err)
-        if self._baseline is None:
-            self.source.fail(err.handle, err)
-        else:
-            stream.fail(err)
+        stream.fail(err)
 
     async def start(self) -> None:
         """Start the engines and the token path, then supervise them."""
