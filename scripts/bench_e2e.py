@@ -62,12 +62,10 @@ import time
 import urllib.request
 from typing import Any
 
-import msgspec
-import numpy as np
-
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, _ROOT)
 
+from aiospec.loadtest import latencies, load_detailed  # noqa: E402
 from aiospec.server import ServerProcess  # noqa: E402
 
 _TICK = os.sysconf("SC_CLK_TCK")
@@ -145,25 +143,9 @@ def _load(
 
 
 def _latencies(paths: list[str]) -> dict[str, dict[str, float]]:
-    """Latency percentiles (ms) over every request of every load generator (their
-    ``--save-detailed`` files): TTFT, ITL (the gap between two chunks, vLLM's definition),
-    ITL per token (a gap spread over the chunk's tokens, SGLang's), TPOT, E2EL."""
-    rows = []
-    for path in paths:
-        with open(path, "rb") as f:
-            rows += [r for r in map(msgspec.json.decode, f.readlines()[1:]) if r["ok"]]
-    gaps = [g for r in rows for g in r["itl"]]
-    per_token = [g / max(r["chunk_tokens"][j + 1], 1) for r in rows for j, g in enumerate(r["itl"])]
-    tpot = [(r["e2e"] - r["ttft"]) / (r["output_tokens"] - 1) for r in rows if r["output_tokens"] > 1]
-
-    def dist(v: list[float]) -> dict[str, float]:
-        if not v:
-            return {"p50": 0.0, "p99": 0.0}
-        p50, p99 = np.percentile(np.asarray(v) * 1e3, (50, 99))
-        return {"p50": float(p50), "p99": float(p99)}
-
-    return {"ttft_ms": dist([r["ttft"] for r in rows]), "itl_ms": dist(gaps), "itl_per_token_ms": dist(per_token),
-            "tpot_ms": dist(tpot), "e2e_ms": dist([r["e2e"] for r in rows])}  # fmt: skip
+    """Latency percentiles over every request of every load generator (their
+    ``--save-detailed`` files): ``aiospec.loadtest.latencies``."""
+    return latencies([r for path in paths for r in load_detailed(path) if r.ok])
 
 
 def _merge(ss: list[dict[str, Any]]) -> dict[str, Any]:
@@ -282,9 +264,10 @@ def run_one(path: str, concurrency: int, a: argparse.Namespace, servers: int = 1
         "output_tokens": s["output_tokens"],
         "tokens_per_s": round(s["tokens_per_s"], 1),
         "tokens_per_chunk": round(s["tokens_per_chunk"], 2),
-        "ttft_ms": {"p50": round(s["ttft_ms"]["p50"], 2), "p99": round(s["ttft_ms"]["p99"], 2)},
-        "itl_ms": {"p50": round(s["itl_ms"]["p50"], 2), "p99": round(s["itl_ms"]["p99"], 2)},
-        **{k: {q: round(v, 2) for q, v in s[k].items()} for k in ("itl_per_token_ms", "tpot_ms", "e2e_ms")},
+        **{
+            k: {q: round(s[k][q], 2) for q in ("p50", "p99")}
+            for k in ("ttft_ms", "itl_ms", "itl_per_token_ms", "tpot_ms", "e2e_ms")
+        },
         "server_cpu_s": round(cpu, 3),
         "server_cpu_us_per_token": round(cpu / tokens * 1e6, 2),
         "server_cpu_s_per_process": [round(v, 3) for v in per_server_cpu.values()],

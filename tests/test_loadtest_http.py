@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from aiospec.loadtest import LoadConfig, run_load, save_detailed, summarize
+from aiospec.loadtest import LoadConfig, latencies, load_detailed, run_load, save_detailed, summarize
 
 
 def _event(tokens: int, text: str = "ab") -> bytes:
@@ -328,3 +328,11 @@ async def test_save_detailed_writes_every_request_with_its_chunks(tmp_path: Path
         assert row["ok"] and row["output_tokens"] == 3 and row["chunk_tokens"] == [2, 1]
         assert row["itl"] == r.itl and len(row["itl"]) == 1
         assert row["start"] == r.start and row["ttft"] == r.ttft and row["e2e"] == r.e2e
+    back = load_detailed(path)  # the file read back: the same requests, the same latencies
+    assert [(b.ok, b.start, b.ttft, b.e2e, b.itl, b.chunk_tokens) for b in back] == [
+        (r.ok, r.start, r.ttft, r.e2e, r.itl, r.chunk_tokens) for r in res.results
+    ]
+    s = summarize(res)
+    assert latencies(back) == {k: s[k] for k in ("ttft_ms", "itl_ms", "itl_per_token_ms", "tpot_ms", "e2e_ms")}
+    # each gap ends a chunk of 1 token: per token, the gaps themselves
+    assert s["itl_per_token_ms"]["max"] == pytest.approx(max(g for r in res.results for g in r.itl) * 1e3)

@@ -11,12 +11,14 @@ from aiospec._lazy import lazy_getattr
 
 if TYPE_CHECKING:
     from aiospec.loadtest._client import LoadConfig, LoadResult, RequestResult, run_load
-    from aiospec.loadtest._report import plot, render_table, save_detailed, summarize
+    from aiospec.loadtest._report import latencies, load_detailed, plot, render_table, save_detailed, summarize
 
 __all__ = (
     "LoadConfig",
     "LoadResult",
     "RequestResult",
+    "latencies",
+    "load_detailed",
     "plot",
     "render_table",
     "run_load",
@@ -29,6 +31,8 @@ _WHERE = {
     "LoadResult": "aiospec.loadtest._client",
     "RequestResult": "aiospec.loadtest._client",
     "run_load": "aiospec.loadtest._client",
+    "latencies": "aiospec.loadtest._report",
+    "load_detailed": "aiospec.loadtest._report",
     "plot": "aiospec.loadtest._report",
     "render_table": "aiospec.loadtest._report",
     "save_detailed": "aiospec.loadtest._report",

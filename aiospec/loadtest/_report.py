@@ -8,9 +8,9 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from aiospec.loadtest._client import LoadResult
+from aiospec.loadtest._client import LoadResult, RequestResult
 
-__all__ = ("plot", "render_table", "save_detailed", "summarize")
+__all__ = ("latencies", "load_detailed", "plot", "render_table", "save_detailed", "summarize")
 
 _PCTS = (50, 90, 99)
 
@@ -27,16 +27,27 @@ def _dist(values: list[float]) -> dict[str, float]:
     return out
 
 
+def latencies(ok: list[RequestResult]) -> dict[str, dict[str, float]]:
+    """The latency distributions (milliseconds) of completed requests, with the names and
+    definitions of vLLM's and SGLang's serving benchmarks: TTFT; ITL, the gap between two
+    chunks (whatever their tokens); ITL per token, each gap spread over its chunk's tokens
+    (SGLang's); TPOT, a request's time per output token after the first, (e2e - ttft) /
+    (tokens - 1) (what GuideLLM calls ITL); E2EL, the request latency."""
+    per_token = [g / max(r.chunk_tokens[j + 1], 1) for r in ok for j, g in enumerate(r.itl)]
+    return {
+        "ttft_ms": _dist([r.ttft for r in ok]),
+        "itl_ms": _dist([g for r in ok for g in r.itl]),
+        "itl_per_token_ms": _dist(per_token),
+        "tpot_ms": _dist([(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]),
+        "e2e_ms": _dist([r.e2e for r in ok]),
+    }
+
+
 def summarize(res: LoadResult) -> dict[str, Any]:
     """The numbers of a run as a JSON-able dict (latencies in milliseconds)."""
     ok = [r for r in res.results if r.ok]
     errors = Counter(r.error for r in res.results if not r.ok)
     tokens = sum(r.output_tokens for r in ok)
-    # the names and definitions of vLLM's and SGLang's serving benchmarks: ITL is the gap
-    # between two chunks (whatever their tokens), TPOT a request's time per output token after
-    # the first, (e2e - ttft) / (tokens - 1) (what GuideLLM calls ITL), E2EL the request latency
-    itl = [g for r in ok for g in r.itl]
-    tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
     chunks = sum(r.chunks for r in ok)
     wall = max(res.wall, 1e-9)
     return {
@@ -53,10 +64,7 @@ def summarize(res: LoadResult) -> dict[str, Any]:
         "tokens_per_s": tokens / wall,
         "requests_per_s": len(ok) / wall,
         "tokens_per_chunk": tokens / chunks if chunks else 0.0,
-        "ttft_ms": _dist([r.ttft for r in ok]),
-        "itl_ms": _dist(itl),
-        "tpot_ms": _dist(tpot),
-        "e2e_ms": _dist([r.e2e for r in ok]),
+        **latencies(ok),
         "settings": {k: v for k, v in msgspec.to_builtins(res.config).items() if k != "api_key"},
     }
 
@@ -75,6 +83,13 @@ def save_detailed(res: LoadResult, path: str) -> None:
             row = {"ok": r.ok, "start": r.start, "ttft": r.ttft, "e2e": r.e2e, "output_tokens": r.output_tokens,
                    "itl": r.itl, "chunk_tokens": r.chunk_tokens, "error": r.error}  # fmt: skip
             f.write(enc.encode(row) + b"\n")
+
+
+def load_detailed(path: str) -> list[RequestResult]:
+    """The requests of a ``save_detailed`` file (without their text)."""
+    dec = msgspec.json.Decoder(RequestResult)
+    with open(path, "rb") as f:
+        return [dec.decode(line) for line in f.read().splitlines()[1:]]
 
 
 def render_table(summary: dict[str, Any]) -> Any:
