@@ -1,5 +1,5 @@
-"""What the OpenAI server tests share: a raw POST (JSON or SSE), and the model's own logits
-as the oracle of prompt logprobs."""
+"""What the OpenAI server tests share: a server for a module's tests, a raw POST (JSON or
+SSE), and the model's own logits as the oracle of prompt logprobs."""
 
 from __future__ import annotations
 
@@ -7,14 +7,27 @@ import functools
 import json
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
 
 from aiospec.engine import ToyModel, default_vocabulary
+from aiospec.server import ServerProcess
 
 VOCAB = default_vocabulary()
+
+
+def serving(args: list[str], **kw: Any) -> Iterator[ServerProcess]:
+    """``aiospec serve`` with ``args`` (``kw``: ``ServerProcess``'s), started, for a module
+    fixture's ``yield from``; at the end it must stop cleanly (exit status 0)."""
+    srv = ServerProcess(args, **kw)
+    srv.start(timeout=180)
+    try:
+        yield srv
+    finally:
+        assert srv.stop() == 0
 
 
 def post(url: str, body: Any) -> tuple[int, Any]:

@@ -18,7 +18,7 @@ from typing import Any
 
 import openai
 import pytest
-from _openaihelpers import expected_prompt_logprobs, log_softmax, post, same_prompt_logprobs, toy_model
+from _openaihelpers import expected_prompt_logprobs, log_softmax, post, same_prompt_logprobs, serving, toy_model
 
 from aiospec.engine import default_vocabulary
 from aiospec.server import ServerProcess
@@ -29,12 +29,7 @@ MODEL = "aiospec-toy"
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
-    srv = ServerProcess(["--step-ms", "2", "--max-batch", "64", "--num-draft", "2"])
-    srv.start(timeout=180)
-    try:
-        yield srv
-    finally:
-        assert srv.stop() == 0
+    yield from serving(["--step-ms", "2", "--max-batch", "64", "--num-draft", "2"])
 
 
 @pytest.fixture(scope="module")

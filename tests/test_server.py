@@ -15,6 +15,7 @@ from typing import Any
 
 import openai
 import pytest
+from _openaihelpers import serving
 
 import shm
 from aiospec.engine import default_vocabulary
@@ -26,16 +27,11 @@ VOCAB = default_vocabulary()
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
     before = set(os.listdir(shm.SHM_DIR))
-    srv = ServerProcess(["--step-ms", "5", "--max-batch", "64", "--num-draft", "2"])
-    srv.start(timeout=180)
-    try:
-        yield srv
-    finally:
-        assert srv.stop() == 0
-        # the engine's ring and the bells are gone with it
-        left = {n for n in set(os.listdir(shm.SHM_DIR)) - before if n.startswith("aiospec-")}
-        stats_rings = set(_ring_names)
-        assert not (left & stats_rings), f"segments left behind: {sorted(left & stats_rings)}"
+    yield from serving(["--step-ms", "5", "--max-batch", "64", "--num-draft", "2"])
+    # the engine's ring and the bells are gone with it
+    left = {n for n in set(os.listdir(shm.SHM_DIR)) - before if n.startswith("aiospec-")}
+    stats_rings = set(_ring_names)
+    assert not (left & stats_rings), f"segments left behind: {sorted(left & stats_rings)}"
 
 
 _ring_names: list[str] = []

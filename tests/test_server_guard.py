@@ -15,6 +15,7 @@ from typing import IO, Any
 
 import openai
 import pytest
+from _openaihelpers import serving
 
 import aiospec
 from aiospec.server import ServerProcess
@@ -36,15 +37,10 @@ def server(log_file: IO[bytes]) -> Iterator[ServerProcess]:
     args = ["--step-ms", "5", "--max-batch", "64", "--api-key", KEYS[2], "--allowed-origins", ORIGIN,
             "--header-timeout", "1", "--body-timeout", "1", "--max-connections", "40"]  # fmt: skip
     # two keys from the environment (kept off the command line), one from --api-key
-    srv = ServerProcess(args, stderr=log_file, env={"AIOSPEC_API_KEY": f"{KEYS[0]}, {KEYS[1]}"})
-    srv.start(timeout=180)
-    try:
-        yield srv
-    finally:
-        assert srv.stop() == 0
-        log_file.seek(0)
-        log = log_file.read().decode(errors="replace")
-        assert "Traceback" not in log, log
+    yield from serving(args, stderr=log_file, env={"AIOSPEC_API_KEY": f"{KEYS[0]}, {KEYS[1]}"})
+    log_file.seek(0)
+    log = log_file.read().decode(errors="replace")
+    assert "Traceback" not in log, log
 
 
 def _request(

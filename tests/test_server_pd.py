@@ -9,19 +9,14 @@ from collections.abc import Iterator
 
 import openai
 import pytest
-from _openaihelpers import VOCAB, expected_prompt_logprobs, log_softmax, post, same_prompt_logprobs, toy_model
+from _openaihelpers import VOCAB, expected_prompt_logprobs, log_softmax, post, same_prompt_logprobs, serving, toy_model
 
 from aiospec.server import ServerProcess
 
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
-    srv = ServerProcess(["--pd", "--step-ms", "5", "--max-batch", "32", "--num-draft", "1"])
-    srv.start(timeout=180)
-    try:
-        yield srv
-    finally:
-        assert srv.stop() == 0
+    yield from serving(["--pd", "--step-ms", "5", "--max-batch", "32", "--num-draft", "1"])
 
 
 def _stats(server: ServerProcess) -> dict:  # type: ignore[type-arg]

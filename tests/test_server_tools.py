@@ -20,6 +20,7 @@ from typing import Any
 
 import httpx
 import pytest
+from _openaihelpers import serving
 
 from aiospec.server import ServerProcess
 
@@ -68,12 +69,7 @@ BODIES: list[tuple[str, str, dict[str, Any]]] = [
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
     # MTP drafts: chunks of several tokens, as a busy server or speculative decoding sends
-    srv = ServerProcess(["--step-ms", "2", "--num-draft", "2"])
-    srv.start(timeout=180)
-    try:
-        yield srv
-    finally:
-        assert srv.stop() == 0
+    yield from serving(["--step-ms", "2", "--num-draft", "2"])
 
 
 @pytest.fixture(scope="module")
