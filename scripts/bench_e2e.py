@@ -201,6 +201,8 @@ def run_one(path: str, concurrency: int, a: argparse.Namespace, servers: int = 1
             "--api-servers", str(servers), "--device", a.device]  # fmt: skip
     if path == "fastdeploy" and a.raise_msg_limits:
         args.append("--raise-msg-limits")
+    if a.stream_deadline_ms is not None:
+        args += ["--stream-deadline-ms", str(a.stream_deadline_ms)]
     srv = ServerProcess(args)
     srv.start(timeout=180)
     try:
@@ -250,7 +252,8 @@ def run_one(path: str, concurrency: int, a: argparse.Namespace, servers: int = 1
     if servers == 1 and "pacer" in s0:  # (with several, two requests may reach two processes)
         p0, p1 = s0["pacer"], after["pacer"]
         # the share of turns that waited for a later loop iteration: near 1, the server was the bound
-        turns = {k: p1[k] - p0[k] for k in ("granted", "deferred", "admitted")}
+        # late_windows: loop iterations in which a stream had waited past the stream deadline
+        turns = {k: p1[k] - p0[k] for k in ("granted", "deferred", "admitted", "late_windows")}
         pacer = {**turns, "deferred_share": round(turns["deferred"] / max(turns["granted"], 1), 3)}
     return {
         "path": path,
@@ -425,6 +428,11 @@ def main() -> int:
     p.add_argument("--raise-msg-limits", action="store_true", help="let the FastDeploy-style server raise "
                    "kernel.msgmax / msgmnb for its run (root; put back when it exits); without it that path "
                    "is listed under failures on a machine with the kernel's defaults")  # fmt: skip
+    p.add_argument(
+        "--stream-deadline-ms",
+        type=float,
+        help="the servers' --stream-deadline-ms (default: the server's own; 0: never, a fixed admission share)",
+    )
     p.add_argument("--repeat", type=int, default=1, help="repetitions (interleaved); medians are reported")
     p.add_argument("--api-servers", type=int, nargs="+", default=[1], help="API server processes per run (a sweep)")
     p.add_argument("--clients", type=int, default=1, help="load-generator processes per run")

@@ -210,7 +210,7 @@ class _Ticker:
 
 @pytest.mark.asyncio
 async def test_admissions_take_at_most_their_share_while_streams_wait() -> None:
-    p = Pacer(budget=0.004, admission_share=0.5)
+    p = Pacer(budget=0.004, admission_share=0.5, stream_deadline=None)
     for _ in range(200):
         p.charge(0.0011)  # a stream's piece: 1.1 ms (clear of the budget's fractions)
         p.charge(0.0011, admission=True)  # a request's set-up: 1.1 ms
@@ -245,7 +245,7 @@ async def test_admissions_take_at_most_their_share_while_streams_wait() -> None:
 async def test_a_burst_of_admissions_does_not_hold_back_running_streams() -> None:
     """Running streams keep their turns, at about their rate without the burst, while 300
     new requests are set up; every admission still gets through, none starves."""
-    p = Pacer(budget=0.004, admission_share=0.5)
+    p = Pacer(budget=0.004, admission_share=0.5, stream_deadline=None)
     for _ in range(200):
         p.charge(0.0011)
         p.charge(0.0011, admission=True)
@@ -416,3 +416,94 @@ async def test_a_very_large_delta_takes_at_most_a_budget_a_turn() -> None:
     assert len(new_turns) >= 2, new_turns
     assert all(b - a <= 4 for (a, _), (b, _) in itertools.pairwise([(0, 0), *new_turns])), new_turns
     assert all(waited >= 8 for _, waited in new_turns), new_turns
+
+
+class _Clock:
+    """A pacer clock that a ticker moves by 1 ms a loop iteration: waits in iterations."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+async def _burst(deadline: float | None) -> tuple[list[int], int, Pacer]:
+    """40 running streams of 1.1 ms pieces in 4 ms windows (the server is the bound: alone, a
+    turn each every 10 iterations; at half of each window, every 20) while 300 new requests
+    are set up: the longest wait of a stream for its turn during the burst, in iterations, the
+    iterations the burst took, and the pacer."""
+    clock = _Clock()
+    p = Pacer(budget=0.004, admission_share=0.5, stream_deadline=deadline, clock=clock)
+    for _ in range(200):
+        p.charge(0.0011)
+        p.charge(0.0011, admission=True)
+    iteration = 0
+
+    async def ticker() -> None:
+        nonlocal iteration
+        while True:
+            await asyncio.sleep(0)
+            iteration += 1
+            clock.t += 0.001
+
+    tick = asyncio.ensure_future(ticker())
+    served: dict[int, list[int]] = {i: [] for i in range(40)}
+    done = False
+
+    async def stream(i: int) -> None:
+        while not done:
+            await p.turn()
+            served[i].append(iteration)
+            p.charge(0.0011)
+
+    admitted: list[int] = []
+
+    async def admission() -> None:
+        await p.admission()
+        admitted.append(iteration)
+        p.charge(0.0011, admission=True)
+
+    streams = [asyncio.ensure_future(stream(i)) for i in range(40)]
+    for _ in range(60):
+        await asyncio.sleep(0)
+    burst_at = iteration
+    await asyncio.wait_for(asyncio.gather(*(admission() for _ in range(300))), 60)
+    burst = iteration - burst_at
+    done = True
+    await asyncio.wait_for(asyncio.gather(*streams), 60)
+    tick.cancel()
+    assert len(admitted) == 300
+    waits = [b - a for its in served.values() for a, b in itertools.pairwise(its) if a >= burst_at]
+    return waits, burst, p
+
+
+@pytest.mark.asyncio
+async def test_a_stream_past_the_deadline_comes_before_new_requests() -> None:
+    """With the deadline (5 ms here), the running streams take the whole budget once one of
+    them has waited past it, and the burst's admissions go on at one an iteration: the streams
+    keep the round they have alone (10 iterations, a few more for the admissions), where with
+    a fixed share they wait twice as long for as long as the burst lasts."""
+    waits, burst, p = await _burst(0.005)
+    fixed, fixed_burst, q = await _burst(None)
+    assert p.late > 0 and q.late == 0
+    assert max(waits) <= 15, sorted(waits)[-10:]
+    assert max(fixed) >= 18, sorted(fixed)[-10:]
+    # every request was set up, at about one an iteration (not starved)
+    assert burst <= 320 and fixed_burst < burst
+
+
+def test_stream_deadline_is_validated() -> None:
+    with pytest.raises(ValueError, match=r"^stream_deadline = 0: expected a positive number of seconds or None$"):
+        Pacer(stream_deadline=0)
+    from aiospec.cli import build_parser
+    from aiospec.server._cli import _engine_argv, _settings
+
+    assert _settings(build_parser().parse_args(["serve"])).stream_deadline == 0.05
+    a = build_parser().parse_args(["serve", "--stream-deadline-ms", "0"])
+    assert _settings(a).stream_deadline is None
+    argv = _engine_argv(a)
+    assert argv[argv.index("--stream-deadline-ms") + 1] == "0.0"
+    a = build_parser().parse_args(["serve", "--stream-deadline-ms", "-1"])
+    with pytest.raises(ValueError, match=r"^--stream-deadline-ms = -1\.0: expected 0 \(never\) or up to 60000$"):
+        _settings(a)

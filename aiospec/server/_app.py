@@ -73,7 +73,7 @@ class AppState:
         self.metrics = Metrics()
         self.metrics.loop_lag.interval = settings.loop_lag_interval
         self.metrics.loop_lag.manage_gc = settings.manage_gc
-        self.pacer = Pacer(settings.loop_budget)
+        self.pacer = Pacer(settings.loop_budget, stream_deadline=settings.stream_deadline)
         self.on_ready = on_ready
         self.limits = Limits(
             max_model_len=settings.max_model_len,

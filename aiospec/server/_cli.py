@@ -105,6 +105,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         default=2.0,
         help="server: ms of chunk formatting per event-loop iteration; less = lower loop lag (%(default)s)",
     )
+    g.add_argument(
+        "--stream-deadline-ms",
+        type=float,
+        default=50.0,
+        help="server: a running stream whose turn has waited this long comes before new requests' set-up "
+        "(one a loop iteration still moves); 0 = never, a fixed share (%(default)s)",
+    )
 
 
 def _max_batch(a: argparse.Namespace) -> int:
@@ -158,6 +165,8 @@ def _settings(a: argparse.Namespace) -> Any:
             raise ValueError(f"{flag} = {value!r}: expected only with --pd and --token-path ring")
     if not 0.05 <= a.loop_budget_ms <= 1000:
         raise ValueError(f"--loop-budget-ms = {a.loop_budget_ms!r}: expected 0.05..1000")
+    if not 0 <= a.stream_deadline_ms <= 60000:
+        raise ValueError(f"--stream-deadline-ms = {a.stream_deadline_ms!r}: expected 0 (never) or up to 60000")
     if not 0.5 <= a.producer_timeout <= 3600:
         raise ValueError(f"--producer-timeout = {a.producer_timeout!r}: expected 0.5..3600 seconds")
     if not 1 <= a.api_servers <= 16:
@@ -173,6 +182,7 @@ def _settings(a: argparse.Namespace) -> Any:
         default_max_tokens=a.default_max_tokens,
         max_logprobs=a.max_logprobs,
         loop_budget=a.loop_budget_ms / 1e3,
+        stream_deadline=a.stream_deadline_ms / 1e3 or None,
         producer_timeout=a.producer_timeout,
         raise_msg_limits=a.raise_msg_limits,
     )
@@ -184,6 +194,7 @@ def _engine_argv(a: argparse.Namespace) -> list[str]:
             "--num-draft", str(a.num_draft), "--acceptance", str(a.acceptance), "--seed", str(a.seed),
             "--token-path", a.token_path, "--device", a.device, "--max-model-len", str(a.max_model_len),
             "--default-max-tokens", str(a.default_max_tokens), "--loop-budget-ms", str(a.loop_budget_ms),
+            "--stream-deadline-ms", str(a.stream_deadline_ms),
             "--producer-timeout", str(a.producer_timeout), "--max-logprobs", str(a.max_logprobs),
             "--logprobs-mode", a.logprobs_mode, "--api-servers", str(a.api_servers),
             "--reader-timeout", str(a.reader_timeout)]  # fmt: skip

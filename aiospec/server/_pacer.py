@@ -23,6 +23,15 @@ whole budget when the other does not wait. So a burst of new requests (under a f
 length, requests end and are replaced in waves) cannot push every running stream's next turn
 back behind it: a stream waits for one round of the other running streams, not for the
 backlog of requests not yet admitted, and nothing starves.
+
+A round of the running streams grows with their number, and a server at its bound keeps
+admitting: every request it sets up makes the round longer. So the admissions' share shrinks
+once a stream's turn has waited half of ``stream_deadline``, to one admission per iteration
+(they still move) when it has waited the whole deadline, and grows back as the streams catch up
+(a share that fell and rose at once would swing: the admissions held back would flood in
+together). Under overload the inter-token tail stays near the deadline and new requests wait
+longer for their first token instead, as an engine's scheduler runs the decoding requests
+before it prefills new ones.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from collections.abc import Callable
 
 __all__ = ("Pacer",)
 
@@ -37,10 +47,11 @@ __all__ = ("Pacer",)
 class _Queue:
     """One kind of work: its waiters, its average cost and its share of the current window."""
 
-    __slots__ = ("avg", "front", "spent", "waiters")
+    __slots__ = ("avg", "front", "since", "spent", "waiters")
 
     def __init__(self, avg: float) -> None:
         self.waiters: deque[asyncio.Future[None]] = deque()
+        self.since: deque[float] = deque()  # when each waiter queued (the pacer's clock), in step
         self.avg = avg  # moving average of one piece of this kind
         self.spent = 0.0  # expected cost of the turns of this kind granted in the current window
         self.front = 0  # where the next task that queues again goes (ahead of new waiters)
@@ -51,21 +62,47 @@ class _Queue:
         n = 0
         while waiters and (self.spent < limit or (at_least_one and not n)):
             f = waiters.popleft()
+            self.since.popleft()
             if not f.done():
                 f.set_result(None)
                 self.spent += self.avg
                 n += 1
         return n
 
+    def push(self, fut: asyncio.Future[None], now: float, at: int | None = None) -> None:
+        """Queue a waiter at the end, or at ``at`` (a task that queues again, ahead of others)."""
+        if at is None:
+            self.waiters.append(fut)
+            self.since.append(now)
+        else:
+            # it queued before the waiter it goes ahead of: that one's time keeps the order
+            since = self.since
+            since.insert(at, since[at] if at < len(since) else now)
+            self.waiters.insert(at, fut)
+
+    def waited(self, now: float) -> float:
+        """How long the oldest waiter has waited (0 when none waits)."""
+        return now - self.since[0] if self.since else 0.0
+
 
 class Pacer:
-    def __init__(self, budget: float = 0.003, admission_share: float = 0.5) -> None:
+    def __init__(
+        self,
+        budget: float = 0.003,
+        admission_share: float = 0.5,
+        stream_deadline: float | None = 0.05,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
         if not budget > 0:
             raise ValueError(f"budget = {budget!r}: expected a positive number of seconds")
         if not 0 < admission_share <= 1:
             raise ValueError(f"admission_share = {admission_share!r}: expected a fraction in (0, 1]")
+        if stream_deadline is not None and not stream_deadline > 0:
+            raise ValueError(f"stream_deadline = {stream_deadline!r}: expected a positive number of seconds or None")
         self.budget = budget
         self.admission_share = admission_share
+        self.stream_deadline = stream_deadline
+        self._clock = clock  # for the streams' waits (the deadline)
         self._streams = _Queue(budget / 16)
         self._admissions = _Queue(budget / 16)
         self._used = 0.0  # measured cost of the work charged since the last window began
@@ -74,6 +111,7 @@ class Pacer:
         self.granted = 0
         self.deferred = 0  # turns that waited for a later iteration
         self.admitted = 0  # admission turns granted (also counted in ``granted``)
+        self.late = 0  # windows in which a stream had waited past the deadline (one admission)
 
     @property
     def waiting(self) -> tuple[int, int]:
@@ -88,8 +126,11 @@ class Pacer:
             "granted": self.granted,
             "deferred": self.deferred,
             "admitted": self.admitted,
+            "late_windows": self.late,
             "waiting_streams": streams,
             "waiting_admissions": admissions,
+            "stream_deadline_ms": None if self.stream_deadline is None else self.stream_deadline * 1e3,
+            "oldest_stream_wait_ms": round(self._streams.waited(self._clock()) * 1e3, 3),
             "turn_us": round(self._streams.avg * 1e6, 1),
             "admission_us": round(self._admissions.avg * 1e6, 1),
         }
@@ -101,13 +142,18 @@ class Pacer:
             # a callback scheduled now runs in the next loop iteration: one window per iteration
             self._loop.call_soon(self._tick)
 
-    def _limits(self) -> tuple[float, float]:
-        """The expected costs the streams and the admissions may reach in this window."""
-        b = self.budget
-        if not self._admissions.waiters and not self._streams.waiters:
-            return b, b
-        reserve = b * self.admission_share
-        return b - reserve if self._admissions.waiters else b, reserve if self._streams.waiters else b
+    def _share(self) -> float:
+        """The admissions' share of this window while streams wait: ``admission_share`` until
+        the oldest waiting stream turn has waited half the deadline, then less, down to none
+        (one admission a window) at the deadline. A share that fell at once would swing: the
+        admissions held back pile up and flood in once the streams catch up."""
+        d = self.stream_deadline
+        if d is None or not self._streams.since:
+            return self.admission_share
+        w = self._streams.waited(self._clock())
+        if w <= d / 2:
+            return self.admission_share
+        return self.admission_share * max(0.0, 2 * (d - w) / d)
 
     def _fresh(self) -> None:
         if not self._armed:  # first demand since the loop went quiet: a fresh window
@@ -123,7 +169,7 @@ class Pacer:
         other = self._streams if admission else self._admissions
         limit = self.budget
         if other.waiters:  # the other kind waits: this one keeps to its share
-            limit *= self.admission_share if admission else 1 - self.admission_share
+            limit *= self._share() if admission else 1 - self.admission_share
         if q.spent + other.spent >= self.budget or q.spent >= limit:
             return False
         q.spent += q.avg
@@ -139,10 +185,16 @@ class Pacer:
         s.spent = a.spent = 0.0
         s.front = a.front = 0
         if a.waiters and s.waiters:
-            # the streams up to their share, then at least one admission, then whatever the
+            share = self._share()
+            if share == 0.0:
+                self.late += 1
+            # one admission first, so that new requests always move (behind the streams'
+            # pieces it could find the budget spent and queue again, every window), the
+            # streams up to their share, the admissions up to theirs, then whatever the
             # budget has left for either
-            released = s.release(self.budget * (1 - self.admission_share))
-            n = a.release(self.budget - s.spent, at_least_one=True)
+            n = a.release(0.0, at_least_one=True)
+            released = s.release(self.budget * (1 - share))
+            n += a.release(self.budget - s.spent)
             released += n + s.release(self.budget - a.spent)
             self.admitted += n
         elif a.waiters:
@@ -170,7 +222,7 @@ class Pacer:
         while self._used >= self.budget:
             assert self._loop is not None
             fut = self._loop.create_future()
-            q.waiters.insert(q.front, fut)
+            q.push(fut, self._clock(), q.front)
             q.front += 1
             self.deferred += 1
             self._arm()
@@ -204,7 +256,7 @@ class Pacer:
             if self._grant():
                 turn.set_result(None)
             else:
-                self._streams.waiters.append(turn)
+                self._streams.push(turn, self._clock())
                 self.deferred += 1
                 self._arm()
 
@@ -218,7 +270,7 @@ class Pacer:
             return
         q = self._admissions if admission else self._streams
         fut = self._loop.create_future()
-        q.waiters.append(fut)
+        q.push(fut, self._clock())
         self.deferred += 1
         self._arm()
         await fut
