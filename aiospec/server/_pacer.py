@@ -118,7 +118,7 @@ class Pacer:
         """Stream turns and admissions waiting now."""
         return len(self._streams.waiters), len(self._admissions.waiters)
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> dict[str, float | None]:
         """The counters and what waits now (``/stats``' ``pacer``)."""
         streams, admissions = self.waiting
         return {
