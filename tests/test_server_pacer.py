@@ -192,17 +192,31 @@ def test_admission_share_is_validated() -> None:
         Pacer(budget=0.002, admission_share=1.5)
 
 
-class _Ticker:
-    """Counts loop iterations (one ``sleep(0)`` each) while it runs."""
+class _Clock:
+    """A pacer clock that a ``_Ticker`` moves."""
 
     def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class _Ticker:
+    """Counts loop iterations (one ``sleep(0)`` each) while it runs; moves ``clock`` (when
+    given) by 1 ms an iteration, so that a pacer on that clock sees waits in iterations."""
+
+    def __init__(self, clock: _Clock | None = None) -> None:
         self.iteration = 0
+        self._clock = clock
         self._task = asyncio.ensure_future(self._run())
 
     async def _run(self) -> None:
         while True:
             await asyncio.sleep(0)
             self.iteration += 1
+            if self._clock is not None:
+                self._clock.t += 0.001
 
     def stop(self) -> None:
         self._task.cancel()
@@ -245,41 +259,11 @@ async def test_admissions_take_at_most_their_share_while_streams_wait() -> None:
 async def test_a_burst_of_admissions_does_not_hold_back_running_streams() -> None:
     """Running streams keep their turns, at about their rate without the burst, while 300
     new requests are set up; every admission still gets through, none starves."""
-    p = Pacer(budget=0.004, admission_share=0.5, stream_deadline=None)
-    for _ in range(200):
-        p.charge(0.0011)
-        p.charge(0.0011, admission=True)
-    tick = _Ticker()
-    served: dict[int, list[int]] = {i: [] for i in range(8)}
-    done = False
-
-    async def stream(i: int) -> None:
-        while not done:
-            await p.turn()
-            served[i].append(tick.iteration)
-            p.charge(0.0011)
-
-    admitted: list[int] = []
-
-    async def admission() -> None:
-        await p.admission()
-        admitted.append(tick.iteration)
-        p.charge(0.0011, admission=True)
-
-    streams = [asyncio.ensure_future(stream(i)) for i in range(8)]
-    for _ in range(50):
-        await asyncio.sleep(0)
-    burst_at = tick.iteration
-    await asyncio.wait_for(asyncio.gather(*(admission() for _ in range(300))), 60)
-    done = True
-    await asyncio.wait_for(asyncio.gather(*streams), 60)
-    tick.stop()
-    assert len(admitted) == 300
+    per_stream, _, _ = await _burst(None, streams_n=8)
     # 8 streams of 1.1 ms in 4 ms windows: a stream's turn every 2 iterations alone; with the
     # burst the streams keep half of each window, a turn every 4 (in one FIFO it would wait
     # behind the whole burst: 330 ms of set-up, 75 iterations)
-    for its in served.values():
-        during = [b - a for a, b in itertools.pairwise(its) if a >= burst_at]
+    for during in per_stream:
         assert during and max(during) <= 6, during
 
 
@@ -418,63 +402,43 @@ async def test_a_very_large_delta_takes_at_most_a_budget_a_turn() -> None:
     assert all(waited >= 8 for _, waited in new_turns), new_turns
 
 
-class _Clock:
-    """A pacer clock that a ticker moves by 1 ms a loop iteration: waits in iterations."""
-
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
-async def _burst(deadline: float | None) -> tuple[list[int], int, Pacer]:
-    """40 running streams of 1.1 ms pieces in 4 ms windows (the server is the bound: alone, a
-    turn each every 10 iterations; at half of each window, every 20) while 300 new requests
-    are set up: the longest wait of a stream for its turn during the burst, in iterations, the
+async def _burst(deadline: float | None, streams_n: int = 40) -> tuple[list[list[int]], int, Pacer]:
+    """``streams_n`` running streams of 1.1 ms pieces in 4 ms windows while 300 new requests
+    are set up: each stream's waits for its turn during the burst, in iterations, the
     iterations the burst took, and the pacer."""
     clock = _Clock()
     p = Pacer(budget=0.004, admission_share=0.5, stream_deadline=deadline, clock=clock)
     for _ in range(200):
         p.charge(0.0011)
         p.charge(0.0011, admission=True)
-    iteration = 0
-
-    async def ticker() -> None:
-        nonlocal iteration
-        while True:
-            await asyncio.sleep(0)
-            iteration += 1
-            clock.t += 0.001
-
-    tick = asyncio.ensure_future(ticker())
-    served: dict[int, list[int]] = {i: [] for i in range(40)}
+    tick = _Ticker(clock)
+    served: dict[int, list[int]] = {i: [] for i in range(streams_n)}
     done = False
 
     async def stream(i: int) -> None:
         while not done:
             await p.turn()
-            served[i].append(iteration)
+            served[i].append(tick.iteration)
             p.charge(0.0011)
 
     admitted: list[int] = []
 
     async def admission() -> None:
         await p.admission()
-        admitted.append(iteration)
+        admitted.append(tick.iteration)
         p.charge(0.0011, admission=True)
 
-    streams = [asyncio.ensure_future(stream(i)) for i in range(40)]
+    streams = [asyncio.ensure_future(stream(i)) for i in range(streams_n)]
     for _ in range(60):
         await asyncio.sleep(0)
-    burst_at = iteration
+    burst_at = tick.iteration
     await asyncio.wait_for(asyncio.gather(*(admission() for _ in range(300))), 60)
-    burst = iteration - burst_at
+    burst = tick.iteration - burst_at
     done = True
     await asyncio.wait_for(asyncio.gather(*streams), 60)
-    tick.cancel()
+    tick.stop()
     assert len(admitted) == 300
-    waits = [b - a for its in served.values() for a, b in itertools.pairwise(its) if a >= burst_at]
+    waits = [[b - a for a, b in itertools.pairwise(its) if a >= burst_at] for its in served.values()]
     return waits, burst, p
 
 
@@ -484,8 +448,10 @@ async def test_a_stream_past_the_deadline_comes_before_new_requests() -> None:
     them has waited past it, and the burst's admissions go on at one an iteration: the streams
     keep the round they have alone (10 iterations, a few more for the admissions), where with
     a fixed share they wait twice as long for as long as the burst lasts."""
-    waits, burst, p = await _burst(0.005)
-    fixed, fixed_burst, q = await _burst(None)
+    per_stream, burst, p = await _burst(0.005)
+    fixed_per_stream, fixed_burst, q = await _burst(None)
+    waits = list(itertools.chain.from_iterable(per_stream))
+    fixed = list(itertools.chain.from_iterable(fixed_per_stream))
     assert p.late > 0 and q.late == 0
     assert max(waits) <= 15, sorted(waits)[-10:]
     assert max(fixed) >= 18, sorted(fixed)[-10:]
