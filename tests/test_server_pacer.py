@@ -465,7 +465,7 @@ def test_stream_deadline_is_validated() -> None:
     from aiospec.cli import build_parser
     from aiospec.server._cli import _engine_argv, _settings
 
-    assert _settings(build_parser().parse_args(["serve"])).stream_deadline == 0.05
+    assert _settings(build_parser().parse_args(["serve"])).stream_deadline == 0.1
     a = build_parser().parse_args(["serve", "--stream-deadline-ms", "0"])
     assert _settings(a).stream_deadline is None
     argv = _engine_argv(a)
@@ -473,3 +473,44 @@ def test_stream_deadline_is_validated() -> None:
     a = build_parser().parse_args(["serve", "--stream-deadline-ms", "-1"])
     with pytest.raises(ValueError, match=r"^--stream-deadline-ms = -1\.0: expected 0 \(never\) or up to 60000$"):
         _settings(a)
+
+
+async def _queue_then_admit(deadline: float | None) -> list[int]:
+    """100 streams queue a turn at once (1.1 ms each, 4 ms windows: 28 iterations to serve
+    them all) while 40 requests wait to be set up: the admissions of each of the first 10
+    iterations, before any stream has waited 25 ms."""
+    clock = _Clock()
+    p = Pacer(budget=0.004, admission_share=0.5, stream_deadline=deadline, clock=clock)
+    for _ in range(200):
+        p.charge(0.0011)
+        p.charge(0.0011, admission=True)
+    await p.turn()
+    p.charge(0.004)  # this window is spent: everything below queues
+    tick = _Ticker(clock)
+    admitted: list[int] = []
+
+    async def stream() -> None:
+        await p.turn()
+        p.charge(0.0011)
+
+    async def admission() -> None:
+        await p.admission()
+        admitted.append(tick.iteration)
+        p.charge(0.0011, admission=True)
+
+    start = tick.iteration
+    await asyncio.wait_for(asyncio.gather(*(stream() for _ in range(100)), *(admission() for _ in range(40))), 60)
+    tick.stop()
+    return [sum(1 for it in admitted if it - start == i) for i in range(10)]
+
+
+@pytest.mark.asyncio
+async def test_a_long_queue_holds_admissions_back_before_anyone_has_waited() -> None:
+    """What the queue ahead will take counts as a wait: 100 stream turns queued at once will
+    take 28 iterations (28 ms on this clock), past a 40 ms deadline's half, so the admissions
+    are held to about one an iteration from the first, not at half of each window until the
+    oldest has waited 20 ms."""
+    held = await _queue_then_admit(0.04)
+    fixed = await _queue_then_admit(None)
+    assert max(held) <= 1 and sum(held) >= 5, held
+    assert sum(fixed) >= 14, fixed

@@ -108,7 +108,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--stream-deadline-ms",
         type=float,
-        default=50.0,
+        default=100.0,
         help="server: a running stream whose turn has waited this long comes before new requests' set-up "
         "(one a loop iteration still moves); 0 = never, a fixed share (%(default)s)",
     )

@@ -64,7 +64,7 @@ class ServerSettings(msgspec.Struct, kw_only=True):
     # a running stream whose turn has waited this long comes before new requests' set-up (one
     # admission per iteration still moves): under overload the inter-token tail stays near it
     # and new requests wait longer for their first token instead (None: a fixed share, never)
-    stream_deadline: float | None = 0.05
+    stream_deadline: float | None = 0.1
     hub_yield_every: int = 64  # records the Hub routes between two yields to the loop
     start_timeout: float = 120.0
     # --token-path fastdeploy: raise kernel.msgmax / msgmnb for the run (root), put back at exit

@@ -90,7 +90,7 @@ class Pacer:
         self,
         budget: float = 0.003,
         admission_share: float = 0.5,
-        stream_deadline: float | None = 0.05,
+        stream_deadline: float | None = 0.1,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         if not budget > 0:
@@ -106,6 +106,8 @@ class Pacer:
         self._streams = _Queue(budget / 16)
         self._admissions = _Queue(budget / 16)
         self._used = 0.0  # measured cost of the work charged since the last window began
+        self._window = budget  # moving average of a window's wall time, while windows follow on
+        self._last_tick: float | None = None
         self._armed = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self.granted = 0
@@ -144,13 +146,17 @@ class Pacer:
 
     def _share(self) -> float:
         """The admissions' share of this window while streams wait: ``admission_share`` until
-        the oldest waiting stream turn has waited half the deadline, then less, down to none
-        (one admission a window) at the deadline. A share that fell at once would swing: the
-        admissions held back pile up and flood in once the streams catch up."""
+        a stream turn has waited half the deadline, then less, down to none (one admission a
+        window) at the deadline. The wait is the oldest waiter's, or what the queue ahead of
+        the newest one will take to drain at the windows' pace, whichever is longer: requests
+        just admitted lengthen the queue a step after their set-up, a round before anyone
+        has waited for them. A share that fell at once would swing: the admissions held back
+        pile up and flood in once the streams catch up."""
         d = self.stream_deadline
-        if d is None or not self._streams.since:
+        s = self._streams
+        if d is None or not s.since:
             return self.admission_share
-        w = self._streams.waited(self._clock())
+        w = max(s.waited(self._clock()), len(s.since) * s.avg / self.budget * self._window)
         if w <= d / 2:
             return self.admission_share
         return self.admission_share * max(0.0, 2 * (d - w) / d)
@@ -180,6 +186,9 @@ class Pacer:
 
     def _tick(self) -> None:
         self._armed = False
+        now = self._clock()
+        if self._last_tick is not None:  # (the loop was not idle in between)
+            self._window += (min(now - self._last_tick, 10 * self.budget) - self._window) * 0.1
         self._used = 0.0
         s, a = self._streams, self._admissions
         s.spent = a.spent = 0.0
@@ -205,6 +214,9 @@ class Pacer:
         self.granted += released
         if s.waiters or a.waiters or released:
             self._arm()
+            self._last_tick = now
+        else:
+            self._last_tick = None
 
     def charge(self, seconds: float, admission: bool = False) -> None:
         """Report the measured cost of a piece of work done after a turn (``admission``: after
