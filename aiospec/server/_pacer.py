@@ -26,12 +26,12 @@ backlog of requests not yet admitted, and nothing starves.
 
 A round of the running streams grows with their number, and a server at its bound keeps
 admitting: every request it sets up makes the round longer. So the admissions' share shrinks
-once a stream's turn has waited half of ``stream_deadline``, to one admission per iteration
-(they still move) when it has waited the whole deadline, and grows back as the streams catch up
-(a share that fell and rose at once would swing: the admissions held back would flood in
-together). Under overload the inter-token tail stays near the deadline and new requests wait
-longer for their first token instead, as an engine's scheduler runs the decoding requests
-before it prefills new ones.
+once a stream's turn has waited half of ``stream_deadline`` (or will have, by what the queue
+ahead of it takes to drain), to one admission per iteration (they still move) at the whole
+deadline, and grows back as the streams catch up (a share that fell and rose at once would
+swing: the admissions held back would flood in together). Under overload the inter-token
+tail stays near the deadline and new requests wait longer for their first token instead, as
+an engine's scheduler runs the decoding requests before it prefills new ones.
 """
 
 from __future__ import annotations
