@@ -113,7 +113,7 @@ class Pacer:
         self.granted = 0
         self.deferred = 0  # turns that waited for a later iteration
         self.admitted = 0  # admission turns granted (also counted in ``granted``)
-        self.late = 0  # windows in which a stream had waited past the deadline (one admission)
+        self.late = 0  # windows at the deadline (a stream waited, or will, that long): one admission
 
     @property
     def waiting(self) -> tuple[int, int]:
