@@ -109,8 +109,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "--stream-deadline-ms",
         type=float,
         default=100.0,
-        help="server: a running stream whose turn has waited this long comes before new requests' set-up "
-        "(one a loop iteration still moves); 0 = never, a fixed share (%(default)s)",
+        help="server: once a running stream's turn has waited this long (or will have, by the queue ahead "
+        "of it), the running streams come before new requests' set-up (one a loop iteration still moves); "
+        "0 = never, a fixed share (%(default)s)",
     )
 
 

@@ -61,9 +61,10 @@ class ServerSettings(msgspec.Struct, kw_only=True):
     # one iteration, and the work the budget does not cover (reading the ring, uvicorn's request
     # handling) comes on top, so 2 ms keeps the lag p99 under 10 ms at 1024 streams
     loop_budget: float = 0.002
-    # a running stream whose turn has waited this long comes before new requests' set-up (one
-    # admission per iteration still moves): under overload the inter-token tail stays near it
-    # and new requests wait longer for their first token instead (None: a fixed share, never)
+    # once a running stream's turn has waited this long (or will have, by the queue ahead of
+    # it), the running streams come before new requests' set-up (one admission per iteration
+    # still moves): under overload the inter-token tail stays nearer it and new requests wait
+    # longer for their first token instead (None: a fixed share, never)
     stream_deadline: float | None = 0.1
     hub_yield_every: int = 64  # records the Hub routes between two yields to the loop
     start_timeout: float = 120.0

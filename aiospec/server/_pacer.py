@@ -144,7 +144,7 @@ class Pacer:
             # a callback scheduled now runs in the next loop iteration: one window per iteration
             self._loop.call_soon(self._tick)
 
-    def _share(self) -> float:
+    def _share(self, now: float) -> float:
         """The admissions' share of this window while streams wait: ``admission_share`` until
         a stream turn has waited half the deadline, then less, down to none (one admission a
         window) at the deadline. The wait is the oldest waiter's, or what the queue ahead of
@@ -156,7 +156,7 @@ class Pacer:
         s = self._streams
         if d is None or not s.since:
             return self.admission_share
-        w = max(s.waited(self._clock()), len(s.since) * s.avg / self.budget * self._window)
+        w = max(s.waited(now), len(s.since) * s.avg / self.budget * self._window)
         if w <= d / 2:
             return self.admission_share
         return self.admission_share * max(0.0, 2 * (d - w) / d)
@@ -175,7 +175,7 @@ class Pacer:
         other = self._streams if admission else self._admissions
         limit = self.budget
         if other.waiters:  # the other kind waits: this one keeps to its share
-            limit *= self._share() if admission else 1 - self.admission_share
+            limit *= self._share(self._clock()) if admission else 1 - self.admission_share
         if q.spent + other.spent >= self.budget or q.spent >= limit:
             return False
         q.spent += q.avg
@@ -194,7 +194,7 @@ class Pacer:
         s.spent = a.spent = 0.0
         s.front = a.front = 0
         if a.waiters and s.waiters:
-            share = self._share()
+            share = self._share(now)
             if share == 0.0:
                 self.late += 1
             # one admission first, so that new requests always move (behind the streams'
