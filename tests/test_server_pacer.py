@@ -17,6 +17,15 @@ from aiospec.server._pacer import Pacer
 from aiospec.server._ready import paced_get
 
 
+def _costs(p: Pacer, turn: float, admission: float | None = None) -> None:
+    """Settle ``p``'s moving averages: ``turn`` seconds a stream's piece, ``admission`` a
+    request's set-up (when given)."""
+    for _ in range(200):
+        p.charge(turn)
+        if admission is not None:
+            p.charge(admission, admission=True)
+
+
 async def _iterations_until(fut: asyncio.Future[None], limit: int = 1000) -> int:
     """Loop iterations (one sleep(0) each) until ``fut`` is done."""
     n = 0
@@ -65,8 +74,7 @@ async def _pieces(p: Pacer, n: int, cost: float | None = None) -> tuple[list[int
 @pytest.mark.asyncio
 async def test_work_beyond_the_budget_waits_for_later_iterations_in_order() -> None:
     p = Pacer(budget=0.004)
-    for _ in range(200):
-        p.charge(0.001)  # the moving average settles at one millisecond per piece
+    _costs(p, 0.001)  # the moving average settles at one millisecond per piece
     order, runs = await _pieces(p, 20)
     assert order == list(range(20))
     assert p.deferred > 0
@@ -78,8 +86,7 @@ async def test_work_beyond_the_budget_waits_for_later_iterations_in_order() -> N
 @pytest.mark.asyncio
 async def test_pieces_costlier_than_expected_queue_again_in_order() -> None:
     p = Pacer(budget=0.004)
-    for _ in range(200):
-        p.charge(0.001)  # expected: four pieces per window
+    _costs(p, 0.001)  # expected: four pieces per window
     order, runs = await _pieces(p, 12, cost=0.003)  # each piece measures three times the expectation
     assert order == list(range(12))
     # what the measured costs allow: the piece that reaches the budget ends the iteration's work
@@ -225,9 +232,7 @@ class _Ticker:
 @pytest.mark.asyncio
 async def test_admissions_take_at_most_their_share_while_streams_wait() -> None:
     p = Pacer(budget=0.004, admission_share=0.5, stream_deadline=None)
-    for _ in range(200):
-        p.charge(0.0011)  # a stream's piece: 1.1 ms (clear of the budget's fractions)
-        p.charge(0.0011, admission=True)  # a request's set-up: 1.1 ms
+    _costs(p, 0.0011, admission=0.0011)  # 1.1 ms a piece and a set-up (clear of the budget's fractions)
     tick = _Ticker()
     streams: list[tuple[int, int]] = []  # (iteration, index)
     admissions: list[tuple[int, int]] = []
@@ -277,8 +282,7 @@ async def test_every_stream_is_served_in_turn_when_the_server_is_the_bound() -> 
     with shm.Ring.create(capacity=1 << 20) as ring:
         async with Hub([ring.name]) as hub:
             p = Pacer(budget=0.004)
-            for _ in range(200):
-                p.charge(0.0011)
+            _costs(p, 0.0011)
             streams = [hub.open(h) for h in range(streams_n)]
             tick = _Ticker()
             turns: dict[int, list[int]] = {h: [] for h in range(streams_n)}
@@ -324,8 +328,7 @@ async def test_the_rest_of_a_split_delta_goes_on_first_in_line_not_a_round_later
     piece in the same or the next iteration (``resume``), where a new turn waits for the
     round; the other streams keep getting turns meanwhile."""
     p = Pacer(budget=0.004)
-    for _ in range(200):
-        p.charge(0.0011)
+    _costs(p, 0.0011)
     tick = _Ticker()
     done = False
     served = 0
@@ -367,8 +370,7 @@ async def test_a_very_large_delta_takes_at_most_a_budget_a_turn() -> None:
     pieces go on while its turn has lasted less than one budget, then it queues for a new
     turn behind the others (a round), so it cannot hold the budget of many iterations."""
     p = Pacer(budget=0.004)
-    for _ in range(200):
-        p.charge(0.0011)
+    _costs(p, 0.0011)
     tick = _Ticker()
     done = False
 
@@ -408,9 +410,7 @@ async def _burst(deadline: float | None, streams_n: int = 40) -> tuple[list[list
     iterations the burst took, and the pacer."""
     clock = _Clock()
     p = Pacer(budget=0.004, admission_share=0.5, stream_deadline=deadline, clock=clock)
-    for _ in range(200):
-        p.charge(0.0011)
-        p.charge(0.0011, admission=True)
+    _costs(p, 0.0011, admission=0.0011)  # a stream's piece and a request's set-up: 1.1 ms each
     tick = _Ticker(clock)
     served: dict[int, list[int]] = {i: [] for i in range(streams_n)}
     done = False
@@ -481,9 +481,7 @@ async def _queue_then_admit(deadline: float | None) -> list[int]:
     iterations, before any stream has waited 25 ms."""
     clock = _Clock()
     p = Pacer(budget=0.004, admission_share=0.5, stream_deadline=deadline, clock=clock)
-    for _ in range(200):
-        p.charge(0.0011)
-        p.charge(0.0011, admission=True)
+    _costs(p, 0.0011, admission=0.0011)  # a stream's piece and a request's set-up: 1.1 ms each
     await p.turn()
     p.charge(0.004)  # this window is spent: everything below queues
     tick = _Ticker(clock)
