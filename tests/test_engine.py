@@ -269,8 +269,9 @@ def test_abort_running_waiting_and_before_arrival() -> None:
     assert core.abort(5) is False  # not here yet: remembered
     assert core.handoff(Handoff(req, 3, 4)) is False
     assert core.aborted == 1 and not core.has_work()
-    core.handoff(Handoff(Admit(6, [1], max_tokens=50), 3, 4))
-    core.handoff(Handoff(Admit(7, [1], max_tokens=50), 3, 4))
+    # (never the end token: a sampled one would end request 6 at its first step, 1 % of runs)
+    core.handoff(Handoff(Admit(6, [1], max_tokens=50, ignore_eos=True), 3, 4))
+    core.handoff(Handoff(Admit(7, [1], max_tokens=50, ignore_eos=True), 3, 4))
     core.step()
     assert core.abort(6) and core.abort(7)
     assert not core.has_work() and core.aborted == 3
@@ -423,7 +424,8 @@ async def test_engine_abort_and_bad_request_are_reported() -> None:
     group = EngineGroup(EngineConfig(max_batch=4, step_time=0.01))
     await group.start(timeout=120)
     try:
-        group.admit(Admit(1, [1], max_tokens=100_000))
+        # (never the end token: request 1 must still be running when it is aborted)
+        group.admit(Admit(1, [1], max_tokens=100_000, ignore_eos=True))
         group.admit(Admit(2, [1], max_tokens=0))
         deadline = time.monotonic() + 60
         while not group.failures:
