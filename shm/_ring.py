@@ -148,8 +148,9 @@ class Ring:
                 control page more. Default 16 MiB.
             max_readers: reader slots, 1 .. ``layout.MAX_READERS`` (24). Default 8.
             max_record: the largest frame, header included: a multiple of
-                ``layout.FRAME_ALIGN`` (64) in 128 .. ``capacity // 2``. Defaults to
-                ``capacity // 8``; the largest payload is ``max_payload``.
+                ``layout.FRAME_ALIGN`` (64) in 128 .. ``capacity // 2``, at most
+                ``layout.MAX_RECORD`` (2**32 - 64). Defaults to ``capacity // 8`` (at most
+                ``MAX_RECORD``); the largest payload is ``max_payload``.
             reader_timeout: seconds. When a reader holds the producer back (the ring is
                 full) and its heartbeat is older than this, it is evicted. ``None`` (the
                 default) evicts only readers whose process is gone.

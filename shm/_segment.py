@@ -45,21 +45,19 @@ def check_name(name: str) -> None:
 
 
 def check_geometry(capacity: int, max_readers: int, max_record: int | None) -> int:
-    """Validate ``create()``'s sizes; returns ``max_record`` (default ``capacity // 8``)."""
+    """Validate ``create()``'s sizes; returns ``max_record`` (default ``capacity // 8``, at most
+    ``MAX_RECORD``)."""
     if not isinstance(capacity, int) or capacity & (capacity - 1) or not (L.MIN_CAPACITY <= capacity <= L.MAX_CAPACITY):
         raise ValueError(f"capacity = {capacity!r}: expected a power of two in {L.MIN_CAPACITY}..{L.MAX_CAPACITY}")
     if not isinstance(max_readers, int) or not 1 <= max_readers <= L.MAX_READERS:
         raise ValueError(f"max_readers = {max_readers!r}: expected 1..{L.MAX_READERS}")
     if max_record is None:
-        max_record = capacity // 8
-    if (
-        not isinstance(max_record, int)
-        or max_record % L.FRAME_ALIGN
-        or not 2 * L.FRAME_ALIGN <= max_record <= capacity // 2
-    ):
+        max_record = min(capacity // 8, L.MAX_RECORD)
+    top = min(capacity // 2, L.MAX_RECORD)
+    if not isinstance(max_record, int) or max_record % L.FRAME_ALIGN or not 2 * L.FRAME_ALIGN <= max_record <= top:
         raise ValueError(
             f"max_record = {max_record!r}: expected a multiple of {L.FRAME_ALIGN} "
-            f"in {2 * L.FRAME_ALIGN}..{capacity // 2} (capacity / 2)"
+            f"in {2 * L.FRAME_ALIGN}..{top} (capacity / 2, at most {L.MAX_RECORD}: a u32)"
         )
     return max_record
 
@@ -159,14 +157,25 @@ def create(name: str, capacity: int, max_readers: int, max_record: int) -> tuple
     path = os.path.join(SHM_DIR, name)
     size = L.CONTROL_SIZE + capacity
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    mm: mmap.mmap | None = None
     try:
         # reserve the pages now: a full /dev/shm is an error here, not a SIGBUS later
         os.posix_fallocate(fd, 0, size)
         mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        _write_control(mm, capacity, max_readers, max_record)
     except BaseException:
+        # nothing of a ring that was never whole stays behind (the reservation may be large)
+        if mm is not None:
+            with suppress(BufferError):
+                mm.close()
         os.close(fd)
         os.unlink(path)
         raise
+    return fd, mm
+
+
+def _write_control(mm: mmap.mmap, capacity: int, max_readers: int, max_record: int) -> None:
+    """The control page of a new segment; the magic last (an attacher sees all of it or none)."""
     c64 = np.frombuffer(mm, dtype="<u8", count=L.CONTROL_SIZE // 8)
     c32 = np.frombuffer(mm, dtype="<u4", count=L.CONTROL_SIZE // 4)
     c32[L.OFF_VERSION // 4] = L.VERSION
@@ -185,9 +194,8 @@ def create(name: str, capacity: int, max_readers: int, max_record: int) -> tuple
     c64[L.OFF_HEARTBEAT_NS // 8] = time.monotonic_ns()
     c32[L.OFF_PRODUCER_STATE // 4] = L.PRODUCER_LIVE
     full_fence()
-    c64[L.OFF_MAGIC // 8] = L.MAGIC  # last: an attacher sees a whole control page or none
+    c64[L.OFF_MAGIC // 8] = L.MAGIC
     del c64, c32
-    return fd, mm
 
 
 def attach(name: str) -> tuple[int, mmap.mmap]:

@@ -29,6 +29,7 @@ __all__ = (
     "MAGIC",
     "MAX_CAPACITY",
     "MAX_READERS",
+    "MAX_RECORD",
     "MIN_CAPACITY",
     "OFF_BYTES_WRITTEN",
     "OFF_CAPACITY",
@@ -81,6 +82,8 @@ LINE: Final = 128  #: every independently written word group owns one 128-byte l
 FRAME_ALIGN: Final = 64  #: frames start on 64-byte boundaries
 MIN_CAPACITY: Final = 1 << 16  #: smallest data area, bytes
 MAX_CAPACITY: Final = 1 << 40  #: largest data area, bytes
+#: largest ``max_record``: the control page stores it, and a frame its length, in a u32
+MAX_RECORD: Final = (1 << 32) - FRAME_ALIGN
 
 # line 0: written once by the creator, read-only afterwards
 OFF_MAGIC: Final = 0  #: u64, ``MAGIC``; stored last, so an attacher sees a whole control page or none

@@ -116,9 +116,38 @@ def test_max_readers_validation(max_readers: int) -> None:
 @pytest.mark.parametrize("max_record", [64, 100, 200, CAP // 2 + 64, CAP])
 def test_max_record_validation(max_record: int) -> None:
     with pytest.raises(
-        ValueError, match=rf"^max_record = {max_record}: expected a multiple of 64 in 128\.\.32768 \(capacity / 2\)$"
+        ValueError,
+        match=rf"^max_record = {max_record}: expected a multiple of 64 in 128\.\.32768 \(capacity / 2, at most "
+        rf"{L.MAX_RECORD}: a u32\)$",
     ):
         shm.Ring.create(capacity=CAP, max_record=max_record)
+
+
+def test_max_record_of_a_large_ring_stays_a_u32() -> None:
+    # capacity / 2 of an 8 GiB ring is 2**32: refused before anything is reserved
+    with pytest.raises(
+        ValueError, match=rf"^max_record = {1 << 32}: expected a multiple of 64 in 128\.\.{L.MAX_RECORD} "
+    ):
+        shm.Ring.create(capacity=1 << 33, max_record=1 << 32)
+    assert L.MAX_RECORD == (1 << 32) - 64
+    from shm._segment import check_geometry
+
+    assert check_geometry(1 << 36, 8, None) == L.MAX_RECORD  # the default, capacity / 8, is capped too
+    assert check_geometry(1 << 33, 8, L.MAX_RECORD) == L.MAX_RECORD
+    assert check_geometry(CAP, 8, None) == CAP // 8
+
+
+def test_a_create_that_fails_after_the_reservation_leaves_no_segment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from shm import _segment
+
+    def broken(*args: object) -> None:
+        raise OverflowError("a control word out of range")
+
+    monkeypatch.setattr(_segment, "_write_control", broken)
+    name = f"aiospec-test-broken-{os.getpid()}"
+    with pytest.raises(OverflowError, match="a control word out of range"):
+        _segment.create(name, CAP, 8, CAP // 8)
+    assert not os.path.exists(os.path.join(_segment.SHM_DIR, name))
 
 
 def test_timeouts_validation() -> None:

@@ -71,7 +71,12 @@ def register(sub: Any) -> None:
     r.add_argument("--bind", required=True, metavar="ENDPOINT", help="where to listen: tcp://HOST:PORT, ipc://PATH")
     r.add_argument("--ring", default=None, help="the ring to create (default: a random aiospec-<hex> name)")
     r.add_argument("--capacity", type=int, default=16 << 20, help="the ring's data area in bytes (%(default)s)")
-    r.add_argument("--max-record", type=int, default=None, help="the ring's largest frame (default capacity / 8)")
+    r.add_argument(
+        "--max-record",
+        type=int,
+        default=None,
+        help="the ring's largest frame (default capacity / 8, at most 2**32 - 64)",
+    )
     r.add_argument("--max-readers", type=int, default=8, help="the ring's reader slots (%(default)s)")
     r.add_argument("--window-frames", type=int, default=4096, help="credit: frames held beyond the ring (%(default)s)")
     r.add_argument(
