@@ -175,16 +175,102 @@ def test_a_corrupt_batch_is_counted_dropped_and_sent_again() -> None:
         assert st.resent >= 1 and rs.frames == len(sent) and far.ring.stats().frames_lost == 0
 
 
-def test_large_batches_handed_to_zeromq_without_a_copy_arrive_byte_identical() -> None:
-    # messages past pyzmq's copy_threshold (64 KiB) go zero-copy from the sender's buffer
+def test_large_reads_copied_into_reused_buffers_arrive_byte_identical() -> None:
+    # reads of 64 KiB or more are copied into buffers of acknowledged reads: each buffer is
+    # written again while the frames once in it are long delivered, never while they are not
     with bridge_pair(4 << 20, 4 << 20, near_max_record=1 << 18) as (near, sender, recv, far, _):
         wait_for(lambda: sender.state == "up", "the link")
-        sent = [make_payload(i, 70_000 + 4099 * (i % 5)) for i in range(40)]
-        assert min(map(len, sent)) > 1 << 16  # every message is past the threshold
-        for p in sent:
-            near.write(p, timeout=10)
-        assert drain(far, len(sent)) == sent
+        sent = [make_payload(i, 70_000 + 4099 * (i % 5)) for i in range(400)]
+        got: list[bytes] = []
+        for k in range(0, len(sent), 40):
+            for p in sent[k : k + 40]:
+                near.write(p, timeout=10)
+            got += drain(far, 40)
+            wait_for(lambda: sender.stats().held == 0, "every frame acknowledged")
+        assert got == sent
+        assert sender._spare  # acknowledged reads gave their buffers back
         assert sender.stats().sent == len(sent) and recv.stats().protocol_errors == 0
+
+
+def test_reused_buffers_keep_the_frames_a_cut_link_must_send_again() -> None:
+    fast = {**FAST, "give_up": None}
+    with bridge_pair(8 << 20, 8 << 20, near_max_record=1 << 18, via_proxy=True, recv_kw=fast, send_kw=FAST) as (
+        near,
+        sender,
+        recv,
+        far,
+        proxy,
+    ):
+        assert proxy is not None
+        wait_for(lambda: sender.state == "up", "the link")
+        sent = [make_payload(i, 66_000 + 1031 * (i % 7)) for i in range(150)]
+        for p in sent[:50]:
+            near.write(p, timeout=10)
+        got = drain(far, 50)
+        wait_for(lambda: sender.stats().held == 0, "every frame acknowledged")
+        assert sender._spare
+        proxy.cut()  # these go out (into the cut link) from reused buffers, and are held
+        for p in sent[50:100]:
+            near.write(p, timeout=10)
+        wait_for(lambda: sender.state == "down", "the sender to find the link down", timeout=10)
+        proxy.restore()
+        wait_for(lambda: sender.state == "up", "the link back", timeout=20)
+        for p in sent[100:]:
+            near.write(p, timeout=10)
+        got += drain(far, 100, timeout=30)
+        assert got == sent  # every frame once, in order, none overwritten while held
+        assert far.ring.stats().frames_lost == 0 and recv.stats().protocol_errors == 0
+
+
+class _CreditSocket:
+    """Records the CREDIT messages a receiver sends."""
+
+    def __init__(self) -> None:
+        self.credits: list[P.Credit] = []
+
+    def send_multipart(self, parts: list[bytes], flags: int = 0) -> None:
+        msg = P.decode([memoryview(parts[1])], max_payload=0)
+        assert isinstance(msg, P.Credit)
+        self.credits.append(msg)
+
+
+def test_a_changed_credit_waits_a_millisecond_unless_the_near_end_runs_low() -> None:
+    from aiospec.bridge._receiver import CREDIT_DELAY
+
+    target = RingTarget(None, capacity=1 << 20)
+    try:
+        recv = BridgeReceiver("tcp://127.0.0.1:0", target, window_frames=400, window_bytes=1 << 20, **FAST)
+        sock = _CreditSocket()
+        recv._peer, recv._state = b"near", "up"
+
+        def take(frames: int, size: int) -> None:  # entries taken and delivered at once
+            recv._expected += frames
+            recv._cum += frames * size
+
+        recv._send_credit(sock, zmq, 10.0, force=False)  # the first credit goes at once
+        assert len(sock.credits) == 1 and recv._credit_due == 10.0 + FAST["heartbeat"]
+        take(4, 100)
+        recv._send_credit(sock, zmq, 10.0002, force=False)
+        assert len(sock.credits) == 1  # changed, but the near end has nearly all the window
+        assert recv._credit_due == 10.0 + CREDIT_DELAY  # and the loop wakes for it then
+        take(4, 100)
+        recv._send_credit(sock, zmq, 10.0005, force=False)
+        assert len(sock.credits) == 1
+        recv._send_credit(sock, zmq, 10.0 + CREDIT_DELAY, force=False)
+        assert len(sock.credits) == 2 and sock.credits[-1].ack == 9 and sock.credits[-1].credit_seq == 409
+        recv._send_credit(sock, zmq, 10.0012, force=False)
+        assert len(sock.credits) == 2  # nothing changed: nothing to say before the heartbeat
+        take(101, 100)  # a quarter of the window's entries since the last credit: at once
+        recv._send_credit(sock, zmq, 10.0013, force=False)
+        assert len(sock.credits) == 3 and sock.credits[-1].credit_seq == 510
+        take(1, 300_000)  # likewise a quarter of its bytes
+        recv._send_credit(sock, zmq, 10.0014, force=False)
+        assert len(sock.credits) == 4
+        take(1, 10)
+        recv._send_credit(sock, zmq, 10.0015, force=True)  # forced (the end, a resend): at once
+        assert len(sock.credits) == 5 and recv.stats().credits == 5
+    finally:
+        target.close()
 
 
 def test_batches_across_credit_limits_keep_every_frame_and_the_window() -> None:

@@ -26,6 +26,7 @@ import logging
 import mmap
 import os
 import secrets
+import sys
 import threading
 import time
 from typing import Any
@@ -45,6 +46,11 @@ log = logging.getLogger("aiospec.bridge")
 # libzmq's values, stable since 2.x
 _NOBLOCK, _NOBLOCK_MORE, _EVENTS, _POLLIN = 1, 1 | 2, 15, 1
 _MAX_PART = 4096  # the largest message part the far end may send (a CREDIT is 88 bytes)
+# A read of at least this many bytes is copied into a buffer kept from an acknowledged read
+# rather than into a new bytes object: a large new object is memory the process has not
+# touched yet (page faults, the kernel zeroing the pages)
+_POOLED_READ = 64 << 10
+_POOL_BUFFERS = 64  # the most buffers kept for reuse
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +106,7 @@ class _Chunk:
         a_index: int,
         *,
         a0: int = 0,
-        body: bytes = b"",
+        body: bytes | bytearray = b"",
         lengths: list[int] | None = None,
         value: Any = None,
     ) -> None:
@@ -226,6 +232,7 @@ class BridgeSender:
         self._unreadable = ""  # why ring A cannot be read past a corrupt frame at its head
         # link state (the sender's thread only)
         self._chunks: collections.deque[_Chunk] = collections.deque()
+        self._spare: list[bytearray] = []  # buffers of acknowledged reads, nothing else holding them
         self._poll_frames = max_batch  # frames of the next read (batch_bytes at the last read's size)
         self._ack_seq = 1  # the far end has every entry below it
         self._active = 0.0  # when the loop last did work (the idle strategy counts from it)
@@ -595,7 +602,7 @@ class BridgeSender:
         # acknowledged entries are the far target's: forget them (a chunk once all of it is)
         chunks = self._chunks
         while chunks and chunks[0].seq + chunks[0].count <= c.ack:
-            chunks.popleft()
+            self._recycle(chunks.popleft())
         if c.ack > self._ack_seq:
             self._counts["acked"] += c.ack - self._ack_seq
             self._ack_seq = c.ack
@@ -608,13 +615,13 @@ class BridgeSender:
 
     def _send(self, sock: Any, zmq: Any, parts: list[Any]) -> bool:
         try:
-            # copied into ZeroMQ's message (small parts); a DATA message's payloads go without
-            # a copy (``copy=False``): pyzmq copies those below its copy_threshold (64 KiB)
-            # anyway, and frees the larger ones through its garbage-collection thread, one
-            # wake-up of it per message, not per frame
+            # every part copied into ZeroMQ's own message, the payloads from memory this
+            # thread has just written (warm): a part sent without a copy would be freed by
+            # pyzmq's garbage-collection thread, one wake-up of it and a turn at the GIL per
+            # message, and its buffer could not be reused until then
             last = len(parts) - 1
             for i, part in enumerate(parts):
-                sock.send(part, _NOBLOCK_MORE if i < last else _NOBLOCK, copy=i < 2)
+                sock.send(part, _NOBLOCK_MORE if i < last else _NOBLOCK)
         except zmq.Again:
             self._blocked_until = time.monotonic() + 0.001
             return False
@@ -720,7 +727,7 @@ class BridgeSender:
             else:
                 # one copy out of the ring for the whole read; the payloads stay end to end
                 lengths = list(map(len, views))
-                body = b"".join(views)
+                body = self._copy_out(views, lengths)
                 if a0 < self._unsafe_below and not self._intact(a0):
                     self._overrun(a0)
                     return True
@@ -742,6 +749,32 @@ class BridgeSender:
             self._counts["upstream_lost"] += lost
             self._lost(lost)
         return bool(views or lost)
+
+    def _copy_out(self, views: list[memoryview], lengths: list[int]) -> bytes | bytearray:
+        total = sum(lengths)
+        if total < _POOLED_READ:
+            return b"".join(views)
+        spare = self._spare
+        while spare:
+            body = spare.pop()
+            if len(body) >= total:
+                break
+        else:
+            body = bytearray(max(total, self.batch_bytes))
+        o = 0
+        for v, n in zip(views, lengths, strict=True):
+            body[o : o + n] = v
+            o += n
+        return body
+
+    def _recycle(self, c: _Chunk) -> None:
+        """Keep an acknowledged read's buffer for a later read, if nothing else holds it: a
+        message part ZeroMQ has not let go of yet (a resent copy still queued) holds a view
+        of it, one more reference."""
+        body = c.body
+        c.body = b""
+        if type(body) is bytearray and len(self._spare) < _POOL_BUFFERS and sys.getrefcount(body) == 2:
+            self._spare.append(body)
 
     def _lost(self, count: int) -> None:
         last = self._chunks[-1] if self._chunks else None
