@@ -75,6 +75,7 @@ class RingFeed:
             self.ring.close()
             raise
         self._validate = validate_offsets
+        self._after_bad: list[bytes] = []  # frames read after one that did not decode
         self.frames_read = 0
         self.tokens_read = 0
         self.frames_lost = 0
@@ -94,8 +95,15 @@ class RingFeed:
         Raises what ``Reader.poll`` raises (``ReaderEvicted``, ``CorruptFrame``); a payload
         that does not decode is returned as its ``FrameError`` (the ring itself is intact),
         and so is one on which the decoder raised anything else (a ``FrameError`` naming that
-        exception, which is its ``__cause__``): one bad frame never ends the ring.
+        exception, which is its ``__cause__``): one bad frame never ends the ring. The frames
+        are those before the first bad one: the ones after it come with the next call, so
+        that a stream gets what came before a lost frame, then the loss, never tokens from
+        after it merged into what came before.
         """
+        if self._after_bad:
+            # the rest of the read that found a bad frame: already copied and counted
+            copies, self._after_bad = self._after_bad, []
+            return self._decode(copies)
         views = self.reader.poll(max_frames)
         if not views:
             return [], []
@@ -108,23 +116,7 @@ class RingFeed:
         for v in views:
             v.release()
         self.reader.release()
-        frames: list[Frame] = []
-        bad: list[FrameError] = []
-        for b in copies:
-            try:
-                f = decode_frame(b, validate_offsets=self._validate)
-            except FrameError as exc:
-                bad.append(exc)
-                continue
-            except Exception as exc:  # a decoder bug must cost this frame only, never the ring
-                err = FrameError(f"frame: the decoder failed ({type(exc).__name__}: {exc})")
-                err.__cause__ = exc
-                bad.append(err)
-                continue
-            frames.append(f)
-            self.tokens_read += f.num_tokens
-        self.frames_read += len(frames)
-        self.frames_undecodable += len(bad)
+        frames, bad = self._decode(copies)
         if bad:
             # a frame that does not decode may have a changed length that took the reader over
             # frames it never read (exactly onto a later frame, or past the head): recount
@@ -135,6 +127,26 @@ class RingFeed:
                 self.frames_skipped += jumped
                 bad.append(FramesJumped(jumped))
         return frames, bad
+
+    def _decode(self, copies: list[bytes]) -> tuple[list[Frame], list[FrameError]]:
+        frames: list[Frame] = []
+        for i, b in enumerate(copies):
+            try:
+                f = decode_frame(b, validate_offsets=self._validate)
+            except Exception as exc:
+                if isinstance(exc, FrameError):
+                    err = exc
+                else:  # a decoder bug must cost this frame only, never the ring
+                    err = FrameError(f"frame: the decoder failed ({type(exc).__name__}: {exc})")
+                    err.__cause__ = exc
+                self._after_bad = copies[i + 1 :]
+                self.frames_read += len(frames)
+                self.frames_undecodable += 1
+                return frames, [err]
+            frames.append(f)
+            self.tokens_read += f.num_tokens
+        self.frames_read += len(frames)
+        return frames, []
 
     def new_losses(self) -> int:
         lost = self.reader.new_losses()

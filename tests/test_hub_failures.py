@@ -107,6 +107,25 @@ async def test_undecodable_frame_counts_as_lost(ring: shm.Ring) -> None:
 
 
 @pytest.mark.asyncio
+async def test_tokens_after_an_undecodable_frame_never_join_what_came_before_it(ring: shm.Ring) -> None:
+    # one read of four frames, the second undecodable: the stream gets the first frame's
+    # token, then the loss; the third and fourth frames' tokens (after the hole) are not
+    # merged into that delta, and a stream opened after the loss gets what follows
+    async with Hub(ring.name) as hub:
+        s = hub.open(5)
+        for p in (enc([(5, [100], 0)]), b"\x00" * 200, enc([(5, [102], 0), (6, [7], 0)]), enc([(5, [103], 0)])):
+            ring.write(p)
+        assert (await get(s)).token_list() == [100]
+        with pytest.raises(StreamFramesLost, match=r"could not be decoded"):
+            await get(s)
+        st = hub.stats().rings[0]
+        assert (st.frames_undecodable, st.frames_read) == (1, 3)
+        s7 = hub.open(7)
+        ring.write(enc([(7, [9], Flag.FINISHED)]))
+        assert (await get(s7)).token_list() == [9]
+
+
+@pytest.mark.asyncio
 async def test_a_frame_of_no_records_with_nt_costs_that_frame_only(ring: shm.Ring) -> None:
     async with Hub(ring.name) as hub:
         s = hub.open(9)

@@ -146,13 +146,24 @@ def test_frames_lost_and_undecodable_frames(rings: tuple[shm.Ring, shm.Ring]) ->
         assert rd.stats().frames_lost == 3
 
 
+def test_records_after_an_undecodable_frame_come_after_the_loss(rings: tuple[shm.Ring, shm.Ring]) -> None:
+    a, _ = rings
+    with SyncReader(a.name) as rd:
+        for p in (enc([(1, [100], 0)]), b"\x01" * 160, enc([(1, [102], 0)]), enc([(1, [103], 0)])):
+            a.write(p)
+        assert [r.token_ids.tolist() for r in rd.read(timeout=XPROC_TIMEOUT)] == [[100]]
+        with pytest.raises(FramesLost, match=r"could not be decoded"):
+            rd.read(timeout=0)
+        assert [r.token_ids.tolist() for r in rd.read(timeout=0)] == [[102], [103]]
+
+
 def test_a_frame_of_no_records_with_nt_is_one_lost_frame(rings: tuple[shm.Ring, shm.Ring]) -> None:
     a, _ = rings
     with SyncReader(a.name) as rd:
         a.write(enc([(1, [1], 0)]))
         a.write(nt_overflow_frame())
         a.write(enc([(2, [2], 0)]))
-        assert [r.handle for r in rd.read(timeout=XPROC_TIMEOUT)] == [1, 2]
+        assert [r.handle for r in rd.read(timeout=XPROC_TIMEOUT)] == [1]  # what came before the loss
         with pytest.raises(
             FramesLost,
             match=rf"^ring {a.name}: a frame could not be decoded \(header\.NT: expected 0 in a frame without "
@@ -160,6 +171,7 @@ def test_a_frame_of_no_records_with_nt_is_one_lost_frame(rings: tuple[shm.Ring, 
         ) as info:
             rd.read(timeout=0)
         assert isinstance(info.value.__cause__, FrameError)
+        assert [r.handle for r in rd.read(timeout=0)] == [2]  # then what came after it
         a.write(enc([(3, [3], 0)]))  # reading goes on
         assert [r.handle for r in rd.read(timeout=XPROC_TIMEOUT)] == [3]
 
@@ -178,7 +190,7 @@ def test_a_decoder_failure_is_one_lost_frame(rings: tuple[shm.Ring, shm.Ring], m
     with SyncReader(a.name) as rd:
         for h in (1, 2, 3):
             a.write(enc([(h, [h], 0)]))
-        assert [r.handle for r in rd.read(timeout=XPROC_TIMEOUT)] == [1, 3]
+        assert [r.handle for r in rd.read(timeout=XPROC_TIMEOUT)] == [1]
         with pytest.raises(
             FramesLost,
             match=rf"^ring {a.name}: a frame could not be decoded \(frame: the decoder failed \(OverflowError: "
@@ -186,6 +198,7 @@ def test_a_decoder_failure_is_one_lost_frame(rings: tuple[shm.Ring, shm.Ring], m
         ) as info:
             rd.read(timeout=0)
         assert isinstance(info.value.__cause__, FrameError)
+        assert [r.handle for r in rd.read(timeout=0)] == [3]
         a.write(enc([(4, [4], 0)]))
         assert [r.handle for r in rd.read(timeout=XPROC_TIMEOUT)] == [4]
         assert rd.stats().frames_lost == 1
