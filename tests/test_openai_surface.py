@@ -309,6 +309,10 @@ BAD_VALUES: list[tuple[str, dict[str, Any], str, str]] = [
      r"^Invalid 'prompt': prompt\[1\] = 99999: expected a token id, 0\.\.\d+\.$"),
     (CMPL, {"prompt": [[1], ["x"]]}, "prompt[1][0]", r"^Invalid 'prompt\[1\]\[0\]': Expected `int`"),
     (CMPL, {"prompt": []}, "prompt", r"^Invalid 'prompt': expected at least one prompt\.$"),
+    (CMPL, {"prompt": [" the", [1, 2]]}, "prompt",
+     r"^Invalid 'prompt': prompt\[1\] = \[1, 2\]: expected a string, a list of strings, a list of token ids or a "
+     r"list of lists of token ids, not a mixture\.$"),
+    (CMPL, {"prompt": [[1, 2], " the"]}, "prompt", r"^Invalid 'prompt': prompt\[1\] = ' the': expected a string"),
     (CMPL, {"prompt": "x", "n": 129}, "n", r"^Invalid 'n': n = 129: expected 1\.\.128\.$"),
     (CMPL, {"prompt": "x", "max_tokens": 0}, "max_tokens", r"^Invalid 'max_tokens': max_tokens = 0: expected 1\.\."),
     (CMPL, {"prompt": "x", "logprobs": 21}, "logprobs", r"^Invalid 'logprobs': logprobs = 21: expected 0\.\.20\.$"),

@@ -634,10 +634,11 @@ def _prompts(p: str | list[str | int | list[int]], lim: Limits) -> list[Prompt]:
     if all(isinstance(x, int) and not isinstance(x, bool) for x in p):
         return [Prompt(None, _token_ids(p, "prompt", lim))]  # type: ignore[arg-type]
     out = []
+    kind = type(p[0])  # strings or lists of ids, as OpenAI's and vLLM's API: one kind a request
     for i, x in enumerate(p):
-        if isinstance(x, str):
+        if isinstance(x, str) and kind is str:
             out.append(Prompt(x, None))
-        elif isinstance(x, list):
+        elif isinstance(x, list) and kind is list:
             out.append(Prompt(None, _token_ids(x, f"prompt[{i}]", lim)))
         else:
             raise ApiError(400, f"Invalid 'prompt': prompt[{i}] = {x!r}: expected a string, a list of strings, a "
