@@ -22,6 +22,7 @@ from aiospec._errors import FramesLost
 from aiospec._routing import RingFeed, check_handle, frames_of
 from aiospec._stream_errors import TERMINAL_FLAGS
 from shm import AiospecError, CorruptFrame, ProducerGone, ProducerStalled, ReaderEvicted, RingError
+from shm._sys import check_seconds
 
 __all__ = ("Record", "SyncReader", "SyncReaderStats")
 
@@ -154,8 +155,13 @@ class SyncReader:
             raise ValueError("rings: expected at least one ring name")
         if len(set(names)) != len(names):
             raise ValueError(f"rings = {names!r}: a ring is named twice")
-        if not isinstance(max_frames, int) or max_frames < 1:
-            raise ValueError(f"max_frames = {max_frames!r}: expected an int >= 1")
+        if not isinstance(max_frames, int) or isinstance(max_frames, bool) or not 1 <= max_frames < 1 << 64:
+            raise ValueError(f"max_frames = {max_frames!r}: expected an int in 1..2**64-1")
+        # finite spin and recheck: an endless spin never sleeps, an endless recheck never
+        # looks at the producers again (NaN is neither: it passes no comparison)
+        check_seconds("spin", spin, "a finite number of seconds >= 0", zero=True)
+        check_seconds("recheck", recheck, "a finite positive number of seconds")
+        check_seconds("producer_timeout", producer_timeout, "a positive number of seconds or None", none=True, inf=True)
         self._only_tracked = only_tracked
         self._max_frames = max_frames
         self._spin = spin
@@ -203,9 +209,11 @@ class SyncReader:
         ``[]`` when the time ran out.
 
         Raises a pending ring problem (``FramesLost``, ``ProducerGone``, ``CorruptFrame``)
-        once the records read before it were returned, ``RingError`` when no ring is left, and
-        ``AiospecError`` after ``close()``.
+        once the records read before it were returned, ``RingError`` when no ring is left,
+        ``AiospecError`` after ``close()``, and ``ValueError`` for a ``timeout`` that is
+        neither None nor a number of seconds >= 0 (``inf`` waits like None).
         """
+        check_seconds("timeout", timeout, "None or a number of seconds >= 0", none=True, zero=True, inf=True)
         if self._closed:
             raise AiospecError("SyncReader.read: the reader is closed")
         self._raise_pending()

@@ -19,7 +19,14 @@ from shm import _segment
 from shm import layout as L
 from shm._errors import CorruptControl, RingError, RingFull
 from shm._segment import Segment, bell_path, lock_holder, open_peer_bell
-from shm._sys import BeatAge, acquire_fence, full_fence, pid_state, release_fence
+from shm._sys import (
+    BeatAge,
+    acquire_fence,
+    check_seconds,
+    full_fence,
+    pid_state,
+    release_fence,
+)
 
 _FRAME_HEADER = L.FRAME_HEADER
 _ALIGN_M1 = L.FRAME_ALIGN - 1
@@ -68,6 +75,9 @@ class Producer:
     # -- frames --------------------------------------------------------------------------
 
     def reserve(self, n: int, timeout: float | None) -> memoryview:
+        if timeout is not None and (timeout.__class__ is not float or not timeout >= 0.0):
+            # NaN passes no comparison: a deadline made of it never comes (inf waits forever)
+            check_seconds("timeout", timeout, "None or a number of seconds >= 0", none=True, zero=True, inf=True)
         native = self._native
         if native is not None and self._reserved is None and self.producing and not self.closed:
             view: memoryview | None = native.reserve(self._buf, n, self._head, self._min_tail, self._max_record)
@@ -78,7 +88,7 @@ class Producer:
             self._require_producer("reserve")
         if self._reserved is not None:
             raise RingError("reserve: a reservation is pending; commit() it first")
-        if not isinstance(n, int) or n < 0:
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
             raise ValueError(f"reserve: n = {n!r}: expected a non-negative int")
         size = (_FRAME_HEADER + n + _ALIGN_M1) & ~_ALIGN_M1
         if size > self._max_record:
@@ -168,7 +178,7 @@ class Producer:
         pos, cap = self._reserved
         if n is None:
             n = cap
-        elif not isinstance(n, int) or not 0 <= n <= cap:
+        elif not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= cap:
             raise ValueError(f"commit: n = {n!r}: expected 0..{cap} (the reserved size)")
         self._reserved = None
         native = self._native
@@ -360,8 +370,7 @@ class Producer:
         self._q[L.OFF_HEARTBEAT_NS // 8] = time.monotonic_ns()
 
     def start_heartbeat(self, interval: float) -> None:
-        if interval <= 0:
-            raise ValueError(f"heartbeat_interval = {interval!r}: expected a positive number of seconds")
+        check_seconds("heartbeat_interval", interval, "a positive number of seconds")
 
         def beat() -> None:
             while not self._hb_stop.wait(interval):

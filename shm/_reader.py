@@ -21,7 +21,15 @@ from typing import TYPE_CHECKING
 from shm import layout as L
 from shm._errors import CorruptControl, CorruptFrame, ProducerGone, ProducerStalled, ReaderEvicted, RingError
 from shm._segment import Segment
-from shm._sys import PRIVATE, BeatAge, acquire_fence, full_fence, pid_state, release_fence
+from shm._sys import (
+    PRIVATE,
+    BeatAge,
+    acquire_fence,
+    check_seconds,
+    full_fence,
+    pid_state,
+    release_fence,
+)
 
 if TYPE_CHECKING:
     from shm._ring import Ring
@@ -29,6 +37,17 @@ if TYPE_CHECKING:
 _DATA_TYPES = (L.FRAME_DATA, L.FRAME_PAD)
 _COMMIT_LEN_MASK = 0xFFFFFFFF
 _HEAD = L.OFF_HEAD // 8
+_U64 = 1 << 64
+# the longest single sleep on the bell: poll() takes milliseconds as a C int (2**31 ms is 24
+# days); a longer recheck just wakes up more often than it asked
+_MAX_SLEEP_S = 86400.0
+
+
+def _frame_count(max_frames: object) -> int:
+    # poll()'s max_frames off its fast path: the same check on the C and the Python paths
+    if isinstance(max_frames, int) and not isinstance(max_frames, bool) and 0 <= max_frames < _U64:
+        return int(max_frames)
+    raise ValueError(f"poll: max_frames = {max_frames!r}: expected a non-negative int below 2**64")
 
 
 class Reader:
@@ -74,7 +93,7 @@ class Reader:
         self._cursor = tail  # read position (>= tail until release)
         self._polled = 0  # DATA frames returned since the last release
         self._spin = spin
-        self._recheck = recheck
+        self._recheck = min(recheck, _MAX_SLEEP_S)
         self._producer_timeout = producer_timeout
         self._native = native
         self._check_pids = check_pids
@@ -152,7 +171,10 @@ class Reader:
             CorruptControl: the capacity word is no longer the mapping's (also from ``wait()``
                 and ``release()``).
             RingError: this reader is closed.
+            ValueError: ``max_frames`` is not an int in 0..2**64-1.
         """
+        if max_frames.__class__ is not int or not 0 <= max_frames < _U64:
+            max_frames = _frame_count(max_frames)
         native = self._native
         if native is not None and not self._closed:
             views: list[memoryview]
@@ -292,7 +314,10 @@ class Reader:
             ProducerStalled: (with a ``producer_timeout``) the heartbeat is that old but the
                 producer's process is alive; raised once per stall, the reader stays usable.
             ReaderEvicted: the producer evicted this reader.
+            ValueError: ``timeout`` is neither None nor a number of seconds >= 0 (``inf``
+                waits like None).
         """
+        check_seconds("timeout", timeout, "None or a number of seconds >= 0", none=True, zero=True, inf=True)
         self._check_slot()  # an evicted reader's head check would otherwise say "readable"
         if self.pending():
             return True

@@ -10,6 +10,7 @@ validates, maps and unlinks the segment and keeps the reader-slot table;
 from __future__ import annotations
 
 import dataclasses
+import math
 import mmap
 import os
 import secrets
@@ -173,11 +174,12 @@ class Ring:
             name = "aiospec-" + secrets.token_hex(16)
         _segment.check_name(name)
         max_record = _segment.check_geometry(capacity, max_readers, max_record)
-        if reader_timeout is not None and reader_timeout <= 0:
-            raise ValueError(f"reader_timeout = {reader_timeout!r}: expected a positive number of seconds or None")
-        if heartbeat_interval is not None and not heartbeat_interval > 0:
-            # checked before the segment exists: a failed create must leave nothing in /dev/shm
-            raise ValueError(f"heartbeat_interval = {heartbeat_interval!r}: expected a positive number of seconds")
+        # checked before the segment exists: a failed create must leave nothing in /dev/shm
+        sys_.check_seconds(
+            "reader_timeout", reader_timeout, "a positive number of seconds or None", none=True, inf=True
+        )
+        if heartbeat_interval is not None:
+            sys_.check_seconds("heartbeat_interval", heartbeat_interval, "a positive number of seconds")
         fd, mm = _segment.create(name, capacity, max_readers, max_record)
         ring = cls(sys_.PRIVATE, name, fd, mm, owner=True)
         prod = ring._producer
@@ -304,7 +306,8 @@ class Ring:
         Raises:
             RingFull: no room after ``timeout`` seconds; the message names the lagging
                 readers.
-            ValueError: ``n`` is negative or the frame would exceed ``max_record``.
+            ValueError: ``n`` is not an int (a bool is not one), is negative or the frame
+                would exceed ``max_record``; ``timeout`` is neither None nor a number >= 0.
             CorruptControl: the capacity word changed, the head word moved where no writer's
                 committed frames explain it, or a committed frame sits at the head (another
                 writer's; the head word was set back); nothing is written.
@@ -398,12 +401,20 @@ class Ring:
             CorruptControl: the control page's line 0 (the creator's words) is no longer what
                 this handle validated.
             UnsafeBell: the slot's bell path holds something another uid planted.
-            ValueError: ``spin`` is negative, ``recheck`` not positive, or ``start`` unknown.
+            ValueError: ``spin`` is negative, ``recheck`` not positive, either not a finite
+                number, ``producer_timeout`` neither None nor a positive number, or ``start``
+                unknown.
         """
         if self._seg.closed:
             raise RingError(f"reader: ring {self._name} is closed")
-        if spin < 0 or recheck <= 0:
+        if not (sys_.is_seconds(spin) and sys_.is_seconds(recheck) and spin >= 0 and recheck > 0):
             raise ValueError(f"reader: spin = {spin!r}, recheck = {recheck!r}: expected spin >= 0, recheck > 0")
+        if not (math.isfinite(spin) and math.isfinite(recheck)):
+            # an endless spin or recheck would never look at the producer again
+            raise ValueError(f"reader: spin = {spin!r}, recheck = {recheck!r}: expected finite numbers of seconds")
+        sys_.check_seconds(
+            "reader: producer_timeout", producer_timeout, "a positive number of seconds or None", none=True, inf=True
+        )
         at = start if isinstance(start, int) and not isinstance(start, bool) and start >= 0 else None
         if at is None and start not in ("head", "oldest"):
             raise ValueError(f"reader: start = {start!r}: expected 'head', 'oldest' or a position >= 0")

@@ -9,11 +9,14 @@ read-modify-write, a full fence on every CPU Python runs on).
 
 from __future__ import annotations
 
+import math
+import numbers
 import os
 import platform
 import sys
 import threading
 from types import ModuleType
+from typing import Any
 
 if sys.byteorder != "little":
     raise ImportError("shm: the ring layout is little-endian; this platform is not")
@@ -54,6 +57,35 @@ native: ModuleType | None = (
     and os.environ.get("SHM_PURE_PYTHON", "") in ("", "0")
     else None
 )
+
+
+def check_seconds(
+    what: str, value: Any, expected: str, *, none: bool = False, zero: bool = False, inf: bool = False
+) -> Any:
+    """``value`` when it is a time argument ``what`` may take, else ``ValueError`` naming it,
+    the value and ``expected``: a real number (not a bool) above 0, or at 0 with ``zero``;
+    infinity only with ``inf`` (where the API waits forever), None only with ``none``. NaN is
+    never one: every comparison with it is false, so a deadline made of it never comes."""
+    if value is None:
+        if none:
+            return None
+    elif is_seconds(value) and (value >= 0 if zero else value > 0) and (inf or math.isfinite(value)):
+        return value
+    raise ValueError(f"{what} = {value!r}: expected {expected}")
+
+
+def is_seconds(value: Any) -> bool:
+    """Whether ``value`` is a number of seconds the clock's arithmetic takes: a real number,
+    not a bool, that converts to a float (NaN and infinities included: callers decide)."""
+    if type(value) is float:
+        return True
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return False
+    try:
+        float(value)
+    except (OverflowError, TypeError, ValueError):  # an int beyond floats
+        return False
+    return True
 
 
 def pid_alive(pid: int) -> bool:
