@@ -90,7 +90,10 @@ def is_seconds(value: Any) -> bool:
 
 def pid_alive(pid: int) -> bool:
     """True unless ``pid`` has exited (a zombie counts as exited)."""
-    if pid <= 0:
+    # A pid is a positive C int (os.kill refuses anything larger) and Linux never hands out
+    # one above PID_MAX_LIMIT (2**22): a word outside 1..2**31-1 is a scribbled control page,
+    # not a process, so it is dead and the "producer gone" / eviction paths take it.
+    if not 0 < pid < 1 << 31:
         return False
     try:
         os.kill(pid, 0)

@@ -1,6 +1,7 @@
-"""Arguments the ring must refuse with a typed error, at once: time arguments that are NaN,
-negative or not numbers (a deadline made of NaN never comes), and sizes and counts of the
-wrong type. Every test runs on the C and the Python paths."""
+"""Arguments and control words the ring must refuse with a typed error, at once: time
+arguments that are NaN, negative or not numbers (a deadline made of NaN never comes), sizes
+and counts of the wrong type, and a pid word no process can have. Every test runs on the C
+and the Python paths."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from collections.abc import Callable, Iterator
 import pytest
 from _ringhelpers import (  # noqa: F401  (shm_tracker is an autouse fixture, ring_paths used below)
     CAP,
+    RawSegment,
     fill,
     ring_paths_fixture,
     shm_tracker_fixture,
@@ -19,6 +21,8 @@ from _ringhelpers import (  # noqa: F401  (shm_tracker is an autouse fixture, ri
 
 import aiospec
 import shm
+from shm import _sys
+from shm import layout as L
 
 pytestmark = pytest.mark.usefixtures("ring_paths")
 
@@ -177,3 +181,46 @@ def test_poll_refuses_a_bad_max_frames(ring: shm.Ring, bad: object) -> None:
             reader.poll(bad)  # type: ignore[arg-type]
         assert reader.poll(0) == []
         assert [bytes(v) for v in reader.poll((1 << 64) - 1)] == [b"x"]
+
+
+# -- a pid word no process can have ----------------------------------------------------------
+
+BAD_PIDS = [1 << 31, 0xFFFFFFF0]
+
+
+@pytest.mark.parametrize("pid", BAD_PIDS)
+def test_pid_alive_is_false_for_impossible_pids(pid: int) -> None:
+    assert _sys.pid_alive(pid) is False
+    assert _sys.pid_state(pid, 0) is False
+
+
+@pytest.mark.parametrize("pid", BAD_PIDS)
+def test_reader_pid_beyond_a_c_int_is_dead(ring: shm.Ring, pid: int) -> None:
+    raw = RawSegment(ring.name)
+    try:
+        with shm.Ring.attach(ring.name) as other, other.reader() as reader:
+            raw.mm[L.READERS_BASE + L.RD_PID : L.READERS_BASE + L.RD_PID + 4] = pid.to_bytes(4, "little")
+            (st,) = ring.stats().readers
+            assert st.pid == pid and st.alive is False
+            for _ in range(2 * CAP // 4096):  # the full ring evicts the "dead" reader, no error
+                ring.write(b"x" * 4000, timeout=0)
+            assert ring.stats().readers[0].state == "evicted"
+            with pytest.raises(shm.ReaderEvicted):
+                reader.poll()
+    finally:
+        raw.close()
+
+
+@pytest.mark.parametrize("pid", BAD_PIDS)
+def test_producer_pid_beyond_a_c_int_is_gone(ring: shm.Ring, pid: int) -> None:
+    raw = RawSegment(ring.name)
+    off = L.OFF_PRODUCER_PID
+    try:
+        with shm.Ring.attach(ring.name) as other, other.reader(recheck=0.01) as reader:
+            raw.mm[off : off + 4] = pid.to_bytes(4, "little")
+            assert ring.stats().producer_alive is False
+            raises_at_once(lambda: reader.wait(0.5), shm.ProducerGone, rf"the producer \(pid {pid}\) exited$")
+        with aiospec.SyncReader([ring.name], recheck=0.01) as sr:
+            raises_at_once(lambda: sr.read(0.5), shm.ProducerGone, rf"the producer \(pid {pid}\) exited$")
+    finally:
+        raw.close()
