@@ -20,8 +20,10 @@ from shm import layout as L
 from shm._errors import CorruptControl, RingError, RingFull
 from shm._segment import Segment, bell_path, lock_holder, open_peer_bell
 from shm._sys import (
+    POSITION_LIMIT,
     BeatAge,
     acquire_fence,
+    beyond_positions,
     check_seconds,
     full_fence,
     pid_state,
@@ -79,7 +81,14 @@ class Producer:
             # NaN passes no comparison: a deadline made of it never comes (inf waits forever)
             check_seconds("timeout", timeout, "None or a number of seconds >= 0", none=True, zero=True, inf=True)
         native = self._native
-        if native is not None and self._reserved is None and self.producing and not self.closed:
+        # a head at or above POSITION_LIMIT goes to the Python path, which refuses it
+        if (
+            native is not None
+            and self._reserved is None
+            and self.producing
+            and not self.closed
+            and self._head < POSITION_LIMIT
+        ):
             view: memoryview | None = native.reserve(self._buf, n, self._head, self._min_tail, self._max_record)
             if view is not None:
                 self._reserved = (self._head, n)
@@ -95,6 +104,8 @@ class Producer:
             raise ValueError(f"reserve: n = {n}: a frame of {size} bytes exceeds max_record = {self._max_record}")
         self._check_capacity()
         head = self._q[L.OFF_HEAD // 8]
+        if head >= POSITION_LIMIT:
+            raise CorruptControl(f"ring {self._name}: {beyond_positions('head word', head)}; refusing to write")
         if head != self._head:
             self._adopt_head(head)
             head = self._head

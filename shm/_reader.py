@@ -22,9 +22,11 @@ from shm import layout as L
 from shm._errors import CorruptControl, CorruptFrame, ProducerGone, ProducerStalled, ReaderEvicted, RingError
 from shm._segment import Segment
 from shm._sys import (
+    POSITION_LIMIT,
     PRIVATE,
     BeatAge,
     acquire_fence,
+    beyond_positions,
     check_seconds,
     full_fence,
     pid_state,
@@ -169,12 +171,17 @@ class Reader:
                 before it are returned first (the next call raises).
             ReaderEvicted: the producer evicted this reader.
             CorruptControl: the capacity word is no longer the mapping's (also from ``wait()``
-                and ``release()``).
+                and ``release()``), or the read position reached 2**63 (no ring gets there: a
+                producer followed a scribbled head word).
             RingError: this reader is closed.
             ValueError: ``max_frames`` is not an int in 0..2**64-1.
         """
         if max_frames.__class__ is not int or not 0 <= max_frames < _U64:
             max_frames = _frame_count(max_frames)
+        if self._cursor >= POSITION_LIMIT:
+            raise CorruptControl(
+                f"ring {self._name}: {beyond_positions('read position', self._cursor)}; refusing to read"
+            )
         native = self._native
         if native is not None and not self._closed:
             views: list[memoryview]

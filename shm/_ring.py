@@ -20,7 +20,7 @@ from typing import Any
 from shm import _segment
 from shm import _sys as sys_
 from shm import layout as L
-from shm._errors import RingError
+from shm._errors import CorruptControl, RingError
 from shm._producer import Producer
 from shm._reader import Reader
 from shm._segment import SHM_DIR, Segment
@@ -309,8 +309,9 @@ class Ring:
             ValueError: ``n`` is not an int (a bool is not one), is negative or the frame
                 would exceed ``max_record``; ``timeout`` is neither None nor a number >= 0.
             CorruptControl: the capacity word changed, the head word moved where no writer's
-                committed frames explain it, or a committed frame sits at the head (another
-                writer's; the head word was set back); nothing is written.
+                committed frames explain it, is at or above 2**63 (no ring gets there), or a
+                committed frame sits at the head (another writer's; the head word was set
+                back); nothing is written.
             RingError: this handle is closed or not the producer, or a reservation is pending.
         """
         return self._producer.reserve(n, timeout)
@@ -399,7 +400,8 @@ class Ring:
         Raises:
             RingError: this handle is closed, or every slot is taken.
             CorruptControl: the control page's line 0 (the creator's words) is no longer what
-                this handle validated.
+                this handle validated, or the head word is at or above 2**63 (no ring gets
+                there: a scribbled word).
             UnsafeBell: the slot's bell path holds something another uid planted.
             ValueError: ``spin`` is negative, ``recheck`` not positive, either not a finite
                 number, ``producer_timeout`` neither None nor a positive number, or ``start``
@@ -419,6 +421,10 @@ class Ring:
         if at is None and start not in ("head", "oldest"):
             raise ValueError(f"reader: start = {start!r}: expected 'head', 'oldest' or a position >= 0")
         slot, gen, bell, tail = self._seg.claim_slot(oldest=start == "oldest", at=at)
+        if tail >= sys_.POSITION_LIMIT:
+            self._seg.free_slot(slot, gen)
+            os.close(bell)
+            raise CorruptControl(f"ring {self._name}: {sys_.beyond_positions('head word', tail)}; refusing to read")
         r = Reader(
             sys_.PRIVATE,
             self,

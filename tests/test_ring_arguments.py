@@ -1,7 +1,7 @@
 """Arguments and control words the ring must refuse with a typed error, at once: time
 arguments that are NaN, negative or not numbers (a deadline made of NaN never comes), sizes
-and counts of the wrong type, and a pid word no process can have. Every test runs on the C
-and the Python paths."""
+and counts of the wrong type, a pid word no process can have, and a head word near 2**64
+(positions would wrap). Every test runs on the C and the Python paths."""
 
 from __future__ import annotations
 
@@ -222,5 +222,54 @@ def test_producer_pid_beyond_a_c_int_is_gone(ring: shm.Ring, pid: int) -> None:
             raises_at_once(lambda: reader.wait(0.5), shm.ProducerGone, rf"the producer \(pid {pid}\) exited$")
         with aiospec.SyncReader([ring.name], recheck=0.01) as sr:
             raises_at_once(lambda: sr.read(0.5), shm.ProducerGone, rf"the producer \(pid {pid}\) exited$")
+    finally:
+        raw.close()
+
+
+# -- a head word near 2**64 -----------------------------------------------------------------
+
+HIGH_HEADS = [1 << 63, (1 << 64) - 128]
+BEYOND = r"at or above 2\*\*63, which no ring reaches \(2\.9 years of writing at 100 GB/s\)"
+
+
+@pytest.mark.parametrize("head", HIGH_HEADS)
+def test_producer_refuses_a_head_beyond_2_63(ring: shm.Ring, head: int) -> None:
+    raw = RawSegment(ring.name)
+    try:
+        raw.set_u64(L.OFF_HEAD, head)
+        match = rf"head word {head}: {BEYOND}; refusing to write$"
+        for _ in range(2):  # refused each time: never adopted
+            with pytest.raises(shm.CorruptControl, match=match):
+                ring.write(b"A" * 40, timeout=0.1)
+        assert raw.u64(L.OFF_HEAD) == head and ring.stats().frames_written == 0
+        # a handle that found the head there when it was made (its own head) refuses it too
+        with shm.Ring.attach(ring.name) as other:
+            other._producer.producing = True
+            try:
+                with pytest.raises(shm.CorruptControl, match=match):
+                    other.write(b"B" * 40, timeout=0.1)
+            finally:
+                other._producer.producing = False  # its close must not mark the ring closed
+        with pytest.raises(shm.CorruptControl, match=rf"head word {head}: {BEYOND}; refusing to read$"):
+            ring.reader()
+        assert ring.stats().readers == ()  # the slot was given back
+    finally:
+        raw.close()
+
+
+def test_positions_stop_at_2_63(ring: shm.Ring) -> None:
+    raw = RawSegment(ring.name)
+    try:
+        raw.set_u64(L.OFF_HEAD, (1 << 63) - 128)  # a lap and more ahead: adopted
+        with shm.Ring.attach(ring.name) as other, other.reader() as reader:
+            assert reader.tail == (1 << 63) - 128
+            assert ring.write(b"A" * 40) == (1 << 63) - 128
+            assert ring.write(b"B" * 40) == (1 << 63) - 64
+            with pytest.raises(shm.CorruptControl, match=rf"head word {1 << 63}: {BEYOND}; refusing to write$"):
+                ring.write(b"C" * 40)
+            assert [bytes(v) for v in reader.poll()] == [b"A" * 40, b"B" * 40]
+            reader.release()
+            with pytest.raises(shm.CorruptControl, match=rf"read position {1 << 63}: {BEYOND}; refusing to read$"):
+                reader.poll()
     finally:
         raw.close()
