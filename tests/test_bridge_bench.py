@@ -36,6 +36,10 @@ def test_bench_bridge_reports_every_path_and_the_targets() -> None:
             thr = doc["results"][size][path]["throughput"]
             assert set(thr["cpu_us_per_frame"]) == {"producer", "sender", "receiver", "reader"}
             assert thr["frames_per_message"] >= 1 and thr["link"]["receiver_protocol_errors"] == 0
+        striped = doc["results"][size]["tcp_x4"]
+        assert set(striped) == {"throughput"}  # one connection's latency is tcp_raw's
+        thr = striped["throughput"]
+        assert thr["connections"] == 4 and thr["frames"] == thr["sent"] > 4 and thr["frames_per_s"] > 0, thr
     targets = doc["targets"]
     assert [(t["path"], "latency" in t["target"]) for t in targets] == [
         ("bridge", True), ("bridge", False), ("bridge_busy", True), ("bridge_busy", False)
@@ -46,3 +50,6 @@ def test_bench_bridge_reports_every_path_and_the_targets() -> None:
         assert throughput["outcome"] == ("met" if throughput["bridge_over_direct"] >= 0.8 else "not met")
         # the link's own share of the direct ring is reported, and said when it is under 80%
         assert ("note" in throughput) == (throughput["tcp_raw_over_direct"] < 0.8)
+        assert throughput["tcp_x4_over_direct"] > 0
+        if "note" in throughput:
+            assert "4 connections carried" in throughput["note"]
