@@ -338,6 +338,18 @@ class Hub:
 
         self._router.fail(name, make)
 
+    def producer_replaced(self, feed: RingFeed, old: int, new: int) -> None:
+        name = feed.name
+
+        def make(h: int) -> StreamError:
+            return ProducerLost(
+                f"request {h:#x}: another process claimed the producer of ring {name} (claim {old} -> {new}): "
+                "the producer this request was admitted to is gone",
+                h,
+            )
+
+        self._router.fail(name, make)
+
     def _retire(self, name: str, state: str, error: str | None) -> None:
         feed = self._feeds.pop(name)
         self._rings[name] = RingInfo(

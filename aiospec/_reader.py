@@ -41,6 +41,8 @@ class RingSink(Protocol):
 
     def producer_presumed_gone(self, feed: RingFeed, exc: ProducerGone) -> None: ...
 
+    def producer_replaced(self, feed: RingFeed, old: int, new: int) -> None: ...
+
 
 def _resolve(fut: asyncio.Future[None]) -> None:
     if not fut.done():
@@ -153,6 +155,11 @@ async def _read(
 ) -> None:
     budget = yield_every
     while True:
+        claim = feed.new_claim()
+        if claim is not None:
+            # another process holds the producer claim now: the streams open now end before
+            # anything more is routed (what the new producer writes is for requests after it)
+            sink.producer_replaced(feed, *claim)
         try:
             frames, bad = feed.read(max_frames)
         except ReaderEvicted as exc:

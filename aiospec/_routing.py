@@ -71,6 +71,7 @@ class RingFeed:
             # the ring's index of the next frame this reader reads: frames skipped past a
             # corrupt header are counted from it
             self._index = self.ring.frames_before(self.reader.tail)
+            self._claim = self.reader.producer_epoch  # the producer claim this feed reads for
         except BaseException:
             self.ring.close()
             raise
@@ -172,6 +173,16 @@ class RingFeed:
         if self.status == "gone" and status == "live":
             self.revivals += 1
         self.status = status
+
+    def new_claim(self) -> tuple[int, int] | None:
+        """``(epoch before, epoch now)`` once another process has claimed the ring's producer
+        (a restarted engine), else None: the previous producer's requests are lost, and its
+        death may never be seen as such (the new claim's pid is alive)."""
+        epoch = self.reader.producer_epoch
+        if epoch == self._claim:
+            return None
+        old, self._claim = self._claim, epoch
+        return old, epoch
 
     def retake_slot(self) -> None:
         """After an eviction: give the dead slot back and start again at the current head."""

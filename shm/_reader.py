@@ -378,6 +378,12 @@ class Reader:
         self._check_producer(True)
 
     @property
+    def producer_epoch(self) -> int:
+        """The producer claim's epoch now: 1 at creation, one more each time another process
+        claimed the ring (docs/wire-format.md section 7)."""
+        return int(self._q[L.OFF_PRODUCER_EPOCH // 8])
+
+    @property
     def producer_status(self) -> str:
         """``"live"``, ``"stalled"`` (old heartbeat, live process) or ``"gone"`` (presumed
         gone or gone), as the last liveness check found it."""

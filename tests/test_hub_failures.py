@@ -92,6 +92,27 @@ async def test_an_evicted_reader_ends_the_streams_and_takes_a_new_slot(ring: shm
 
 
 @pytest.mark.asyncio
+async def test_a_new_producer_claim_ends_the_streams_of_the_one_before(ring: shm.Ring) -> None:
+    # a restarted engine claims the ring (the epoch rises) before this Hub saw the old one
+    # die: the pid it would check is the new one's, alive, so the claim is what tells
+    async with Hub(ring.name) as hub:
+        s = hub.open(7)
+        ring.write(enc([(7, [1], 0)]))
+        assert (await get(s)).token_list() == [1]
+        poke(ring.name, L.OFF_PRODUCER_EPOCH, 2)
+        with pytest.raises(
+            ProducerLost,
+            match=rf"^request 0x7: another process claimed the producer of ring {ring.name} \(claim 1 -> 2\): "
+            r"the producer this request was admitted to is gone$",
+        ):
+            await get(s)
+        s8 = hub.open(8)  # the new producer's requests are read on
+        ring.write(enc([(8, [5], Flag.FINISHED)]))
+        assert (await get(s8)).token_list() == [5]
+        assert hub.stats().rings[0].state == "live"
+
+
+@pytest.mark.asyncio
 async def test_undecodable_frame_counts_as_lost(ring: shm.Ring) -> None:
     async with Hub(ring.name) as hub:
         s = hub.open(1)
