@@ -125,3 +125,50 @@ def test_the_writer_evicts_a_reader_whose_heartbeat_is_frozen_in_the_future() ->
             producer.close()
             raw.close()
             silent.close()
+
+
+_KILLED_MID_COMMIT = """
+import os, signal, sys
+import shm
+from shm import layout as L
+r = shm.Ring.create(sys.argv[1], capacity=1 << 16)
+r.write(b"one" * 10)
+r.write(b"two" * 10)
+# the third frame through section 3's steps 5 and 6 (its next header zeroed, its commit word),
+# then the process dies before step 7 stores the head
+pos = r._seg.q[L.OFF_HEAD // 8]
+q = r._seg.q
+start = L.CONTROL_SIZE + (pos & (r.capacity - 1))
+r._seg.buf[start + 16 : start + 46] = b"thr" * 10
+q[start >> 3] = pos
+nxt = (L.CONTROL_SIZE + ((pos + 64) & (r.capacity - 1))) >> 3
+q[nxt] = q[nxt + 1] = 0
+q[(start >> 3) + 1] = (16 + 30) | (L.FRAME_DATA << 32)
+print(pos, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_producer_killed_between_commit_and_head_leaves_a_ring_the_next_one_writes_on() -> None:
+    name = "aiospec-test-" + os.urandom(12).hex()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    child = subprocess.run([sys.executable, "-c", _KILLED_MID_COMMIT, name], capture_output=True, text=True,
+                           timeout=60, env=env)  # fmt: skip
+    assert child.returncode == -9, child.stderr
+    head = int(child.stdout)
+    ring = shm.Ring.attach(name)
+    try:
+        assert ring.stats().head == head  # the third frame is committed, the head is behind it
+        producer = Producer(name, device="cpu")  # the restarted producer claims the ring
+        try:
+            producer.emit(**_step(1))
+        finally:
+            producer.close()
+        st = ring.stats()
+        assert st.frames_written == 4 and st.head > head + 64
+        with ring.reader(start="oldest") as r:
+            got = r.read()
+        assert got[:3] == [b"one" * 10, b"two" * 10, b"thr" * 10] and len(got) == 4
+    finally:
+        ring.unlink()
+        ring.close()

@@ -416,7 +416,10 @@ class RingProducer {
                                               "); one producer writes a ring at a time");
       }
     }
-    if (!mine) store_relaxed(map_.ctl64(AIOSPEC_OFF_PRODUCER_EPOCH), ++epoch);
+    if (!mine) {
+      store_relaxed(map_.ctl64(AIOSPEC_OFF_PRODUCER_EPOCH), ++epoch);
+      finish_commits();
+    }
     store_relaxed(map_.ctl32(AIOSPEC_OFF_PRODUCER_PID), me);
     store_relaxed(map_.ctl64(AIOSPEC_OFF_PRODUCER_PIDNS), ns);
     heartbeat();
@@ -424,6 +427,37 @@ class RingProducer {
     flock(map_.fd, LOCK_UN);
     return epoch;
   }
+  // The previous holder may have died between a frame's commit word and its head store
+  // (section 3, steps 6 and 7): the frame is committed (readers may have read it) and the head
+  // is behind it, where every later write would find "a committed frame is there". Finishes
+  // step 7 for such a frame (a PAD and the frame after it at most), under the slot lock.
+  void finish_commits() {
+    uint64_t head = load_acquire(map_.ctl64(AIOSPEC_OFF_HEAD));
+    const uint8_t* data = map_.data();
+    for (int i = 0; i < 2; ++i) {
+      const uint64_t off = head & map_.mask;
+      const uint64_t pos = load_acquire(reinterpret_cast<const uint64_t*>(data + off + AIOSPEC_FH_POSITION));
+      const uint64_t commit = load_acquire(reinterpret_cast<const uint64_t*>(data + off + AIOSPEC_FH_COMMIT));
+      if (commit == 0 || pos != head) return;
+      const uint64_t length = commit & 0xFFFFFFFFull, type = commit >> 32;
+      const uint64_t size = (length + AIOSPEC_FRAME_ALIGN - 1) & ~uint64_t(AIOSPEC_FRAME_ALIGN - 1);
+      if (type == AIOSPEC_FRAME_PAD) {
+        if (length != map_.capacity - off) return;
+        head += length;
+      } else {
+        if (type != AIOSPEC_FRAME_DATA || length < AIOSPEC_FRAME_HEADER || size > map_.max_record ||
+            size > map_.capacity - off) {
+          return;  // not a frame a writer commits: left for reserve() to refuse
+        }
+        head += size;
+        store_relaxed(map_.ctl64(AIOSPEC_OFF_FRAMES_WRITTEN), load_relaxed(map_.ctl64(AIOSPEC_OFF_FRAMES_WRITTEN)) + 1);
+        store_relaxed(map_.ctl64(AIOSPEC_OFF_BYTES_WRITTEN),
+                      load_relaxed(map_.ctl64(AIOSPEC_OFF_BYTES_WRITTEN)) + length - AIOSPEC_FRAME_HEADER);
+      }
+      store_release(map_.ctl64(AIOSPEC_OFF_HEAD), head);
+    }
+  }
+
   RingProducer(const RingProducer&) = delete;
   RingProducer& operator=(const RingProducer&) = delete;
   ~RingProducer() { close(true); }
