@@ -548,12 +548,25 @@ class Segment:
         if reach is None:
             reach = head + L.FRAME_HEADER
         lo = max(0, L.align(reach - cap, L.FRAME_ALIGN)) if reach > cap else 0
+        # frames from which the chain is known not to reach the head: a later candidate's chain
+        # that meets one stops there, so each position is walked once (one corrupt header
+        # otherwise made every candidate before it walk up to it: quadratic in the ring's size)
+        dead: set[int] = set()
         for cand in range(lo, head, L.FRAME_ALIGN):
             w = (L.CONTROL_SIZE + (cand & mask)) >> 3
-            if q[w] != cand or q[w + 1] == 0:
+            if cand in dead or q[w] != cand or q[w + 1] == 0:
                 continue
-            if self.chain(cand, head)[0] == head:
+            walked = []
+            pos = cand
+            while pos < head and pos not in dead:
+                walked.append(pos)
+                nxt = self.chain(pos, pos + 1)[0]  # one frame's checks: past it, or where it stops
+                if nxt == pos:
+                    break
+                pos = nxt
+            if pos == head:
                 return cand
+            dead.update(walked)
         return head
 
     def chain(self, pos: int, head: int) -> tuple[int, int]:

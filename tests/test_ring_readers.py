@@ -12,6 +12,7 @@ from _ringhelpers import (  # noqa: F401  (shm_tracker is an autouse fixture, ri
     MAX_REC,
     SPAWN,
     XPROC_TIMEOUT,
+    RawSegment,
     bell_bytes,
     fill,
     frame_size,
@@ -264,6 +265,43 @@ def test_recovery_reader_starts_at_the_oldest_whole_frame() -> None:
         rec.close()
         with pytest.raises(ValueError, match=r"^reader: start = 'tail': expected 'head', 'oldest' or a position >= 0$"):
             att.reader(start="tail")
+    finally:
+        att.close()
+
+
+def test_recovery_reader_after_a_corrupt_header_walks_each_frame_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    # one scribbled header three quarters of the way up: every candidate before it leads to
+    # it, and the scan must not walk that chain again from each of them (quadratic)
+    from shm import _segment
+
+    cap = 1 << 18
+    ring = shm.Ring.create(capacity=cap)
+    att = shm.Ring.attach(ring.name)
+    try:
+        while ring.stats().head < cap + cap // 2:  # a lap and a half of 64-byte frames
+            ring.write(b"x" * 40)
+        head = ring.stats().head
+        victim = head - cap // 4
+        raw = RawSegment(ring.name)
+        raw.set_data_u64(victim & (cap - 1), 12345)  # its position word
+        raw.close()
+        ring.close()
+        steps = 0
+        chain = _segment.Segment.chain
+
+        def counted(self: _segment.Segment, pos: int, end: int) -> tuple[int, int]:
+            nonlocal steps
+            out = chain(self, pos, end)
+            steps += 1 + (out[0] - pos) // 64  # the frames it walked
+            return out
+
+        monkeypatch.setattr(_segment.Segment, "chain", counted)
+        rec = att.reader(start="oldest")
+        assert rec.tail == victim + 64  # the oldest frame from which frames lead to the head
+        assert steps <= 3 * cap // 64  # each 64-byte position walked about once
+        got = rec.read(100_000)
+        assert len(got) == (head - victim - 64) // 64 and set(got) == {b"x" * 40}
+        rec.close()
     finally:
         att.close()
 
