@@ -7,6 +7,7 @@ test_hub_failures.py; the conftest runs each test on asyncio (debug) and uvloop.
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import re
 import threading
@@ -51,8 +52,18 @@ async def test_open_errors(ring: shm.Ring) -> None:
             hub.attach(ring.name)
     with pytest.raises(ValueError, match=r"^yield_every = 0: expected an int >= 1$"):
         Hub(yield_every=0)
-    with pytest.raises(ValueError, match=r"^recheck = 0: expected seconds > 0$"):
+    with pytest.raises(ValueError, match=r"^recheck = 0: expected a finite positive number of seconds$"):
         Hub(recheck=0)
+    for kw, msg in (
+        ({"recheck": math.nan}, r"^recheck = nan: expected a finite positive number of seconds$"),
+        ({"spin": math.inf}, r"^spin = inf: expected a finite number of seconds >= 0$"),
+        ({"spin": -1}, r"^spin = -1: expected a finite number of seconds >= 0$"),
+        ({"producer_timeout": math.nan}, r"^producer_timeout = nan: expected a positive number of seconds or None$"),
+        ({"max_frames": 1 << 64}, rf"^max_frames = {1 << 64}: expected an int in 1\.\.{(1 << 32) - 1}$"),
+        ({"max_frames": True}, r"^max_frames = True: expected an int in 1\."),
+    ):
+        with pytest.raises(ValueError, match=msg):
+            Hub(**kw)  # type: ignore[arg-type]
 
 
 # -- wake-ups, fairness, back-pressure ---------------------------------------------------------
