@@ -298,6 +298,15 @@ def _get(conn: Connection, what: str, timeout: float = 60.0) -> Any:
     return conn.recv()
 
 
+def _reap(procs: list[Any], wait: float) -> None:
+    """Give a run's processes ``wait`` seconds each to end, then kill any still running."""
+    for p in procs:
+        p.join(wait)
+        if p.is_alive():
+            p.kill()
+            p.join(10)
+
+
 def run_striped(size: int, args: dict[str, Any], stripes: int = STRIPES) -> dict[str, Any]:
     """``tcp_x4``: ``stripes`` tcp_raw pairs at once, each its own connection; frames/s summed."""
     ctx = mp.get_context("spawn")
@@ -321,13 +330,9 @@ def run_striped(size: int, args: dict[str, Any], stripes: int = STRIPES) -> dict
             pc.send("done")
             sent, count, cpu_p, cpu_r = sent + s, count + n, cpu_p + cp, cpu_r + cr
             rate += (n - 1) / span if span > 0 else 0.0
-        for p in procs:
-            p.join(30)
+        _reap(procs, 30)
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(10)
+        _reap(procs, 0)  # (after a failure: at once)
     fps = round(rate, 1)
     return {
         "frames": count,
@@ -387,13 +392,9 @@ def run_one(path: str, size: int, mode: str, args: dict[str, Any]) -> dict[str, 
         link: dict[str, Any] = {}
         for what, c in zip(("sender", "receiver"), ends, strict=False):
             cpu[what], link[what] = _get(c, f"the {what}'s end", timeout=60)
-        for p in procs:
-            p.join(30)
+        _reap(procs, 30)
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(10)
+        _reap(procs, 0)  # (after a failure: at once)
     out: dict[str, Any] = {"frames": count}
     if mode == "throughput":
         out["sent"] = sent
