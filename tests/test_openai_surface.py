@@ -315,6 +315,8 @@ BAD_VALUES: list[tuple[str, dict[str, Any], str, str]] = [
     (CMPL, {"prompt": [[1, 2], " the"]}, "prompt", r"^Invalid 'prompt': prompt\[1\] = ' the': expected a string"),
     (CMPL, {"prompt": "x", "n": 129}, "n", r"^Invalid 'n': n = 129: expected 1\.\.128\.$"),
     (CMPL, {"prompt": "x", "max_tokens": 0}, "max_tokens", r"^Invalid 'max_tokens': max_tokens = 0: expected 1\.\."),
+    (CHAT, {"messages": [{"role": "user", "content": "x"}], "max_tokens": 9000}, "max_tokens",
+     r"^Invalid 'max_tokens': max_tokens = 9000: expected 1\.\.8192 \(the model's context length\)\.$"),
     (CMPL, {"prompt": "x", "logprobs": 21}, "logprobs", r"^Invalid 'logprobs': logprobs = 21: expected 0\.\.20\.$"),
     (CMPL, {"prompt": "x", "prompt_logprobs": -1}, "prompt_logprobs",
      r"^Invalid 'prompt_logprobs': prompt_logprobs = -1: expected 0\.\.20\.$"),

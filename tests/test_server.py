@@ -236,7 +236,7 @@ ERRORS = [
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, 400, "top_logprobs",
      r"^Invalid 'top_logprobs': 'logprobs' must be true when 'top_logprobs' is set\.$"),
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, 400, "max_tokens",
-     r"^Invalid 'max_tokens': max_tokens = 0: expected 1\.\.8192\.$"),
+     r"^Invalid 'max_tokens': max_tokens = 0: expected 1\.\.8192 \(the model's context length\)\.$"),
     ({"messages": [{"role": "user", "content": "x"}], "model": "gpt-9"}, 404, "model",
      r"^The model `gpt-9` does not exist \(this server has `aiospec-toy`\)\.$"),
     ({"messages": "hello"}, 400, "messages",

@@ -299,6 +299,9 @@ def _decode(decoder: msgspec.json.Decoder[Any], body: bytes) -> Any:
         ) from None
 
 
+_CONTEXT = " (the model's context length)"  # what bounds max_tokens, named as clients look for it
+
+
 def _int_range(name: str, value: int, lo: int, hi: int, why: str = "") -> None:
     if not lo <= value <= hi:
         code = "integer_below_min_value" if value < lo else "integer_above_max_value"
@@ -421,7 +424,7 @@ def _common(req: _Common, max_tokens: int | None, lim: Limits) -> dict[str, Any]
     if req.best_of is not None and (isinstance(req.best_of, bool) or req.best_of != n):
         raise _unsupported("best_of", f"best_of = {req.best_of}: only best_of = n ({n}) is supported")
     if max_tokens is not None:
-        _int_range("max_tokens", max_tokens, 0, lim.max_model_len)
+        _int_range("max_tokens", max_tokens, 0, lim.max_model_len, _CONTEXT)
     temp = 1.0 if req.temperature is None else req.temperature
     if not 0.0 <= temp <= 2.0:
         raise ApiError(
@@ -593,7 +596,7 @@ def parse_chat(body: bytes, lim: Limits) -> Parsed:
     name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if max_tokens is not None:
-        _int_range(name, max_tokens, 1, lim.max_model_len)
+        _int_range(name, max_tokens, 1, lim.max_model_len, _CONTEXT)
     fields = _common(req, max_tokens, lim)
     top = -1
     if req.top_logprobs is not None:
@@ -655,7 +658,7 @@ def parse_completion(body: bytes, lim: Limits) -> Parsed:
     echo = bool(req.echo)
     if req.max_tokens is not None:
         # max_tokens = 0 with echo scores a prompt (its logprobs) without generating
-        _int_range("max_tokens", req.max_tokens, 0 if echo else 1, lim.max_model_len)
+        _int_range("max_tokens", req.max_tokens, 0 if echo else 1, lim.max_model_len, _CONTEXT)
     fields = _common(req, req.max_tokens, lim)
     top = -1
     if req.logprobs is not None:
