@@ -172,3 +172,24 @@ def test_a_producer_killed_between_commit_and_head_leaves_a_ring_the_next_one_wr
     finally:
         ring.unlink()
         ring.close()
+
+
+@pytest.mark.parametrize("head", [1 << 63, (1 << 64) - 64])
+def test_the_writer_refuses_a_head_beyond_2_63(head: int) -> None:
+    # a scribbled head word: the C++ writer refuses it (opening, and as a head to adopt)
+    # instead of wrapping its positions around to 0, which disabled back-pressure
+    beyond = r"at or above 2\*\*63, which no ring reaches \(2\.9 years of writing at 100 GB/s\)"
+    with shm.Ring.create(capacity=CAP, max_record=4096) as ring:
+        producer = Producer(ring.name, device="cpu")
+        raw = RawSegment(ring.name)
+        try:
+            raw.set_u64(L.OFF_HEAD, head)
+            with pytest.raises(shm.CorruptControl, match=rf"head word {head}: {beyond}; refusing to write$"):
+                producer.emit(**_step(1))
+            with pytest.raises(shm.CorruptControl, match=rf"head word {head}: {beyond}; refusing to write$"):
+                Producer(ring.name, device="cpu").emit(**_step(1))
+            assert raw.u64(L.OFF_HEAD) == head and ring.stats().frames_written == 0
+        finally:
+            raw.set_u64(L.OFF_HEAD, 0)
+            raw.close()
+            producer.close()

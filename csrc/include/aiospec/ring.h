@@ -371,6 +371,12 @@ struct ProducerOptions {
   bool check_pids = true;        // evict a blocking reader whose process is gone
 };
 
+// Positions are u64, but no ring reaches 2**63 (2.9 years of writing at 100 GB/s): a head word
+// at or above it is corrupt, never a position to wrap around (shm._sys.POSITION_LIMIT).
+constexpr uint64_t kPositionLimit = 1ull << 63;
+
+constexpr const char* kBeyondPositions = "at or above 2**63, which no ring reaches (2.9 years of writing at 100 GB/s)";
+
 class RingProducer {
  public:
   // Maps the ring and becomes its producer: stores this pid, a heartbeat and state live,
@@ -381,6 +387,10 @@ class RingProducer {
     seg_uid_ = fstat(map_.fd, &st) == 0 ? st.st_uid : geteuid();
     claim();
     head_ = load_acquire(map_.ctl64(AIOSPEC_OFF_HEAD));
+    if (head_ >= kPositionLimit) {
+      throw RingError(RingErrc::bad_segment, "ring " + map_.name + ": head word " + std::to_string(head_) + ": " +
+                                                 kBeyondPositions + "; refusing to write");
+    }
     min_tail_ = head_;
     frames_written_ = load_relaxed(map_.ctl64(AIOSPEC_OFF_FRAMES_WRITTEN));
     bytes_written_ = load_relaxed(map_.ctl64(AIOSPEC_OFF_BYTES_WRITTEN));
@@ -545,6 +555,7 @@ class RingProducer {
 
   // Why `head` cannot follow this producer's head, or "" (same rule as shm/_producer.py).
   std::string impossible_head(uint64_t head) const {
+    if (head >= kPositionLimit) return kBeyondPositions;
     if (head < head_) return "behind this producer's head " + std::to_string(head_) + " (moved backwards)";
     if (head % AIOSPEC_FRAME_ALIGN != 0) return "not a multiple of " + std::to_string(AIOSPEC_FRAME_ALIGN);
     const uint8_t* data = map_.data();
