@@ -394,6 +394,11 @@ def test_tokenize_and_detokenize(server: ServerProcess) -> None:
         assert status == status_want and err["error"]["param"] == param, (path, body, err)
     status, err = _post(server.url + "/detokenize", {"tokens": [1, -1, 10**9]})
     assert "-1, 1000000000" in err["error"]["message"]
+    # their bodies are bounded as the generate routes' are: 413 before the whole body is read
+    big = {"prompt": "x" * (2 << 20)}
+    for path in ("/tokenize", "/detokenize"):
+        status, err = _post(server.url + path, big)
+        assert status == 413 and err["error"]["code"] == "body_too_large", (path, err)
 
 
 def test_metrics_in_prometheus_format(server: ServerProcess) -> None:

@@ -229,6 +229,7 @@ class Handlers:
             )  # fmt: skip
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
+        """The request body, at most ``MAX_BODY`` bytes (413 past it, before reading it all)."""
         for k, v in scope["headers"]:
             if k == b"content-length" and v.isdigit() and int(v) > MAX_BODY:
                 msg = f"request body of {int(v)} bytes: expected at most {MAX_BODY}"
@@ -273,10 +274,12 @@ class Handlers:
         ``return_token_strs``)."""
         try:
             check_json_content_type(request.headers.raw)
-            req, text = parse_tokenize(await request.body())
+            req, text = parse_tokenize(await self._read_body(request.scope, request.receive))
             self._check_model(req.model)
         except ApiError as err:
             return Response(err.body(), status_code=err.status, media_type="application/json")
+        except _ClientGone:
+            return Response(status_code=499)  # (nobody reads it: the client left mid-body)
         vocab = self.state.link.vocab
         ids = vocab.encode(text)
         strs = [vocab.token(i) for i in ids] if req.return_token_strs else None
@@ -288,10 +291,12 @@ class Handlers:
         vocab = self.state.link.vocab
         try:
             check_json_content_type(request.headers.raw)
-            req = parse_detokenize(await request.body(), len(vocab))
+            req = parse_detokenize(await self._read_body(request.scope, request.receive), len(vocab))
             self._check_model(req.model)
         except ApiError as err:
             return Response(err.body(), status_code=err.status, media_type="application/json")
+        except _ClientGone:
+            return Response(status_code=499)  # (nobody reads it: the client left mid-body)
         return _json({"prompt": vocab.decode(req.tokens)})
 
     async def version(self, request: Request) -> Response:
