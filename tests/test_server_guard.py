@@ -339,3 +339,73 @@ def test_a_busy_port_is_one_line() -> None:
     assert r.returncode == 1
     assert r.stderr == f"aiospec serve: cannot listen on 127.0.0.1:{port}: Address already in use\n"
     assert r.stdout == ""
+
+
+def test_max_connections_fits_the_open_file_limit(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import resource
+
+    from aiospec.server import _bounds
+
+    got: list[tuple[int, int]] = []
+    limits = {"soft": 1024, "hard": 4096}
+
+    def getrlimit(which: int) -> tuple[int, int]:
+        assert which == resource.RLIMIT_NOFILE
+        return limits["soft"], limits["hard"]
+
+    def setrlimit(which: int, value: tuple[int, int]) -> None:
+        got.append(value)
+        limits["soft"] = value[0]
+
+    monkeypatch.setattr(_bounds.resource, "getrlimit", getrlimit)
+    monkeypatch.setattr(_bounds.resource, "setrlimit", setrlimit)
+    # enough under the hard limit: the soft limit is raised, the bound kept
+    fit = _bounds.fit_open_files(_bounds.HttpLimits(max_connections=2000))
+    assert fit.max_connections == 2000 and got == [(2256, 4096)]
+    # beyond the hard limit: raised to it, and the bound lowered to what it leaves, with a warning
+    with caplog.at_level("WARNING", logger="aiospec.server"):
+        fit = _bounds.fit_open_files(_bounds.HttpLimits())
+    assert got[-1] == (4096, 4096) and fit.max_connections == 4096 - 256
+    assert "--max-connections 8192 needs about 8448 open files, and this process may open 4096" in caplog.text
+    # already enough: nothing changes
+    got.clear()
+    assert _bounds.fit_open_files(_bounds.HttpLimits(max_connections=100)).max_connections == 100 and got == []
+
+
+def _one_response(s: socket.socket) -> tuple[int, bytes]:
+    """Read one response with a content-length from a kept-alive connection."""
+    got = b""
+    while b"\r\n\r\n" not in got:
+        chunk = s.recv(65536)
+        assert chunk, got
+        got += chunk
+    head, _, body = got.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    n = int(next(v for k, _, v in (ln.partition(":") for ln in lines[1:]) if k.lower() == "content-length"))
+    while len(body) < n:
+        chunk = s.recv(65536)
+        assert chunk
+        body += chunk
+    return int(lines[0].split()[1]), body
+
+
+def test_bare_line_breaks_between_requests_do_not_hold_a_connection(server: ServerProcess) -> None:
+    # after one answered request, a client sends only CRLFs (which begin no request): the next
+    # head is still waited for a bounded time (--header-timeout 1 here)
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert _one_response(s)[0] == 200
+        t0 = time.monotonic()
+        status = body = None
+        while time.monotonic() - t0 < 8:
+            try:
+                s.sendall(b"\r\n")
+            except (BrokenPipeError, ConnectionResetError):
+                break
+            if select.select([s], [], [], 0.2)[0]:
+                status, body = _one_response(s)
+                break
+        assert status == 408 and body == b"the request head did not arrive within 1 s\n"
+        assert time.monotonic() - t0 < 4

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 import httptools
@@ -36,6 +37,7 @@ from aiospec.server._bounds import HttpLimits
 __all__ = ("LimitedHttpToolsProtocol", "limited_protocol")
 
 log = logging.getLogger("aiospec.server")
+_REFUSALS = [-1e9, 0]  # when the last refusal was logged, refusals since (the process's, every listener)
 
 
 class _Reject(Exception):
@@ -70,8 +72,13 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         super().connection_made(transport)
         if len(self.connections) > self.limits.max_connections:
             self._refused = True
-            log.warning("refused a connection: %d open, --max-connections %d",
-                        len(self.connections) - 1, self.limits.max_connections)  # fmt: skip
+            # one line per 10 s, with the count: a flood of connections must not flood the log
+            now = time.monotonic()
+            _REFUSALS[1] += 1
+            if now - _REFUSALS[0] >= 10.0:
+                log.warning("refused %d connection(s) since the last such line: %d open, --max-connections %d",
+                            _REFUSALS[1], len(self.connections) - 1, self.limits.max_connections)  # fmt: skip
+                _REFUSALS[0], _REFUSALS[1] = now, 0
             self._answer(503, f"too many connections: expected at most {self.limits.max_connections}")
             return
         # a connection that opens and sends nothing is waiting for its first head
@@ -140,6 +147,16 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             log.info("rejected a request: %d %s", r.status, r.message)
             self._disarm()
             self._answer(r.status, r.message)
+        elif (
+            self._phase == _IDLE
+            and self._timer is None
+            and (self.cycle is None or self.cycle.response_complete)
+            and not self.transport.is_closing()
+        ):
+            # bytes between requests that begin none (the parser skips bare CRLFs) stopped
+            # uvicorn's keep-alive timer, and no head began to arm ours: the next head is
+            # waited for a bounded time, or a CRLF now and then would hold the connection
+            self._arm(self.limits.header_timeout, "the request head")
 
     def _fail(self, status: int, message: str) -> None:
         self._reject = _Reject(status, message)

@@ -22,7 +22,7 @@ from types import FrameType
 import uvicorn
 
 from aiospec.server._app import create_app
-from aiospec.server._bounds import HttpLimits
+from aiospec.server._bounds import HttpLimits, fit_open_files
 from aiospec.server._drain import Drain
 from aiospec.server._engine_link import ServerSettings
 from aiospec.server._limits import limited_protocol
@@ -116,7 +116,7 @@ def serve(
         host=host,
         port=port,
         loop="uvloop",
-        http=limited_protocol(limits or HttpLimits()),  # httptools with bounds (_limits.py)
+        http=limited_protocol(fit_open_files(limits or HttpLimits())),  # httptools with bounds (_limits.py)
         timeout_keep_alive=keep_alive_timeout,  # type: ignore[arg-type]
         lifespan="on",
         log_level=log_level,
