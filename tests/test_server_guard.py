@@ -35,7 +35,8 @@ def log_file(tmp_path_factory: pytest.TempPathFactory) -> Iterator[IO[bytes]]:
 @pytest.fixture(scope="module")
 def server(log_file: IO[bytes]) -> Iterator[ServerProcess]:
     args = ["--step-ms", "5", "--max-batch", "64", "--api-key", KEYS[2], "--allowed-origins", ORIGIN,
-            "--header-timeout", "1", "--body-timeout", "1", "--max-connections", "40"]  # fmt: skip
+            "--header-timeout", "1", "--body-timeout", "1", "--send-timeout", "1",
+            "--max-connections", "40"]  # fmt: skip
     # two keys from the environment (kept off the command line), one from --api-key
     yield from serving(args, stderr=log_file, env={"AIOSPEC_API_KEY": f"{KEYS[0]}, {KEYS[1]}"})
     log_file.seek(0)
@@ -409,3 +410,40 @@ def test_bare_line_breaks_between_requests_do_not_hold_a_connection(server: Serv
                 break
         assert status == 408 and body == b"the request head did not arrive within 1 s\n"
         assert time.monotonic() - t0 < 4
+
+
+def test_a_client_that_reads_nothing_is_closed_and_its_request_aborted(server: ServerProcess) -> None:
+    # a stream whose client never reads: once the socket's buffers are full, the server's
+    # writes wait; after --send-timeout (1 s here) the connection is closed, the request
+    # aborted in the engine, and the connection slot free
+    def stats() -> dict[str, Any]:
+        return json.loads(_request(server.port, "GET", "/stats", headers=_auth())[2])
+
+    before = stats()["aborted"]
+    body = json.dumps(
+        {
+            "model": "aiospec-toy",
+            "messages": [{"role": "user", "content": "x"}],
+            "stream": True,
+            "max_tokens": 8000,
+            "ignore_eos": True,
+            "logprobs": True,
+            "top_logprobs": 20,
+        }
+    ).encode()
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect(("127.0.0.1", server.port))
+    try:
+        head = (
+            f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEYS[0]}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+        )
+        s.sendall(head.encode() + body)
+        t0 = time.monotonic()
+        while stats()["aborted"] == before:
+            assert time.monotonic() - t0 < 30, "the request was never aborted"
+            time.sleep(0.2)
+        assert stats()["streams_open"] == 0
+    finally:
+        s.close()

@@ -14,6 +14,10 @@ hundreds of megabytes, and a connection that sends a byte at a time is never clo
 - the head must arrive within ``header_timeout`` seconds of the request's first byte (or of
   the connection's opening), the body within ``body_timeout`` seconds of the head: 408 and
   close otherwise (a response already under way is not interrupted: the connection is closed);
+- a client that leaves the server's writes waiting (the socket's buffer full: it reads
+  nothing) for ``send_timeout`` seconds in a row is closed (nginx's ``send_timeout``, 60 s
+  there too): its request ends as a disconnected one (aborted in the engine) and its
+  connection slot is free again;
 - at most ``max_connections`` connections are open; one more is answered 503 and closed at
   once, before anything of it is parsed.
 
@@ -65,6 +69,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._timer: asyncio.TimerHandle | None = None
         self._reject: _Reject | None = None
         self._refused = False
+        self._stuck: asyncio.TimerHandle | None = None  # the writes wait for the client
 
     # -- connection ----------------------------------------------------------------------------
 
@@ -86,7 +91,31 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        if self._stuck is not None:
+            self._stuck.cancel()
+            self._stuck = None
         super().connection_lost(exc)
+
+    # -- writing -------------------------------------------------------------------------------
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._stuck is None:
+            self._stuck = self.loop.call_later(self.limits.send_timeout, self._send_timed_out)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self._stuck is not None:
+            self._stuck.cancel()
+            self._stuck = None
+
+    def _send_timed_out(self) -> None:
+        self._stuck = None
+        if self.transport.is_closing():
+            return
+        log.info("closed a connection whose client read nothing for %g s", self.limits.send_timeout)
+        # what waits in the buffer is never read: abort, not close (which would wait to send it)
+        self.transport.abort()
 
     def _arm(self, delay: float, what: str) -> None:
         self._disarm()
