@@ -20,6 +20,7 @@ from _ringhelpers import make_payload, shm_tracker_fixture, wait_for  # noqa: F4
 import shm
 from aiospec.bridge import BridgeReceiver, BridgeSender, IdleStrategy, RingTarget
 from aiospec.bridge import _protocol as P
+from aiospec.bridge._errors import ProtocolError
 
 zmq = pytest.importorskip("zmq")
 
@@ -372,3 +373,74 @@ def test_the_cli_takes_the_idle_options() -> None:
 
 def _fast_cli() -> list[str]:
     return ["--heartbeat", "0.05", "--link-timeout", "0.5"]
+
+
+def _credit_msg(far: int, ack: int, expected: int, credit_seq: int, flags: int = 0) -> P.Credit:
+    msg = P.decode(
+        [memoryview(P.encode_credit(far, ack, expected, credit_seq, 1 << 30, 1 << 20, flags))], max_payload=0
+    )
+    assert isinstance(msg, P.Credit)
+    return msg
+
+
+def test_a_credit_past_what_was_sent_is_refused_and_a_repeated_resend_goes_back_once() -> None:
+    with shm.Ring.create(capacity=1 << 16) as near:
+        sender = BridgeSender(near.name, "tcp://127.0.0.1:1", **FAST)
+        try:
+            frames = [make_payload(i, 100) for i in range(10)]
+            for f in frames:
+                near.write(f)
+            sender._state, sender._far_session = "up", 7
+            sender._credit_seq, sender._credit_bytes = 100, 1 << 30
+            assert sender._read_ring(time.monotonic())
+            sender._credit_seq = 6  # the credit lets 5 of the 10 entries read go out
+            sock = _Socket()
+            assert sender._send_entries(sock, zmq, time.monotonic())
+            assert [s for s, _ in sock.take()] == [1]
+            # the far end cannot have taken entries 6..10: never sent (a rogue, or a bug)
+            with pytest.raises(ProtocolError, match=r"^CREDIT ack 11, expected 11: this end holds entries 1\.\.10 "
+                               r"and sent those below 6$"):  # fmt: skip
+                sender._on_credit(_credit_msg(7, 11, 11, 100))
+            assert sender.stats().held == 10 and sender._send_seq == 6  # nothing forgotten
+            # RESEND repeats in every credit until the gap is filled: one rewind per link timeout
+            sender._on_credit(_credit_msg(7, 3, 3, 100, P.RESEND))
+            assert sender._send_seq == 3
+            sender._send_seq = 6  # as if entries 3..5 went out again
+            sender._on_credit(_credit_msg(7, 3, 3, 100, P.RESEND))
+            assert sender._send_seq == 6  # the same gap, asked again at once: not queued again
+            sender._resent_at -= FAST["link_timeout"]
+            sender._on_credit(_credit_msg(7, 3, 3, 100, P.RESEND))
+            assert sender._send_seq == 3  # a link timeout later it is
+        finally:
+            sender.close()
+
+
+def test_a_lost_entry_past_the_credit_is_refused() -> None:
+    target = RingTarget(None, capacity=1 << 16)
+    try:
+        recv = BridgeReceiver("tcp://127.0.0.1:0", target, window_frames=2, **FAST)
+        recv._peer, recv._state, recv._expected = b"near", "up", 5
+        recv._queued = 2  # two entries wait for room in the ring: no credit left
+        recv._on_message(None, zmq, [_Frame(b"near"), _Frame(P.encode_lost(5, 1000))])
+        st = recv.stats()
+        assert (st.protocol_errors, st.queued, recv._expected) == (1, 2, 5)
+        recv._queued = 0  # room again: the same entry is taken
+        recv._on_message(None, zmq, [_Frame(b"near"), _Frame(P.encode_lost(5, 1000))])
+        assert recv._expected == 6 and recv.stats().protocol_errors == 1
+    finally:
+        target.close()
+
+
+def test_a_peer_repeating_a_message_cannot_flood_the_log(caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    throttle = P.Throttle(logging.getLogger("aiospec.bridge"), interval=10.0)
+    with caplog.at_level(logging.WARNING, logger="aiospec.bridge"):
+        for _ in range(1000):
+            throttle(logging.WARNING, "superseded", "a new session supersedes the previous one")
+        throttle(logging.WARNING, "reset", "the far end does not know this sender")
+    assert caplog.text.count("supersedes") == 1 and caplog.text.count("does not know") == 1
+    throttle._due["superseded"] = 0.0  # the interval passed: one line with the count
+    with caplog.at_level(logging.WARNING, logger="aiospec.bridge"):
+        throttle(logging.WARNING, "superseded", "a new session supersedes the previous one")
+    assert "supersedes the previous one (and 999 more in the last 10 s)" in caplog.text

@@ -311,3 +311,26 @@ class ErrorLog:
         self._log.warning("%s: dropped a message: %s%s", self._what, exc, more)
         self._due = now + self._interval
         self._suppressed = 0
+
+
+class Throttle:
+    """Warnings a peer's messages cause (a HELLO, a RESET), one per ``interval`` seconds per
+    kind, the first at once and each later one saying how many were left out: a peer that
+    repeats a message many times a second cannot flood the log."""
+
+    __slots__ = ("_due", "_interval", "_log", "_suppressed")
+
+    def __init__(self, log: logging.Logger, interval: float = 10.0) -> None:
+        self._log, self._interval = log, interval
+        self._due: dict[str, float] = {}
+        self._suppressed: dict[str, int] = {}
+
+    def __call__(self, level: int, kind: str, msg: str, *args: object) -> None:
+        now = time.monotonic()
+        if now < self._due.get(kind, 0.0):
+            self._suppressed[kind] = self._suppressed.get(kind, 0) + 1
+            return
+        n = self._suppressed.pop(kind, 0)
+        more = f" (and {n} more in the last {self._interval:g} s)" if n else ""
+        self._log.log(level, msg + "%s", *args, more)
+        self._due[kind] = now + self._interval

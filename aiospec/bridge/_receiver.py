@@ -207,6 +207,7 @@ class BridgeReceiver:
         self._a_next: int | None = None
         self._fenced: collections.deque[bytes] = collections.deque(maxlen=64)  # superseded peers
         self._error_log = P.ErrorLog(log, "bridge receiver")
+        self._throttle = P.Throttle(log)
         self._counts = dict.fromkeys(
             ("frames", "messages", "bytes", "lost", "duplicates", "gaps", "protocol_errors", "sessions", "full_waits",
              "superseded", "refused", "resumed", "credits"),
@@ -473,6 +474,16 @@ class BridgeReceiver:
             if self._a_next is not None and first > self._a_next:
                 self._queue.append(_Batch(P.LOST, None, first - self._a_next, entry=False))
             self._a_pos, self._a_next = msg.a_end, msg.a_index
+        elif expected + 1 > self._credit()[1]:
+            # a LOST or GONE is an entry like a frame: none beyond the credit is queued either
+            self._protocol_error(
+                peer,
+                ProtocolError(
+                    f"{type(msg).__name__.upper()} seq {seq}: beyond the credit granted (entries below "
+                    f"{self._credit()[1]})"
+                ),
+            )
+            return
         elif isinstance(msg, P.Lost):
             batch, take = _Batch(P.LOST, None, msg.frames), 1
             self._a_pos, self._a_next = msg.a_end, msg.a_index
@@ -508,7 +519,9 @@ class BridgeReceiver:
         self._counts["sessions"] += 1
         self._last_heard = time.monotonic()
         if msg.max_payload > self.target.max_payload:
-            log.error(
+            self._throttle(
+                logging.ERROR,
+                "max_payload",
                 "bridge receiver: the near ring's max_payload %d exceeds the target's %d: its large frames "
                 "cannot be delivered (the near end refuses to start)",
                 msg.max_payload,
@@ -523,7 +536,9 @@ class BridgeReceiver:
                 self._fenced.append(self._peer)
                 self._counts["superseded"] += 1
                 self._send(sock, zmq, self._peer, P.SUPERSEDED)
-                log.warning("bridge receiver: a new near-end session supersedes the previous one")
+                self._throttle(
+                    logging.WARNING, "superseded", "bridge receiver: a new near-end session supersedes the previous one"
+                )
             if msg.ring_epoch != self._a_epoch:
                 self._a_epoch, self._a_pos, self._a_next = msg.ring_epoch, None, None  # a new stream
             elif self._a_pos is not None:

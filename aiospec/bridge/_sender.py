@@ -51,6 +51,7 @@ _MAX_PART = 4096  # the largest message part the far end may send (a CREDIT is 8
 # touched yet (page faults, the kernel zeroing the pages)
 _POOLED_READ = 64 << 10
 _POOL_BUFFERS = 64  # the most buffers kept for reuse
+_SNDHWM = 1024  # the most messages queued in ZeroMQ towards the far end
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,6 +240,9 @@ class BridgeSender:
         self._slot_beat_due = 0.0
         self._next_seq = 1  # the next entry's sequence number
         self._send_seq = 1  # the next entry to send
+        self._sent_hi = 1  # every entry below it was sent at least once
+        self._resent: tuple[int, int] = (0, 0)  # the (expected, far session) last gone back to
+        self._resent_at = 0.0
         self._cum = 0  # cumulative payload bytes of every entry made
         self._far_session = 0
         self._credit_seq = 0
@@ -266,6 +270,7 @@ class BridgeSender:
         )  # fmt: skip
         self._credit_stalled = False
         self._error_log = P.ErrorLog(log, "bridge sender")
+        self._throttle = P.Throttle(log)
 
     # -- public surface --------------------------------------------------------------------
 
@@ -340,7 +345,9 @@ class BridgeSender:
         try:
             sock.setsockopt(zmq.IMMEDIATE, 1)
             sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.SNDHWM, 1 << 16)
+            # what waits in ZeroMQ is bounded: 1,024 messages (256 MiB at the default batch_bytes,
+            # four times the default credit window); past it a send waits, as for the credit
+            sock.setsockopt(zmq.SNDHWM, _SNDHWM)
             sock.setsockopt(zmq.RCVHWM, 1 << 16)
             sock.setsockopt(zmq.RECONNECT_IVL, 50)
             # the far end sends CREDIT messages only: a larger part is cut off by ZeroMQ
@@ -563,7 +570,8 @@ class BridgeSender:
             return
         if c.flags & P.RESET:
             if self._state == "up":
-                log.warning("bridge sender: the far end does not know this sender (it restarted): HELLO again")
+                why = "bridge sender: the far end does not know this sender (it restarted): HELLO again"
+                self._throttle(logging.WARNING, "reset", why)
                 self._state = "connecting"
                 self._down_since = now
             self._hello_due = 0.0
@@ -572,9 +580,12 @@ class BridgeSender:
         if not welcome and (c.far_session != self._far_session or self._state != "up"):
             return  # a credit of an earlier connection: wait for the WELCOME
         oldest = self._chunks[0].seq if self._chunks else self._next_seq
-        if c.expected > self._next_seq or c.ack < min(oldest, c.expected) or c.expected < oldest:
+        # the far end can have taken only what this end sent (read is not sent: the credit holds
+        # entries back): an ack or expected past that would make this end forget entries
+        if c.expected > self._sent_hi or c.ack > c.expected or c.ack < min(oldest, c.expected) or c.expected < oldest:
             raise ProtocolError(
-                f"CREDIT ack {c.ack}, expected {c.expected}: this end holds entries {oldest}..{self._next_seq - 1}"
+                f"CREDIT ack {c.ack}, expected {c.expected}: this end holds entries {oldest}..{self._next_seq - 1} "
+                f"and sent those below {self._sent_hi}"
             )
         if welcome:
             if c.max_payload < self.ring.max_payload:
@@ -585,7 +596,9 @@ class BridgeSender:
                 )
                 return
             if self._far_session and c.far_session != self._far_session:
-                log.warning(
+                self._throttle(
+                    logging.WARNING,
+                    "far restarted",
                     "bridge sender: the far end restarted; %d unacknowledged entries go to its new target",
                     self._held(),
                 )
@@ -608,7 +621,15 @@ class BridgeSender:
             self._ack_seq = c.ack
         self._credit_seq, self._credit_bytes, self._expected = c.credit_seq, c.credit_bytes, c.expected
         lost_in_flight = c.expected < self._send_seq and now - self._last_sent > 2 * self.heartbeat + 0.05
-        if welcome or c.flags & P.RESEND or lost_in_flight:
+        resend = bool(c.flags & P.RESEND)
+        if resend and not welcome:
+            # every credit repeats RESEND until the gap is filled: go back for one gap once per
+            # link timeout, or each repeat would queue the whole window into ZeroMQ again
+            if self._resent == (c.expected, self._far_session) and now - self._resent_at < self.link_timeout:
+                resend = False
+            else:
+                self._resent, self._resent_at = (c.expected, self._far_session), now
+        if welcome or resend or lost_in_flight:
             if self._send_seq > c.expected:
                 self._counts["resent"] += self._send_seq - c.expected
             self._send_seq = c.expected
@@ -668,6 +689,8 @@ class BridgeSender:
             if not self._send(sock, zmq, parts):
                 break
             self._send_seq = c.seq + j
+            if self._send_seq > self._sent_hi:
+                self._sent_hi = self._send_seq
             sent += j - i
             msgs += c.kind == P.DATA
             if j == c.count:
