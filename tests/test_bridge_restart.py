@@ -163,7 +163,7 @@ def test_a_newer_sender_of_the_same_ring_supersedes_the_older_one(far: tuple[Bri
             wait_for(lambda: older.stats().held == 0, "the far end's acknowledgements")
             newer = BridgeSender(near.name, recv.endpoint_bound, **FAST).start()  # type: ignore[arg-type]
             assert older.join(10)
-            assert isinstance(older.failure, Superseded)
+            assert isinstance(older.failure, Superseded) and older.stats().state == "done"
             assert str(older.failure) == (
                 f"bridge sender {recv.endpoint_bound}: a newer sender of ring {near.name} took this sender's place "
                 f"at the far end: stopping (two senders of one ring would repeat its frames)"

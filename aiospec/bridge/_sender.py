@@ -60,7 +60,8 @@ class SenderStats:
 
     Attributes:
         state: ``connecting`` (no answer from the far end yet), ``up``, ``down`` (the far end
-            is silent past the link timeout; the sender keeps trying), ``done``.
+            is silent past the link timeout; the sender keeps trying), ``done`` (ended: ``result``
+            says why, ``failure`` holds the exception when it failed).
         frames: frames read from the local ring.
         bytes: their payload bytes.
         sent: entries sent (first sends and resends).
@@ -366,10 +367,9 @@ class BridgeSender:
                     | zmq.EVENT_HANDSHAKE_SUCCEEDED
                 )
             sock.connect(self.endpoint)
-            result = self._loop(sock, monitor, zmq)
-            self._state = "done"
-            return result
+            return self._loop(sock, monitor, zmq)
         finally:
+            self._state = "done"  # ended, by its result or by a failure (``failure``)
             if monitor is not None:
                 sock.disable_monitor()
                 monitor.close()
