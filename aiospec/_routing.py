@@ -130,24 +130,28 @@ class RingFeed:
         return frames, bad
 
     def _decode(self, copies: list[bytes]) -> tuple[list[Frame], list[FrameError]]:
+        """The frames of ``copies`` up to the first that does not decode (its error the
+        second list); those after it wait in ``_after_bad`` for the next ``read()``."""
         frames: list[Frame] = []
+        bad: list[FrameError] = []
         for i, b in enumerate(copies):
             try:
                 f = decode_frame(b, validate_offsets=self._validate)
-            except Exception as exc:
-                if isinstance(exc, FrameError):
-                    err = exc
-                else:  # a decoder bug must cost this frame only, never the ring
-                    err = FrameError(f"frame: the decoder failed ({type(exc).__name__}: {exc})")
-                    err.__cause__ = exc
-                self._after_bad = copies[i + 1 :]
-                self.frames_read += len(frames)
-                self.frames_undecodable += 1
-                return frames, [err]
-            frames.append(f)
-            self.tokens_read += f.num_tokens
+            except FrameError as exc:
+                bad.append(exc)
+            except Exception as exc:  # a decoder bug must cost this frame only, never the ring
+                err = FrameError(f"frame: the decoder failed ({type(exc).__name__}: {exc})")
+                err.__cause__ = exc
+                bad.append(err)
+            else:
+                frames.append(f)
+                self.tokens_read += f.num_tokens
+                continue
+            self._after_bad = copies[i + 1 :]
+            break
         self.frames_read += len(frames)
-        return frames, []
+        self.frames_undecodable += len(bad)
+        return frames, bad
 
     def new_losses(self) -> int:
         lost = self.reader.new_losses()
