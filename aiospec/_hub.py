@@ -22,7 +22,6 @@ from aiospec._routing import RingFeed, Router, Unit
 from aiospec._stream import RequestStream
 from aiospec._stream_errors import HubClosed, ProducerLost, StreamError, StreamFramesLost
 from shm import AiospecError, CorruptFrame, ProducerGone, ReaderEvicted
-from shm._sys import check_seconds
 
 __all__ = ("Hub", "HubStats", "RingInfo")
 
@@ -119,10 +118,7 @@ class Hub:
             raise ValueError(f"yield_every = {yield_every!r}: expected an int >= 1")
         if not isinstance(max_frames, int) or isinstance(max_frames, bool) or not 1 <= max_frames < 1 << 32:
             raise ValueError(f"max_frames = {max_frames!r}: expected an int in 1..{(1 << 32) - 1}")
-        # NaN passes every "< 0" test and makes a wait that never ends: the ring's own checks
-        check_seconds("spin", spin, "a finite number of seconds >= 0", zero=True)
-        check_seconds("recheck", recheck, "a finite positive number of seconds")
-        check_seconds("producer_timeout", producer_timeout, "a positive number of seconds or None", none=True, inf=True)
+        RingFeed.check_timing(spin, recheck, producer_timeout)
         self._initial = names
         self._yield_every = yield_every
         self._max_frames = max_frames

@@ -19,6 +19,7 @@ from aiospec import _payload_layout as L
 from aiospec._codec import Frame, FrameError, decode_frame
 from aiospec._collector import Collector
 from aiospec._stream_errors import StreamError
+from shm._sys import check_seconds
 
 
 class FramesJumped(FrameError):
@@ -152,6 +153,16 @@ class RingFeed:
         self.frames_read += len(frames)
         self.frames_undecodable += len(bad)
         return frames, bad
+
+    @staticmethod
+    def check_timing(spin: float, recheck: float, producer_timeout: float | None) -> None:
+        """What a feed's readers take (``ValueError`` naming the argument otherwise), checked
+        where a Hub or a SyncReader is made rather than at its first ring: finite ``spin``
+        and ``recheck`` (an endless one never looks at the producer again; NaN passes no
+        comparison), a positive ``producer_timeout`` or None."""
+        check_seconds("spin", spin, "a finite number of seconds >= 0", zero=True)
+        check_seconds("recheck", recheck, "a finite positive number of seconds")
+        check_seconds("producer_timeout", producer_timeout, "a positive number of seconds or None", none=True, inf=True)
 
     def new_losses(self) -> int:
         lost = self.reader.new_losses()

@@ -157,11 +157,7 @@ class SyncReader:
             raise ValueError(f"rings = {names!r}: a ring is named twice")
         if not isinstance(max_frames, int) or isinstance(max_frames, bool) or not 1 <= max_frames < 1 << 64:
             raise ValueError(f"max_frames = {max_frames!r}: expected an int in 1..2**64-1")
-        # finite spin and recheck: an endless spin never sleeps, an endless recheck never
-        # looks at the producers again (NaN is neither: it passes no comparison)
-        check_seconds("spin", spin, "a finite number of seconds >= 0", zero=True)
-        check_seconds("recheck", recheck, "a finite positive number of seconds")
-        check_seconds("producer_timeout", producer_timeout, "a positive number of seconds or None", none=True, inf=True)
+        RingFeed.check_timing(spin, recheck, producer_timeout)
         self._only_tracked = only_tracked
         self._max_frames = max_frames
         self._spin = spin
