@@ -448,13 +448,13 @@ class BridgeReceiver:
         if seq > expected:
             self._ask_resend()
             return
+        _, credit_seq, credit_bytes = self._credit()
         if isinstance(msg, P.Data):
             skip = expected - seq  # entries of a resent batch this end already has
             self._counts["duplicates"] += skip
             payloads = msg.payloads(skip)
             n = msg.body.nbytes - sum(msg.lengths[:skip])
             take = count - skip
-            _, credit_seq, credit_bytes = self._credit()
             if expected + take > credit_seq or self._cum + n > credit_bytes:
                 self._protocol_error(
                     peer,
@@ -474,15 +474,10 @@ class BridgeReceiver:
             if self._a_next is not None and first > self._a_next:
                 self._queue.append(_Batch(P.LOST, None, first - self._a_next, entry=False))
             self._a_pos, self._a_next = msg.a_end, msg.a_index
-        elif expected + 1 > self._credit()[1]:
+        elif expected + 1 > credit_seq:
             # a LOST or GONE is an entry like a frame: none beyond the credit is queued either
-            self._protocol_error(
-                peer,
-                ProtocolError(
-                    f"{type(msg).__name__.upper()} seq {seq}: beyond the credit granted (entries below "
-                    f"{self._credit()[1]})"
-                ),
-            )
+            why = f"{type(msg).__name__.upper()} seq {seq}: beyond the credit granted (entries below {credit_seq})"
+            self._protocol_error(peer, ProtocolError(why))
             return
         elif isinstance(msg, P.Lost):
             batch, take = _Batch(P.LOST, None, msg.frames), 1

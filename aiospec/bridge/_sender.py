@@ -791,9 +791,10 @@ class BridgeSender:
         return body
 
     def _recycle(self, c: _Chunk) -> None:
-        """Keep an acknowledged read's buffer for a later read, if nothing else holds it: a
-        message part ZeroMQ has not let go of yet (a resent copy still queued) holds a view
-        of it, one more reference."""
+        """Keep an acknowledged read's buffer for a later read, if nothing else holds it (one
+        more reference: a view of it kept somewhere). Every part is copied into ZeroMQ's
+        message, so none should; the reference count makes sure before the buffer is written
+        again."""
         body = c.body
         c.body = b""
         if type(body) is bytearray and len(self._spare) < _POOL_BUFFERS and sys.getrefcount(body) == 2:
