@@ -443,12 +443,10 @@ class RingProducer {
   // step 7 for such a frame (a PAD and the frame after it at most), under the slot lock.
   void finish_commits() {
     uint64_t head = load_acquire(map_.ctl64(AIOSPEC_OFF_HEAD));
-    const uint8_t* data = map_.data();
     for (int i = 0; i < 2; ++i) {
       const uint64_t off = head & map_.mask;
-      const uint64_t pos = load_acquire(reinterpret_cast<const uint64_t*>(data + off + AIOSPEC_FH_POSITION));
-      const uint64_t commit = load_acquire(reinterpret_cast<const uint64_t*>(data + off + AIOSPEC_FH_COMMIT));
-      if (commit == 0 || pos != head) return;
+      const uint64_t commit = header_word(head, AIOSPEC_FH_COMMIT);
+      if (commit == 0 || header_word(head, AIOSPEC_FH_POSITION) != head) return;
       const uint64_t length = commit & 0xFFFFFFFFull, type = commit >> 32;
       const uint64_t size = (length + AIOSPEC_FRAME_ALIGN - 1) & ~uint64_t(AIOSPEC_FRAME_ALIGN - 1);
       if (type == AIOSPEC_FRAME_PAD) {
@@ -537,9 +535,12 @@ class RingProducer {
 
   // Whether the 16 header bytes at `pos` are not zero.
   bool header_at(uint64_t pos) const {
-    const uint8_t* at = map_.data() + (pos & map_.mask);
-    return load_acquire(reinterpret_cast<const uint64_t*>(at + AIOSPEC_FH_POSITION)) != 0 ||
-           load_acquire(reinterpret_cast<const uint64_t*>(at + AIOSPEC_FH_COMMIT)) != 0;
+    return header_word(pos, AIOSPEC_FH_POSITION) != 0 || header_word(pos, AIOSPEC_FH_COMMIT) != 0;
+  }
+
+  // A word of the frame header at position `pos` (AIOSPEC_FH_POSITION or AIOSPEC_FH_COMMIT).
+  uint64_t header_word(uint64_t pos, size_t off) const {
+    return load_acquire(reinterpret_cast<const uint64_t*>(map_.data() + (pos & map_.mask) + off));
   }
 
   // Line 0 never changes (section 2): a capacity word other than the one validated at open is
@@ -558,20 +559,16 @@ class RingProducer {
     if (head >= kPositionLimit) return kBeyondPositions;
     if (head < head_) return "behind this producer's head " + std::to_string(head_) + " (moved backwards)";
     if (head % AIOSPEC_FRAME_ALIGN != 0) return "not a multiple of " + std::to_string(AIOSPEC_FRAME_ALIGN);
-    const uint8_t* data = map_.data();
-    auto word = [&](uint64_t pos, size_t off) {
-      return load_acquire(reinterpret_cast<const uint64_t*>(data + (pos & map_.mask) + off));
-    };
     if (header_at(head)) return "the frame header at the head is not cleared (past the committed frames)";
     if (head - head_ > map_.capacity) return "";  // more than a lap since: our frames are gone
     uint64_t pos = head_;
     while (pos < head) {
       const uint64_t off = pos & map_.mask;
-      const uint64_t commit = word(pos, AIOSPEC_FH_COMMIT);
+      const uint64_t commit = header_word(pos, AIOSPEC_FH_COMMIT);
       const uint64_t length = commit & 0xFFFFFFFFull;
       const uint64_t size = (length + AIOSPEC_FRAME_ALIGN - 1) & ~uint64_t(AIOSPEC_FRAME_ALIGN - 1);
       if (commit == 0 || length < AIOSPEC_FRAME_HEADER || size > map_.capacity - off ||
-          word(pos, AIOSPEC_FH_POSITION) != pos) {
+          header_word(pos, AIOSPEC_FH_POSITION) != pos) {
         return "no committed frame at position " + std::to_string(pos) + " below it (past the committed frames)";
       }
       pos += size;
