@@ -28,6 +28,7 @@ class HttpLimits(msgspec.Struct, kw_only=True, frozen=True):
     header_timeout: float = 20.0
     body_timeout: float = 60.0
     send_timeout: float = 60.0
+    linger_timeout: float = 5.0
     max_connections: int = 8192
 
     def validate(self) -> None:
@@ -35,7 +36,7 @@ class HttpLimits(msgspec.Struct, kw_only=True, frozen=True):
             v = getattr(self, name)
             if not 1 <= v <= 1 << 30:
                 raise ValueError(f"--{name.replace('_', '-')} = {v!r}: expected 1..2**30")
-        for name in ("header_timeout", "body_timeout", "send_timeout"):
+        for name in ("header_timeout", "body_timeout", "send_timeout", "linger_timeout"):
             v = getattr(self, name)
             if not 0 < v <= 86400:
                 raise ValueError(f"--{name.replace('_', '-')} = {v!r}: expected seconds in (0, 86400]")

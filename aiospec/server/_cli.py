@@ -208,7 +208,7 @@ def _http_argv(a: argparse.Namespace) -> list[str]:
             "--max-request-line", str(a.max_request_line), "--max-header-bytes", str(a.max_header_bytes),
             "--max-headers", str(a.max_headers), "--max-head-bytes", str(a.max_head_bytes),
             "--header-timeout", str(a.header_timeout), "--body-timeout", str(a.body_timeout),
-            "--send-timeout", str(a.send_timeout),
+            "--send-timeout", str(a.send_timeout), "--linger-timeout", str(a.linger_timeout),
             "--keep-alive-timeout", str(a.keep_alive_timeout), "--max-connections", str(a.max_connections),
             "--max-restarts", str(a.max_restarts), "--restart-backoff", str(a.restart_backoff),
             "--graceful-timeout", str(a.graceful_timeout)]  # fmt: skip
@@ -225,6 +225,7 @@ def _limits(a: argparse.Namespace) -> Any:
         header_timeout=a.header_timeout,
         body_timeout=a.body_timeout,
         send_timeout=a.send_timeout,
+        linger_timeout=a.linger_timeout,
         max_connections=a.max_connections,
     )
     lim.validate()
@@ -409,6 +410,14 @@ def _add_http_args(p: argparse.ArgumentParser) -> None:
         metavar="S",
         help="seconds a client may leave the server's writes to it waiting (it reads nothing) before "
         "the connection is closed and its request aborted (%(default)s)",
+    )
+    g.add_argument(
+        "--linger-timeout",
+        type=float,
+        default=d.linger_timeout,
+        metavar="S",
+        help="seconds a connection closed after its response, while its request's body still arrives, "
+        "reads and drops that body so the client can read the response (%(default)s)",
     )
     g.add_argument(
         "--keep-alive-timeout",

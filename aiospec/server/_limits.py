@@ -19,7 +19,14 @@ hundreds of megabytes, and a connection that sends a byte at a time is never clo
   there too): its request ends as a disconnected one (aborted in the engine) and its
   connection slot is free again;
 - at most ``max_connections`` connections are open; one more is answered 503 and closed at
-  once, before anything of it is parsed.
+  once, before anything of it is parsed;
+- a connection closed after its response while its request's body is still arriving (a 413,
+  a 401 or another answer given before the body was read, to a client that sent
+  ``Connection: close``) is closed lingering, as nginx's ``lingering_close``: the response is
+  sent and the write side shut down, then what the client still sends is read and dropped
+  until it closes its end, or for at most ``linger_timeout`` seconds. Closed at once, the
+  socket would be reset by the kernel (unread data), and a client still sending its body
+  would see "connection reset" instead of the answer.
 
 The defaults are those of Apache httpd (``LimitRequestLine``, ``LimitRequestFieldSize``,
 ``LimitRequestFields``: 8190, 8190, 100) with a 64 KiB head, and timeouts in the range of
@@ -56,6 +63,34 @@ class _Reject(Exception):
 _IDLE, _HEAD, _BODY = 0, 1, 2
 
 
+class _Transport:
+    """The connection's transport as uvicorn sees it: the same one, except that ``close`` may
+    first linger (``LimitedHttpToolsProtocol._linger``). The calls of the streaming path are
+    the transport's own bound methods (no forwarding per write)."""
+
+    def __init__(self, transport: asyncio.Transport, protocol: LimitedHttpToolsProtocol) -> None:
+        self.raw = transport
+        self._protocol = protocol
+        self.write = transport.write
+        self.writelines = transport.writelines
+        self.get_extra_info = transport.get_extra_info
+        self.pause_reading = transport.pause_reading
+        self.resume_reading = transport.resume_reading
+        self.get_write_buffer_size = transport.get_write_buffer_size
+        self.set_write_buffer_limits = transport.set_write_buffer_limits
+        self.abort = transport.abort
+
+    def is_closing(self) -> bool:
+        return self._protocol._lingering or self.raw.is_closing()
+
+    def close(self) -> None:
+        if not self._protocol._linger():
+            self.raw.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.raw, name)
+
+
 class LimitedHttpToolsProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with the bounds of ``limits``."""
 
@@ -70,11 +105,14 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._reject: _Reject | None = None
         self._refused = False
         self._stuck: asyncio.TimerHandle | None = None  # the writes wait for the client
+        self._lingering = False
+        self._raw: asyncio.Transport | None = None
 
     # -- connection ----------------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
+        self._raw = transport
+        super().connection_made(_Transport(transport, self))  # type: ignore[arg-type]
         if len(self.connections) > self.limits.max_connections:
             self._refused = True
             # one line per 10 s, with the count: a flood of connections must not flood the log
@@ -91,6 +129,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        self._lingering = False
         if self._stuck is not None:
             self._stuck.cancel()
             self._stuck = None
@@ -136,7 +175,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if self.cycle is None or self.cycle.response_complete or not self.cycle.response_started:
             self._answer(408, f"{what} did not arrive within {delay:g} s")
         else:
-            self.transport.close()
+            self._close_now()
 
     def _answer(self, status: int, message: str) -> None:
         """Write a plain-text ``status`` response and close the connection."""
@@ -145,13 +184,54 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             b"".join((STATUS_LINE[status], b"content-type: text/plain; charset=utf-8\r\n",
                       b"content-length: ", str(len(body)).encode(), b"\r\nconnection: close\r\n\r\n", body))
         )  # fmt: skip
-        self.transport.close()
+        self._close_now()
+
+    def _close_now(self) -> None:
+        assert self._raw is not None
+        self._raw.close()
+
+    # -- lingering -----------------------------------------------------------------------------
+
+    def _linger(self) -> bool:
+        """Called for a close: start lingering and return True when the response is complete
+        and its request's body is still arriving (``_phase`` is ``_BODY``); False otherwise
+        (the caller then closes at once; a second close while lingering ends it)."""
+        raw = self._raw
+        cycle = self.cycle
+        if (
+            self._lingering
+            or raw is None
+            or raw.is_closing()
+            or self._phase != _BODY
+            or cycle is None
+            or not cycle.response_complete
+        ):
+            self._lingering = False
+            return False
+        self._lingering = True
+        self._disarm()  # the body timer: no answer is written any more
+        if raw.can_write_eof():
+            raw.write_eof()  # after the response: the client reads it, then its end of file
+        raw.resume_reading()  # (uvicorn's flow control may have paused it while the body queued)
+        self._timer = self.loop.call_later(self.limits.linger_timeout, self._linger_over)
+        return True
+
+    def _linger_over(self) -> None:
+        self._timer = None
+        self._lingering = False
+        self._close_now()
+
+    def eof_received(self) -> None:
+        # the client closed its end: while lingering that ends it (returning None, the
+        # transport closes itself)
+        self._lingering = False
+        super().eof_received()
 
     # -- reading -------------------------------------------------------------------------------
 
     def data_received(self, data: bytes) -> None:
-        if self._refused or self.transport.is_closing():
-            return
+        if self._lingering or self._refused or self.transport.is_closing():
+            return  # (lingering: the rest of a body nobody reads, dropped)
         lim = self.limits.max_head_bytes
         pos, n = 0, len(data)
         while pos < n:
