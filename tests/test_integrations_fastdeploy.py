@@ -137,6 +137,21 @@ def test_events_carry_the_end_flags(ring: shm.Ring) -> None:
     assert producer.slots.handles.tolist()[1:] == [-1, -1, -1]
 
 
+def test_an_unknown_negative_token_skips_its_row_only(ring: shm.Ring, caplog: pytest.LogCaptureFixture) -> None:
+    # TokenProcessor skips a row whose token is negative (token_id < 0: continue); the other
+    # rows of the step are delivered, and the drop is counted and warned of, once per 10 s
+    producer, reader = pair(ring, 4)
+    with caplog.at_level("WARNING", logger="aiospec.integrations.fastdeploy"):
+        producer.save_output(np.array([[5], [-5], [7], [-100]], np.int64))
+        producer.save_output(np.array([[6], [-7], [8], [9]], np.int64))
+    assert producer.dropped_tokens == 3
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1 and warned[0].startswith("save_output: x[1] = -5, expected a token id >= 0"), warned
+    events = [[(e.slot, e.token_ids) for e in step] for step in reader.events(wait=False)]
+    assert events == [[(0, [5]), (2, [7])], [(0, [6]), (2, [8]), (3, [9])]]
+    assert producer.slots.handles.tolist()[1] >= 0  # the row keeps its request
+
+
 def test_a_row_out_of_kv_blocks_is_stopped_not_finished(ring: shm.Ring) -> None:
     # update_inputs(_v1) sets stop_flags on a row that ran out of blocks (is_block_step) and
     # keeps its token: the request goes on after rescheduling, so it must not end here

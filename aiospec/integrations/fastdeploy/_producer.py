@@ -31,6 +31,8 @@ inputs (counts, flags, lengths) are read on the host, as FastDeploy's ops read t
 from __future__ import annotations
 
 import contextlib
+import logging
+import time
 from typing import Any
 
 import numpy as np
@@ -53,6 +55,9 @@ __all__ = ("FastDeployProducer", "host_array")
 
 _ENDS = int(Flag.FINISHED | Flag.PREEMPTED | Flag.RECOVERY_STOP | Flag.ABORTED)
 _SENTINELS = (NO_TOKEN, PREEMPTED_TOKEN_ID, RECOVERY_STOP_SIGNAL)
+_WARN_EVERY = 10.0  # seconds between two warnings of tokens dropped (with the count since)
+
+log = logging.getLogger("aiospec.integrations.fastdeploy")
 
 
 def _framework(x: Any) -> str:
@@ -200,7 +205,11 @@ class FastDeployProducer:
     than this, ``MAX_DRAFT_TOKENS`` where the engine reads FastDeploy's 6-token speculative
     messages (None: no limit).
 
-    ``slots`` is the row-to-request table; ``step`` counts the frames written.
+    ``slots`` is the row-to-request table; ``step`` counts the frames written;
+    ``dropped_tokens`` counts the negative token ids other than FastDeploy's sentinels (-1,
+    -9, -3) that ``save_output`` found on a row with a request: ``TokenProcessor`` skips such a
+    row for the step (``token_id < 0``), and so does this producer (the other rows' records
+    are written), with a warning at most every 10 s naming the row and the value.
     """
 
     def __init__(
@@ -234,6 +243,8 @@ class FastDeployProducer:
         self._producer: Any = None
         self._attached: Any = None  # the ring this producer attached by name (closed with it)
         self.max_tokens_per_slot = max_tokens_per_slot
+        self.dropped_tokens = 0
+        self._warned = (-_WARN_EVERY, 0)  # when the last warning was given, drops since
 
     # -- the slot table ----------------------------------------------------------------------
 
@@ -599,12 +610,9 @@ class FastDeployProducer:
         has = self.slots.handles[:rows] >= 0
         pre = self._preempted(preempted_idx, rows) | (col == PREEMPTED_TOKEN_ID)
         rec = col == RECOVERY_STOP_SIGNAL
-        bad = has & (col < 0) & ~np.isin(col, _SENTINELS)
-        if bad.any():
-            i = int(np.argmax(bad))
-            raise EmitError(
-                f"x[{i}] = {int(col[i])}: expected a token id >= 0, -1 (no token), -9 (preempted) or -3 (recovery stop)"
-            )
+        odd = has & (col < 0) & ~np.isin(col, _SENTINELS)
+        if odd.any():
+            self._dropped(col, odd)
         tokens = has & (col >= 0) & ~pre
         flags = np.zeros(rows, dtype=np.int32)
         flags[tokens & self._stops(stop_flags, rows)] = int(Flag.FINISHED)
@@ -616,6 +624,24 @@ class FastDeployProducer:
             ids, values, ranks, k = lp
             lpt = self._logprobs(ids, values, ranks, None, k, rows)
         return self._emit(token_ids, tokens.astype(np.int32), flags, lpt, None, Kind.TARGET, rows, step)
+
+    def _dropped(self, col: np.ndarray[Any, Any], odd: np.ndarray[Any, Any]) -> None:
+        """Rows of ``col`` with a negative id that is none of FastDeploy's sentinels: as
+        ``TokenProcessor``, no record for them this step; counted, and warned of (throttled)."""
+        n = int(odd.sum())
+        self.dropped_tokens += n
+        last, since = self._warned
+        now = time.monotonic()
+        if now - last < _WARN_EVERY:
+            self._warned = (last, since + n)
+            return
+        i = int(np.argmax(odd))
+        log.warning(
+            "save_output: x[%d] = %d, expected a token id >= 0, -1 (no token), -9 (preempted) or -3 (recovery "
+            "stop): no record for that row this step, as TokenProcessor skips it (%d such row(s) since the last "
+            "such line, %d in all)", i, int(col[i]), since + n, self.dropped_tokens,
+        )  # fmt: skip
+        self._warned = (now, 0)
 
     def _speculative(
         self,
