@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import select
 import socket
 import subprocess
@@ -237,6 +238,55 @@ def test_headers_past_the_bounds(server: ServerProcess) -> None:
     # and just under the bounds it is served
     ok = "".join(f"X-H{i}: {'v' * 8000}\r\n" for i in range(7)) + "".join(f"X-S{i}: v\r\n" for i in range(90))
     assert _raw(server.port, f"GET /health HTTP/1.1\r\nHost: x\r\n{ok}Connection: close\r\n\r\n".encode())[0] == 200
+
+
+def _read_all(s: socket.socket) -> bytes:
+    got = b""
+    while chunk := s.recv(65536):
+        got += chunk
+    return got
+
+
+@pytest.mark.parametrize(
+    ("second", "status"),
+    [(f"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: {'v' * 9000}\r\n\r\n", 431),
+     (f"GET /health?{'q' * 9000} HTTP/1.1\r\n\r\n", 414),
+     ("GET /health HTTP/1.1\r\nBad Header\r\n\r\n", 400)],
+    ids=["431", "414", "400"],
+)  # fmt: skip
+def test_a_refused_pipelined_request_is_answered_after_those_before_it(
+    server: ServerProcess, second: str, status: int
+) -> None:
+    # responses go in the order of the requests: a refusal found while the request before it
+    # is still being answered waits for that answer (it used to be written first, and the
+    # connection closed under the earlier request)
+    chat = json.dumps({"model": "aiospec-toy", **CHAT, "max_tokens": 40, "stream": True}).encode()
+    first = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEYS[0]}\r\n"
+             f"Content-Type: application/json\r\nContent-Length: {len(chat)}\r\n\r\n").encode() + chat  # fmt: skip
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
+        s.sendall(first + b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n" + second.encode())
+        got = _read_all(s)
+    statuses = [int(m.split(b" ")[1]) for m in re.findall(rb"HTTP/1\.1 \d{3} ", got)]
+    assert statuses == [200, 200, status], got[:300]
+    assert got.index(b"data: [DONE]") < got.index(b"\r\n\r\nok") < got.index(b"HTTP/1.1 %d " % status)
+
+
+def test_a_pipelined_head_that_times_out_waits_for_the_stream_before_it(server: ServerProcess) -> None:
+    # a partial head behind a stream that outlasts --header-timeout (1 s): the stream ends
+    # whole, then the 408
+    chat = json.dumps({"model": "aiospec-toy", **CHAT, "max_tokens": 1500, "stream": True}).encode()
+    first = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEYS[0]}\r\n"
+             f"Content-Type: application/json\r\nContent-Length: {len(chat)}\r\n\r\n").encode() + chat  # fmt: skip
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
+        t0 = time.monotonic()
+        s.sendall(first + b"GET /health HTTP/1.1\r\nHo")
+        got = _read_all(s)
+    assert time.monotonic() - t0 > 1.5  # the stream outlasted the timeout
+    assert got.startswith(b"HTTP/1.1 200 ") and b"data: [DONE]" in got, got[-300:]
+    head, _, body = got.rpartition(b"\r\n\r\n")
+    assert head.endswith(b"0\r\n\r\nHTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain; charset=utf-8\r\n"
+                         b"content-length: 43\r\nconnection: close")  # fmt: skip
+    assert body == b"the request head did not arrive within 1 s\n"
 
 
 def _raw(port: int, data: bytes) -> tuple[int, dict[str, str], bytes]:

@@ -20,6 +20,9 @@ hundreds of megabytes, and a connection that sends a byte at a time is never clo
   connection slot is free again;
 - at most ``max_connections`` connections are open; one more is answered 503 and closed at
   once, before anything of it is parsed;
+- a request refused in its head (431, 414, 400, 408) behind pipelined requests still being
+  answered is answered after them, in order: nothing more is read, their responses are
+  written, then the refusal, and the connection is closed;
 - a connection closed after its response while its request's body is still arriving (a 413,
   a 401 or another answer given before the body was read, to a client that sent
   ``Connection: close``) is closed lingering, as nginx's ``lingering_close``: the response is
@@ -107,6 +110,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._stuck: asyncio.TimerHandle | None = None  # the writes wait for the client
         self._lingering = False
         self._raw: asyncio.Transport | None = None
+        self._open = 0  # requests whose head was read and whose response is not complete
+        self._deferred: _Reject | None = None  # a refusal waiting for those responses
 
     # -- connection ----------------------------------------------------------------------------
 
@@ -169,6 +174,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._timer = None
         if self.transport.is_closing():
             return
+        if self._phase != _BODY and self._open:  # a later request's head, behind pipelined ones
+            self._refuse(_Reject(408, f"{what} did not arrive within {delay:g} s"))
+            return
         if self.cycle is not None and not self.cycle.response_started and self._phase == _BODY:
             self.cycle.disconnected = True
             self.cycle.message_event.set()
@@ -185,6 +193,27 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
                       b"content-length: ", str(len(body)).encode(), b"\r\nconnection: close\r\n\r\n", body))
         )  # fmt: skip
         self._close_now()
+
+    def _refuse(self, r: _Reject) -> None:
+        """Answer ``r`` and close; with responses of earlier requests still to come (pipelined),
+        after them (``on_response_complete``), reading nothing more meanwhile."""
+        log.info("rejected a request: %d %s", r.status, r.message)
+        self._disarm()
+        if self._open:
+            self._deferred = r
+            assert self._raw is not None
+            self._raw.pause_reading()
+            return
+        self._answer(r.status, r.message)
+
+    def on_response_complete(self) -> None:
+        self._open -= 1
+        super().on_response_complete()
+        r = self._deferred
+        if r is not None and self._open <= 0 and not self.transport.is_closing():
+            self._deferred = None
+            self._unset_keepalive_if_required()
+            self._answer(r.status, r.message)
 
     def _close_now(self) -> None:
         assert self._raw is not None
@@ -230,8 +259,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     # -- reading -------------------------------------------------------------------------------
 
     def data_received(self, data: bytes) -> None:
-        if self._lingering or self._refused or self.transport.is_closing():
-            return  # (lingering: the rest of a body nobody reads, dropped)
+        if self._lingering or self._refused or self._deferred is not None or self.transport.is_closing():
+            return  # (lingering: the rest of a body nobody reads, dropped; deferred: a refused head's)
         lim = self.limits.max_head_bytes
         pos, n = 0, len(data)
         while pos < n:
@@ -249,13 +278,11 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
                 super().data_received(piece)
             except _Reject as exc:  # raised by the callbacks below, through feed_data
                 self._reject = exc
-            if self._reject is not None or self.transport.is_closing():
+            if self._reject is not None or self._deferred is not None or self.transport.is_closing():
                 break
         if self._reject is not None and not self.transport.is_closing():
             r, self._reject = self._reject, None
-            log.info("rejected a request: %d %s", r.status, r.message)
-            self._disarm()
-            self._answer(r.status, r.message)
+            self._refuse(r)
         elif (
             self._phase == _IDLE
             and self._timer is None
@@ -275,6 +302,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     # uvicorn answers with 400; the pending ``_reject`` is checked first (``send_400_response``)
     def send_400_response(self, msg: str) -> None:
         if self._reject is not None:
+            return
+        if self._phase != _BODY and self._open:  # a later request's head, behind pipelined ones
+            self._refuse(_Reject(400, msg))
             return
         super().send_400_response(msg)
 
@@ -305,7 +335,10 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._phase = _BODY
         self._head_bytes = 0
         self._arm(self.limits.body_timeout, "the request body")
+        cycle = self.cycle
         super().on_headers_complete()
+        if self.cycle is not cycle:
+            self._open += 1
 
     def on_message_complete(self) -> None:
         self._phase = _IDLE
