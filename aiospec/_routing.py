@@ -19,7 +19,6 @@ from aiospec import _payload_layout as L
 from aiospec._codec import Frame, FrameError, decode_frame
 from aiospec._collector import Collector
 from aiospec._stream_errors import StreamError
-from shm._sys import check_seconds
 
 
 class FramesJumped(FrameError):
@@ -160,9 +159,11 @@ class RingFeed:
         where a Hub or a SyncReader is made rather than at its first ring: finite ``spin``
         and ``recheck`` (an endless one never looks at the producer again; NaN passes no
         comparison), a positive ``producer_timeout`` or None."""
-        check_seconds("spin", spin, "a finite number of seconds >= 0", zero=True)
-        check_seconds("recheck", recheck, "a finite positive number of seconds")
-        check_seconds("producer_timeout", producer_timeout, "a positive number of seconds or None", none=True, inf=True)
+        shm.check_seconds("spin", spin, "a finite number of seconds >= 0", zero=True)
+        shm.check_seconds("recheck", recheck, "a finite positive number of seconds")
+        shm.check_seconds(
+            "producer_timeout", producer_timeout, "a positive number of seconds or None", none=True, inf=True
+        )
 
     def new_losses(self) -> int:
         lost = self.reader.new_losses()

@@ -21,8 +21,7 @@ from aiospec._codec import Frame
 from aiospec._errors import FramesLost
 from aiospec._routing import RingFeed, check_handle, frames_of
 from aiospec._stream_errors import TERMINAL_FLAGS
-from shm import AiospecError, CorruptFrame, ProducerGone, ProducerStalled, ReaderEvicted, RingError
-from shm._sys import check_seconds
+from shm import AiospecError, CorruptFrame, ProducerGone, ProducerStalled, ReaderEvicted, RingError, check_seconds
 
 __all__ = ("Record", "SyncReader", "SyncReaderStats")
 

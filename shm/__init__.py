@@ -29,6 +29,7 @@ from shm._errors import (
 )
 from shm._ring import Reader, ReaderStats, Ring, RingStats
 from shm._segment import SHM_DIR as _SHM_DIR
+from shm._sys import check_seconds
 
 #: The directory of segments and their bells, POSIX shared memory on Linux (``/dev/shm``).
 #: A ring named ``n`` is the file ``SHM_DIR/n``; the bell of its reader slot ``i`` is the
@@ -37,6 +38,7 @@ SHM_DIR: str = _SHM_DIR
 
 __all__ = (
     "SHM_DIR",
+    "check_seconds",
     "Reader",
     "ReaderStats",
     "Ring",
