@@ -87,7 +87,8 @@ def _inspect(args: argparse.Namespace) -> int:
     print(f"capacity    {st.capacity} bytes (max record {st.max_record})")
     print(
         f"producer    pid {st.producer_pid} ({_alive(st.producer_alive)}), {st.producer_state}, "
-        f"epoch {st.producer_epoch}, heartbeat {st.heartbeat_age_s:.3f} s ago"
+        f"epoch {st.producer_epoch}{' (vacant: no writer has claimed it yet)' if st.producer_epoch == 0 else ''}, "
+        f"heartbeat {st.heartbeat_age_s:.3f} s ago"
     )
     print(f"head        {st.head}")
     print(f"written     {st.frames_written} frames, {st.bytes_written} bytes; lost {st.frames_lost}")

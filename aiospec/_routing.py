@@ -193,12 +193,14 @@ class RingFeed:
     def new_claim(self) -> tuple[int, int] | None:
         """``(epoch before, epoch now)`` once another process has claimed the ring's producer
         (a restarted engine), else None: the previous producer's requests are lost, and its
-        death may never be seen as such (the new claim's pid is alive)."""
+        death may never be seen as such (the new claim's pid is alive). A vacant claim
+        (epoch 0: a ring created for a writer in another process) taken by its first writer
+        replaces nobody."""
         epoch = self.reader.producer_epoch
         if epoch == self._claim:
             return None
         old, self._claim = self._claim, epoch
-        return old, epoch
+        return None if old == 0 else (old, epoch)
 
     def retake_slot(self) -> None:
         """After an eviction: give the dead slot back and start again at the current head."""

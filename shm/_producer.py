@@ -51,6 +51,7 @@ class Producer:
     ) -> None:
         self.seg = seg
         self.producing = producing
+        self.not_producing = "use Ring.create"  # why a non-producing handle cannot write
         self.closed = False
         self.reader_timeout = reader_timeout
         self.check_pids = check_pids
@@ -414,4 +415,4 @@ class Producer:
     def _require_producer(self, what: str) -> None:
         self._require_open(what)
         if not self.producing:
-            raise RingError(f"{what}: this handle of ring {self._name} is not its producer (use Ring.create)")
+            raise RingError(f"{what}: this handle of ring {self._name} is not its producer ({self.not_producing})")

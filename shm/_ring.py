@@ -137,6 +137,7 @@ class Ring:
         reader_timeout: float | None = None,
         check_pids: bool = True,
         heartbeat_interval: float | None = None,
+        producer: bool = True,
     ) -> Ring:
         """Create a segment (mode 0600) in ``SHM_DIR`` and become its producer and owner.
 
@@ -161,6 +162,13 @@ class Ring:
             heartbeat_interval: seconds. Starts a thread that refreshes the producer heartbeat
                 this often, for readers with a ``producer_timeout`` while no frames are
                 written (every commit refreshes it too). ``None`` (the default): no thread.
+            producer: False creates the ring for a writer in another process (an engine's
+                worker, whose emit op attaches by name): this handle owns the segment (its
+                close unlinks it) but does not write, and the producer claim is left vacant
+                (epoch 0, docs/wire-format.md section 7), so the first process that claims it
+                takes it while this one lives. Until then the ring's producer is this process
+                for its readers (alive, not gone). ``reader_timeout`` then applies to nothing:
+                the writer that claims the ring brings its own.
 
         Returns:
             The producer's handle. Closing it marks the ring closed and unlinks the segment.
@@ -180,10 +188,20 @@ class Ring:
         )
         if heartbeat_interval is not None:
             sys_.check_seconds("heartbeat_interval", heartbeat_interval, "a positive number of seconds")
-        fd, mm = _segment.create(name, capacity, max_readers, max_record)
+            if not producer:
+                # a beat from this process would keep a dead writer's ring looking alive
+                raise ValueError(
+                    f"heartbeat_interval = {heartbeat_interval!r} with producer=False: expected None "
+                    "(the writer that claims the ring beats it)"
+                )
+        if not isinstance(producer, bool):
+            raise ValueError(f"producer = {producer!r}: expected True or False")
+        fd, mm = _segment.create(name, capacity, max_readers, max_record, vacant=not producer)
         ring = cls(sys_.PRIVATE, name, fd, mm, owner=True)
         prod = ring._producer
-        prod.producing = True
+        prod.producing = producer
+        if not producer:
+            prod.not_producing = "created with producer=False, for a writer in another process"
         prod.reader_timeout = reader_timeout
         prod.check_pids = check_pids
         if heartbeat_interval is not None:

@@ -151,9 +151,11 @@ def _lstat(path: str) -> os.stat_result | None:
         return None
 
 
-def create(name: str, capacity: int, max_readers: int, max_record: int) -> tuple[int, mmap.mmap]:
+def create(name: str, capacity: int, max_readers: int, max_record: int, vacant: bool = False) -> tuple[int, mmap.mmap]:
     """Create the segment file (mode 0600, checked sizes) and write its control page; the
-    creator is its live producer. Returns the open descriptor and the mapping."""
+    creator is its live producer, holding the claim at epoch 1, or at epoch 0 with
+    ``vacant`` (section 7: the first process to claim it takes it). Returns the open
+    descriptor and the mapping."""
     path = os.path.join(SHM_DIR, name)
     size = L.CONTROL_SIZE + capacity
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
@@ -162,7 +164,7 @@ def create(name: str, capacity: int, max_readers: int, max_record: int) -> tuple
         # reserve the pages now: a full /dev/shm is an error here, not a SIGBUS later
         os.posix_fallocate(fd, 0, size)
         mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        _write_control(mm, capacity, max_readers, max_record)
+        _write_control(mm, capacity, max_readers, max_record, vacant)
     except BaseException:
         # nothing of a ring that was never whole stays behind (the reservation may be large)
         if mm is not None:
@@ -174,7 +176,7 @@ def create(name: str, capacity: int, max_readers: int, max_record: int) -> tuple
     return fd, mm
 
 
-def _write_control(mm: mmap.mmap, capacity: int, max_readers: int, max_record: int) -> None:
+def _write_control(mm: mmap.mmap, capacity: int, max_readers: int, max_record: int, vacant: bool) -> None:
     """The control page of a new segment; the magic last (an attacher sees all of it or none)."""
     c64 = np.frombuffer(mm, dtype="<u8", count=L.CONTROL_SIZE // 8)
     c32 = np.frombuffer(mm, dtype="<u4", count=L.CONTROL_SIZE // 4)
@@ -190,7 +192,8 @@ def _write_control(mm: mmap.mmap, capacity: int, max_readers: int, max_record: i
     c64[L.OFF_CREATOR_PIDNS // 8] = PIDNS
     c32[L.OFF_PRODUCER_PID // 4] = os.getpid()
     c64[L.OFF_PRODUCER_PIDNS // 8] = PIDNS
-    c64[L.OFF_PRODUCER_EPOCH // 8] = 1  # the creator holds the first claim (section 7)
+    # the creator holds the first claim, or holds it vacant for another process (section 7)
+    c64[L.OFF_PRODUCER_EPOCH // 8] = 0 if vacant else 1
     c64[L.OFF_HEARTBEAT_NS // 8] = time.monotonic_ns()
     c32[L.OFF_PRODUCER_STATE // 4] = L.PRODUCER_LIVE
     full_fence()
@@ -391,10 +394,11 @@ class Segment:
     def claim_producer(self) -> int:
         """Become the ring's producer (section 7); returns the claim's epoch.
 
-        A claim held by this process is kept; one held by a process known to be gone (its
-        pid dead in this pid namespace) or released (the ring closed) is taken over with the
-        epoch bumped; a claim held by a live process, or by one in another pid namespace
-        whose heartbeat is fresh, raises ``ProducerBusy`` naming the holder."""
+        A claim held by this process is kept; a vacant one (epoch 0: the creator made the ring
+        for a writer in another process), one held by a process known to be gone (its pid dead
+        in this pid namespace) or released (the ring closed) is taken over with the epoch
+        bumped; a claim held by a live process, or by one in another pid namespace whose
+        heartbeat is fresh, raises ``ProducerBusy`` naming the holder."""
         w, q = self.w, self.q
         me = os.getpid()
         with self.slot_lock("claim the producer"):
@@ -402,8 +406,8 @@ class Segment:
             pid = w[L.OFF_PRODUCER_PID // 4]
             ns = q[L.OFF_PRODUCER_PIDNS // 8]
             epoch = q[L.OFF_PRODUCER_EPOCH // 8]
-            mine = pid == me and (ns in (0, PIDNS))
-            if not mine and state == L.PRODUCER_LIVE:
+            mine = pid == me and (ns in (0, PIDNS)) and epoch != 0
+            if not mine and state == L.PRODUCER_LIVE and epoch != 0:
                 alive = pid_state(pid, ns)
                 if alive is None:  # another namespace: only the heartbeat tells
                     age = (time.monotonic_ns() - q[L.OFF_HEARTBEAT_NS // 8]) / 1e9

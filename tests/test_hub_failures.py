@@ -113,6 +113,26 @@ async def test_a_new_producer_claim_ends_the_streams_of_the_one_before(ring: shm
 
 
 @pytest.mark.asyncio
+async def test_the_first_writer_of_a_vacant_ring_replaces_nobody() -> None:
+    # a ring created for a writer in another process (producer=False) has a vacant claim
+    # (epoch 0): the writer's claim (epoch 1) is its first producer, not a replacement, so the
+    # streams opened before it stay open and get its tokens
+    import numpy as np
+
+    from aiospec.ops import Producer
+
+    with shm.Ring.create(capacity=1 << 20, producer=False) as ring:
+        async with Hub(ring.name) as hub:
+            s = hub.open(7)
+            with Producer(ring.name, device="cpu") as p:  # the C++ writer claims the ring
+                p.emit(np.array([7], np.int64), np.array([[3]], np.int32), np.array([1], np.int32),
+                       flags=np.array([int(Flag.FINISHED)], np.int32))  # fmt: skip
+                assert ring.stats().producer_epoch == 1
+                assert [d.token_list() for d in await drain(s)] == [[3]]
+            assert hub.stats().rings[0].state in ("live", "failed")
+
+
+@pytest.mark.asyncio
 async def test_undecodable_frame_counts_as_lost(ring: shm.Ring) -> None:
     async with Hub(ring.name) as hub:
         s = hub.open(1)

@@ -11,9 +11,11 @@ stride of 21), the expected message is the corrected one.
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -595,6 +597,53 @@ def test_rows_emptied_by_clear_requests_take_new_handles(ring: shm.Ring) -> None
     producer.save_output(np.array([[5], [6]], np.int64))
     (events,) = list(reader.events(wait=False))
     assert [(e.slot, e.handle, e.token_ids) for e in events] == [(0, int(producer.slots.handles[0]), [5])]
+
+
+def _worker(name: str, conn: Any, tokens: list[int], hold: float) -> None:
+    # a FastDeploy worker process: its producer attaches the engine's ring by name
+    try:
+        producer = FastDeployProducer(name, max_num_seqs=len(tokens))
+        for row in range(len(tokens)):
+            producer.insert(row, row)
+        producer.save_output(np.array(tokens, np.int64).reshape(-1, 1))
+        conn.send(("wrote", ""))
+        time.sleep(hold)
+        os._exit(0)  # dies without closing (a clean close would end the ring for its readers)
+    except Exception as exc:
+        conn.send((type(exc).__name__, str(exc)))
+
+
+def test_the_worker_writes_the_ring_the_engine_created() -> None:
+    # docs/fastdeploy.md: the engine creates the ring with producer=False and reads it; the
+    # worker, another process, claims it on its first write; a second worker while the first
+    # lives is refused; a worker started after the first died takes the claim over
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    name = ring_name(f"t{os.getpid()}", 0)
+
+    def worker(tokens: list[int], hold: float) -> tuple[Any, tuple[str, str]]:
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_worker, args=(name, child, tokens, hold))
+        proc.start()
+        assert parent.poll(60), "the worker did not answer"
+        return proc, parent.recv()
+
+    with shm.Ring.create(name, capacity=1 << 22, max_record=1 << 20, producer=False) as ring:
+        reader = FastDeployReader(ring, max_num_seqs=2)
+        _OPEN.append(reader)
+        first, answer = worker([11, 12], 5.0)
+        assert answer == ("wrote", "")
+        busy, refused = worker([21, 22], 0.0)
+        busy.join(60)
+        assert refused[0] == "ProducerBusy" and f"held by pid {first.pid} (epoch 1)" in refused[1], refused
+        first.join(60)
+        restarted, answer = worker([31, 32], 0.0)
+        restarted.join(60)
+        assert answer == ("wrote", "")
+        steps = [[(e.slot, e.token_ids) for e in step] for step in reader.events(wait=False)]
+        assert steps == [[(0, [11]), (1, [12])], [(0, [31]), (1, [32])]]
+        assert ring.stats().producer_epoch == 2
 
 
 def test_a_missing_ring_is_named_with_its_rank() -> None:

@@ -247,7 +247,37 @@ def test_a_dead_holders_claim_is_taken_over_with_a_new_epoch() -> None:
         assert ring.stats().producer_epoch == 2
 
 
-def _claim(name: str, conn: object) -> None:
+def test_a_ring_created_for_another_writer_is_claimed_by_the_first() -> None:
+    # producer=False: the creator owns the segment and reads it; the claim is vacant (epoch 0)
+    # until a writer of another process takes it (epoch 1); a second writer is then refused
+    with shm.Ring.create(capacity=CAP, producer=False) as ring:
+        assert ring.stats().producer_epoch == 0 and ring.stats().producer_pid == os.getpid()
+        why = r"\(created with producer=False, for a writer in another process\)$"
+        with pytest.raises(shm.RingError, match=r"^reserve: this handle of ring .* is not its producer " + why):
+            ring.write(b"x")
+        reader = ring.reader(producer_timeout=None)
+        assert reader.read() == [] and reader.producer_status == "live"  # not gone meanwhile
+        procs, answers = [], []
+        for hold in (3.0, 0.0):  # the first writer lives while the second tries
+            parent, child = SPAWN.Pipe()
+            procs.append(SPAWN.Process(target=_claim, args=(ring.name, child, hold)))
+            procs[-1].start()
+            answers.append(recv(parent, "the writer's answer"))
+        for p in procs:
+            p.join(XPROC_TIMEOUT)
+        assert answers[0] == ("claimed", 1)
+        assert answers[1][0] == "ProducerBusy" and "(epoch 1)" in answers[1][1]
+        assert ring.stats().producer_epoch == 1
+
+
+def test_producer_false_refuses_a_heartbeat_thread() -> None:
+    with pytest.raises(ValueError, match=r"^heartbeat_interval = 0\.5 with producer=False: expected None"):
+        shm.Ring.create(capacity=CAP, producer=False, heartbeat_interval=0.5)
+    with pytest.raises(ValueError, match=r"^producer = 'no': expected True or False$"):
+        shm.Ring.create(capacity=CAP, producer="no")  # type: ignore[arg-type]
+
+
+def _claim(name: str, conn: object, hold: float = 0.0) -> None:
     from shm._segment import Segment, attach
 
     fd, mm = attach(name)
@@ -255,6 +285,7 @@ def _claim(name: str, conn: object) -> None:
     try:
         epoch = seg.claim_producer()
         conn.send(("claimed", epoch))  # type: ignore[attr-defined]
+        time.sleep(hold)  # alive while the next claim is tried
     except shm.ProducerBusy as exc:
         conn.send(("ProducerBusy", str(exc)))  # type: ignore[attr-defined]
     finally:

@@ -397,8 +397,9 @@ class RingProducer {
   }
 
   // Takes the ring's producer claim (section 7): kept when this process holds it, taken over
-  // (epoch bumped) from a closed ring or a holder known to be gone, refused (RingErrc::busy,
-  // naming the holder) while another live process holds it. Returns the claim's epoch.
+  // (epoch bumped) when vacant (epoch 0: created for a writer in another process), from a
+  // closed ring or from a holder known to be gone, refused (RingErrc::busy, naming the holder)
+  // while another live process holds it. Returns the claim's epoch.
   uint64_t claim() {
     const uint32_t me = uint32_t(getpid());
     const uint64_t ns = own_pidns();
@@ -411,8 +412,9 @@ class RingProducer {
     const uint32_t pid = load_relaxed(map_.ctl32(AIOSPEC_OFF_PRODUCER_PID));
     const uint64_t pidns = load_relaxed(map_.ctl64(AIOSPEC_OFF_PRODUCER_PIDNS));
     uint64_t epoch = load_relaxed(map_.ctl64(AIOSPEC_OFF_PRODUCER_EPOCH));
-    const bool mine = pid == me && (pidns == 0 || pidns == ns);
-    if (!mine && state == AIOSPEC_PRODUCER_LIVE) {
+    const bool vacant = epoch == 0;
+    const bool mine = pid == me && (pidns == 0 || pidns == ns) && !vacant;
+    if (!mine && !vacant && state == AIOSPEC_PRODUCER_LIVE) {
       int alive = pid_state(pid, pidns);
       if (alive < 0) {
         const uint64_t hb = load_relaxed(map_.ctl64(AIOSPEC_OFF_HEARTBEAT_NS));
