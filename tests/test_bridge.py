@@ -101,6 +101,64 @@ def test_a_stuck_reader_of_the_far_ring_is_evicted_not_holding_back_the_link() -
         assert recv.stats().lost == 0 and far.ring.stats().frames_lost == 0
 
 
+def test_a_sender_evicted_between_its_read_and_its_release_counts_the_loss_and_goes_on() -> None:
+    # the sender's thread stalls once between poll() and release() (descheduled, a slow copy)
+    # while the near producer, with a reader_timeout, fills the ring and evicts it: the copy may
+    # be torn, so it is dropped, the frames from the slot's tail on are counted lost at the far
+    # end, and a new slot goes on (the sender died of the ReaderEvicted release() raised)
+    from aiospec.bridge import BridgeReceiver, RingTarget
+
+    near = shm.Ring.create(capacity=1 << 16, reader_timeout=0.3, heartbeat_interval=0.05)
+    target = RingTarget(None, capacity=1 << 22)
+    far_ring = shm.Ring.attach(target.name)
+    far = far_ring.reader()
+    recv = BridgeReceiver("tcp://127.0.0.1:0", target, **FAST).start()
+    sender = BridgeSender(near.name, recv.endpoint_bound, **FAST)
+    copy, stalled = sender._copy_out, threading.Event()
+
+    def slow_copy(views: list[memoryview], lengths: list[int]) -> bytes | bytearray:
+        body = copy(views, lengths)
+        if not stalled.is_set():
+            stalled.set()
+            time.sleep(1.0)
+        return body
+
+    sender._copy_out = slow_copy  # type: ignore[method-assign]
+    try:
+        sender.start()
+        wait_for(lambda: sender.state == "up", "the link")
+        written = 0
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 2.5:
+            try:
+                near.write(make_payload(written, 1000), timeout=0.5)
+                written += 1
+            except shm.RingFull:
+                pass
+            time.sleep(0.0005)
+        got: list[bytes] = []
+        lost = 0
+
+        def arrived() -> bool:
+            nonlocal lost
+            got.extend(far.read())
+            lost += far.new_losses()
+            return len(got) + lost >= written
+
+        wait_for(arrived, "every frame, delivered or counted lost", timeout=20)
+        assert stalled.is_set() and sender.failure is None and sender.state == "up"
+        assert len(got) + lost == written and lost > 0  # (the evicted slot was given back: a new one reads)
+        seqs = [int.from_bytes(g[:8], "little") for g in got]
+        assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)  # in order, none twice
+    finally:
+        sender.close()
+        recv.stop()
+        far.close()
+        far_ring.close()
+        target.close()
+        near.close()
+
+
 def test_a_corrupt_frame_in_the_near_ring_is_skipped_and_counted_never_read_again() -> None:
     # the far reader reads nothing at first, so the credit runs out and the frames after it wait
     # in the near ring; one of them is then corrupted where it lies: once the credit returns the

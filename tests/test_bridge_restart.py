@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from _bridgehelpers import NearProcess, drain
+from _bridgehelpers import NearProcess, Proxy, drain, port_of
 from _ringhelpers import make_payload, shm_tracker_fixture, wait_for  # noqa: F401
 
 import shm
@@ -213,6 +213,43 @@ def test_a_sender_of_another_ring_is_refused_while_a_session_is_live(far: tuple[
             first.close()
             if second is not None:
                 second.close()
+            reader.close()
+
+
+def test_a_sender_displaced_by_another_ring_waits_its_turn_not_superseded(far: tuple[BridgeReceiver, shm.Ring]) -> None:
+    # ring one's link goes down (cut), ring two's sender is admitted; once the link is back,
+    # ring one's sender is refused while ring two's session lives (it was told it had been
+    # superseded, and stopped for good), and is admitted again once that session ends
+    recv, ring_b = far
+    assert recv.endpoint_bound is not None
+    reader = ring_b.reader()
+    proxy = Proxy(port_of(recv.endpoint_bound))
+    with shm.Ring.create(capacity=1 << 20) as one, shm.Ring.create(capacity=1 << 20) as two:
+        first = BridgeSender(one.name, proxy.endpoint, **FAST).start()  # type: ignore[arg-type]
+        second = None
+        try:
+            wait_for(lambda: first.state == "up", "the first sender")
+            one.write(b"one-0")
+            assert drain(reader, 1) == [b"one-0"]
+            second = BridgeSender(two.name, recv.endpoint_bound, **FAST).start()  # type: ignore[arg-type]
+            wait_for(lambda: second is not None and second.link_error is not None, "the refusal")
+            proxy.cut()
+            wait_for(lambda: second is not None and second.state == "up", "the second sender", timeout=20)
+            two.write(b"two-0")
+            assert drain(reader, 1) == [b"two-0"]
+            one.write(b"one-1")  # held in ring one meanwhile
+            proxy.restore()
+            wait_for(lambda: "refused this sender" in str(first.link_error), "the first sender's refusal", timeout=20)
+            assert first.failure is None and first.state in ("down", "connecting")  # trying again, not done
+            assert recv.stats().superseded == 0
+            second.stop()
+            wait_for(lambda: first.state == "up", "the first sender again", timeout=20)
+            assert drain(reader, 1) == [b"one-1"] and reader.new_losses() == 0
+        finally:
+            first.close()
+            if second is not None:
+                second.close()
+            proxy.cut()
             reader.close()
 
 

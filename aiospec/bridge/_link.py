@@ -22,9 +22,10 @@ __all__ = ("CurveKeys", "is_loopback", "keygen", "load_public_key", "load_secret
 
 def is_loopback(endpoint: str) -> bool:
     """Whether a ZeroMQ endpoint stays on this host: ``ipc://``, ``inproc://``, or ``tcp://`` to a
-    loopback address (``127.0.0.0/8``, ``::1``, ``localhost``, the ``lo`` interface).
+    loopback address (``127.0.0.0/8``, ``::1``, ``localhost``).
 
-    ``tcp://*:port`` and ``tcp://0.0.0.0:port`` bind every interface: not loopback."""
+    ``tcp://*:port`` and ``tcp://0.0.0.0:port`` bind every interface: not loopback. Nor is an
+    interface name such as ``lo``: to a connect it is a host name, which may resolve anywhere."""
     scheme, sep, rest = endpoint.partition("://")
     if not sep:
         return False
@@ -36,7 +37,7 @@ def is_loopback(endpoint: str) -> bool:
     rest = rest.rsplit(";", 1)[-1]
     host = rest.rsplit(":", 1)[0] if ":" in rest else rest
     host = host.strip("[]")
-    if host in ("localhost", "lo"):
+    if host == "localhost":
         return True
     try:
         return ipaddress.ip_address(host).is_loopback

@@ -525,9 +525,11 @@ class BridgeReceiver:
         if same and msg.next_seq <= self._expected:
             pass  # a reconnection: resume where this end stands
         else:
-            if self._peer is not None and self._peer != peer:
+            if self._peer is not None and self._peer != peer and msg.ring_epoch == self._a_epoch:
                 # a newer sender of the near ring (a restart) fences the older session: what it
-                # sends from now on is refused, and it is told so
+                # sends from now on is refused, and it is told so. (A sender of another ring,
+                # admitted while the older session's link was down, fences nothing: the older
+                # sender, back, is told RESET, says HELLO, and is refused while this one lives)
                 self._fenced.append(self._peer)
                 self._counts["superseded"] += 1
                 self._send(sock, zmq, self._peer, P.SUPERSEDED)

@@ -409,7 +409,9 @@ class BridgeSender:
                 return f"{end} and the far end has every frame ({self._counts['acked']} entries)"
             if self._read_ring(now):
                 # send what was just read at once: one loop iteration less before it leaves
-                self._send_entries(sock, zmq, now)
+                # (stamped with the time after the read, which may have taken long: a copy, a
+                # stall; a stale stamp makes a late credit look like entries lost in flight)
+                self._send_entries(sock, zmq, time.monotonic())
                 progress = True
             if progress:
                 self._active = now
@@ -619,6 +621,10 @@ class BridgeSender:
         if c.ack > self._ack_seq:
             self._counts["acked"] += c.ack - self._ack_seq
             self._ack_seq = c.ack
+        if self._send_seq < c.ack:
+            # a rewind (below) for an earlier credit aimed at entries this one acknowledges:
+            # they are forgotten now, so sending goes on after them (not from a chunk gone)
+            self._send_seq = c.ack
         self._credit_seq, self._credit_bytes, self._expected = c.credit_seq, c.credit_bytes, c.expected
         lost_in_flight = c.expected < self._send_seq and now - self._last_sent > 2 * self.heartbeat + 0.05
         resend = bool(c.flags & P.RESEND)
@@ -743,7 +749,8 @@ class BridgeSender:
             return True
         if views:
             if dropping:
-                reader.release()
+                if not self._release(reader):
+                    return True
                 self._a_index += len(views)
                 self._counts["dropped"] += len(views)
                 self._lost(len(views))
@@ -754,7 +761,8 @@ class BridgeSender:
                 if a0 < self._unsafe_below and not self._intact(a0):
                     self._overrun(a0)
                     return True
-                reader.release()
+                if not self._release(reader):
+                    return True  # the copy may be torn: dropped, its frames counted lost
                 chunk = _Chunk(
                     self._next_seq, P.DATA, self._cum, reader.tail, self._a_index, a0=a0, body=body, lengths=lengths
                 )
@@ -772,6 +780,17 @@ class BridgeSender:
             self._counts["upstream_lost"] += lost
             self._lost(lost)
         return bool(views or lost)
+
+    def _release(self, reader: shm.Reader) -> bool:
+        """``reader.release()``; False after an eviction found there (the producer evicted this
+        reader between its poll and now, and may have written over what the poll returned):
+        a new slot is taken and the frames from this reader's tail on are counted lost."""
+        try:
+            reader.release()
+        except shm.ReaderEvicted as exc:
+            self._retake(exc)
+            return False
+        return True
 
     def _copy_out(self, views: list[memoryview], lengths: list[int]) -> bytes | bytearray:
         total = sum(lengths)
