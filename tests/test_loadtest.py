@@ -109,8 +109,9 @@ def test_every_option_has_help_and_the_top_level_says_what_aiospec_is() -> None:
 def test_version() -> None:
     import aiospec
 
-    r = subprocess.run([sys.executable, "-m", "aiospec.cli", "--version"], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0 and r.stdout == f"aiospec {aiospec.__version__}\n"
+    for module in ("aiospec.cli", "aiospec"):  # python -m aiospec is the command too
+        r = subprocess.run([sys.executable, "-m", module, "--version"], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0 and r.stdout == f"aiospec {aiospec.__version__}\n", module
 
 
 def test_a_refused_connection_is_one_line() -> None:
