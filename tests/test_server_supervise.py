@@ -173,3 +173,41 @@ def test_a_paused_engine_is_stalled_not_restarted_and_refuses_new_requests() -> 
         assert _chat(client) == 3 and _stats(srv)["engine_pids"] == [pid]
     finally:
         srv.stop()
+
+
+def test_a_pd_pair_names_the_engine_that_died_and_kills_a_paused_one_at_once(tmp_path: Any) -> None:
+    # the decode engine killed: the log names it (the prefill engine, which stops because its
+    # peer is gone, used to be blamed); then the decode engine paused and the prefill engine
+    # killed: the paused one is killed within about a second (it waited 5 s more for a SIGTERM
+    # a stopped process never acts on)
+    log_path = tmp_path / "server.log"
+    seen: dict[str, float] = {}
+
+    def watch(*marks: str, timeout: float = 60.0) -> None:
+        t0 = time.monotonic()
+        while not all(m in seen for m in marks):
+            text = log_path.read_text(errors="replace")
+            for m in marks:
+                if m not in seen and m in text:
+                    seen[m] = time.monotonic()
+            assert time.monotonic() - t0 < timeout, f"{marks} not all logged after {timeout} s: {text[-2000:]}"
+            time.sleep(0.02)
+
+    with open(log_path, "wb") as log:
+        srv = ServerProcess(["--pd", "--step-ms", "5", "--max-restarts", "5", "--restart-backoff", "0.3"], stderr=log)
+        srv.start(timeout=180)
+        try:
+            prefill, decode = _stats(srv)["engine_pids"]
+            os.kill(decode, signal.SIGKILL)
+            watch(f"engine down: decode engine (pid {decode}) exited: killed by SIGKILL")
+            _wait_health(srv, 200)
+            prefill, decode = _stats(srv)["engine_pids"]
+            os.kill(decode, signal.SIGSTOP)
+            os.kill(prefill, signal.SIGKILL)
+            down = f"engine down: prefill engine (pid {prefill}) exited: killed by SIGKILL"
+            stopped = f"decode engine pid {decode}: killed by SIGKILL"
+            watch(down, stopped)
+            assert seen[stopped] - seen[down] < 3.0, seen
+            _wait_health(srv, 200)
+        finally:
+            srv.stop()

@@ -321,11 +321,14 @@ class EngineGroup(_Engines):
 
     def down(self) -> str | None:
         """Why the group cannot serve now, or None: an engine exited or closed its control
-        socket (which it does when it dies). For a supervisor; ``exits()`` says how each ended."""
+        socket (which it does when it dies). For a supervisor; ``exits()`` says how each ended.
+        An engine that died is named before one that stopped because of it (a PD pair's
+        prefill engine closes its socket when the decode engine it hands off to is killed)."""
+        exited = [(c, rc) for c in self._conns if (rc := c.process.poll()) is not None]
+        if exited:
+            c, rc = next(((c, rc) for c, rc in exited if rc != 0), exited[0])
+            return f"{c.role} engine (pid {c.process.pid}) exited: {_describe_exit(rc)}"
         for c in self._conns:
-            rc = c.process.poll()
-            if rc is not None:
-                return f"{c.role} engine (pid {c.process.pid}) exited: {_describe_exit(rc)}"
             if c.closed:
                 return f"{c.role} engine (pid {c.process.pid}) closed its control socket"
         return None
@@ -430,8 +433,9 @@ class EngineGroup(_Engines):
         c.process.wait()
 
     async def stop(self, timeout: float = 10.0) -> None:
-        """Ask each engine to stop, wait for it (then terminate, then kill), and remove any
-        ring segment an engine that died could not unlink."""
+        """Ask each engine to stop, wait up to ``timeout`` s for it (then kill it: an engine
+        ignores SIGTERM, and a paused one would not act on it), and remove any ring segment
+        an engine that died could not unlink."""
         if self._stopped:
             return
         self._stopped = True
@@ -444,13 +448,9 @@ class EngineGroup(_Engines):
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wait_exit(c), timeout)
             if c.process.poll() is None:
-                log.warning("%s engine did not stop in %s s; terminating", c.role, timeout)
-                c.process.send_signal(signal.SIGTERM)
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._wait_exit(c), 5.0)
-                if c.process.poll() is None:
-                    c.process.kill()
-                    await self._wait_exit(c)
+                log.warning("%s engine did not stop in %s s; killing it", c.role, timeout)
+                c.process.kill()
+                await self._wait_exit(c)
             c.detach()
             if self.config.transport == "ring" and c.transport:
                 _unlink_ring(c.transport)

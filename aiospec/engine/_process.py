@@ -3,8 +3,11 @@
 The loop sleeps in ``poll()`` on the control socket (and, for a PD decode engine, the handoff
 socket) until the next step is due, so admissions and aborts are handled between steps without
 a thread. End of file on the control socket means the server is gone: the engine stops and its
-ring is closed and unlinked. SIGINT is ignored: Ctrl-C reaches the whole process group, and the
-server, not the terminal, decides when its engines stop.
+ring is closed and unlinked. SIGINT and SIGTERM are ignored: Ctrl-C reaches the whole process
+group, and so do ``kill -- -PGID``, ``timeout`` and systemd's stop (``KillMode=control-group``
+signals every process of the unit), while the server, not the signal, decides when its engines
+stop: the running requests get their grace period first. (The server kills an engine that does
+not stop when told.)
 
 With ``--api-servers N`` the engine also listens on a server socket (``listen``): each API
 server process connects, says ``Hello`` (its index and pid) and gets ``Ready``; it then sends
@@ -287,6 +290,7 @@ def engine_main(
     """Entry point of a spawned engine process; ``listen``: the server socket API server
     processes connect to (``--api-servers``)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     ctl.setblocking(True)
     sink: Sink | None = None
     try:
