@@ -98,7 +98,7 @@ def test_a_silent_reader_that_holds_the_full_ring_is_evicted_and_the_tokens_go_o
     asyncio.run(main())
 
 
-def test_health_says_engine_blocked_while_a_silent_reader_holds_the_ring_full() -> None:
+def test_health_says_engine_blocked_while_a_silent_reader_holds_the_ring_full(caplog: pytest.LogCaptureFixture) -> None:
     async def main() -> None:
         state = AppState(_settings(reader_timeout=0.0), None)  # 0: the engine evicts only dead readers
         link = state.link
@@ -114,11 +114,16 @@ def test_health_says_engine_blocked_while_a_silent_reader_holds_the_ring_full() 
             reads = [asyncio.ensure_future(_read(s)) for s in streams]
             # the ring fills in a fraction of a second; blocked once the producer has waited and
             # the reader was silent for BLOCKED_AFTER (1 s)
-            await _until(lambda: link.condition == "blocked", 20, "condition blocked")
+            with caplog.at_level("WARNING", logger="aiospec.server"):
+                await _until(lambda: link.condition == "blocked", 20, "condition blocked")
             assert not link.alive  # new requests are refused (503 engine_unavailable)
             assert link.blocked is not None and f"pid {proc.pid}" in link.blocked, link.blocked
-            r = await handlers.health(None)  # type: ignore[arg-type]
-            assert (r.status_code, r.body) == (503, b"engine blocked")
+            for _ in range(20):  # checked again and again (each /health, the supervisor): logged once
+                r = await handlers.health(None)  # type: ignore[arg-type]
+                assert (r.status_code, r.body) == (503, b"engine blocked")
+                await asyncio.sleep(0.02)
+            said = [r.getMessage() for r in caplog.records if "the engine is blocked" in r.getMessage()]
+            assert len(said) == 1, said
             assert not any(t.done() for t in reads)
             # the reader's process ends: the engine evicts its slot, the tokens flow again
             os.kill(proc.pid, signal.SIGKILL)

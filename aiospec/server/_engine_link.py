@@ -133,6 +133,7 @@ class EngineLink:
         self._probes: list[shm.Ring] = []
         self._heads: dict[str, tuple[int, float]] = {}  # ring -> (head, since when)
         self.blocked: str | None = None  # why a ring is blocked for this server, or None
+        self._blocked_by: tuple[str, int, int] | None = None  # and by which reader
 
     @property
     def token_path(self) -> str:
@@ -216,7 +217,7 @@ class EngineLink:
                 r.close()
         self._probes = []
         self._heads.clear()
-        self.blocked = None
+        self.blocked = self._blocked_by = None
         if self.source is not None and self._baseline is None:
             with contextlib.suppress(Exception):
                 await self.source.aclose()
@@ -272,6 +273,7 @@ class EngineLink:
         now = time.monotonic() if now is None else now
         me = os.getpid()
         why = None
+        holder = None  # (ring, slot, pid) of the reader that blocks: logged once, not per check
         for ring in self._probes:
             try:
                 st = ring.stats()
@@ -291,13 +293,14 @@ class EngineLink:
                 continue
             why = (f"ring {st.name} is full: reader slot {laggard.slot} (pid {laggard.pid}) holds it and gave "
                    f"no sign of life for {laggard.heartbeat_age_s:.1f} s")  # fmt: skip
+            holder = (st.name, laggard.slot, laggard.pid)
             break
-        if why != self.blocked:
+        if holder != self._blocked_by:
             if why is not None:
                 log.warning("the engine is blocked: %s", why)
             elif self.blocked is not None:
                 log.warning("the engine is no longer blocked")
-        self.blocked = why
+        self.blocked, self._blocked_by = why, holder
         return why
 
     def _down(self) -> str | None:
