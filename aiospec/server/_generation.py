@@ -114,7 +114,10 @@ def _ended_early(exc: StreamError) -> ApiError:
         # 400 when the engine found a field out of its range, 500 when it refused for its own reason
         return ApiError(400 if exc.invalid else 500, f"the engine refused the request: {exc.reason}",
                         code="RequestRefused")  # fmt: skip
-    return ApiError(500, f"the request ended early: {exc}", code=type(exc).__name__)
+    # the engine's side gone (its producer lost, the Hub closed for a restart): the server is
+    # well and the request may be sent again (503, which clients retry); anything else: 500
+    status = 503 if isinstance(exc, ConnectionError) else 500
+    return ApiError(status, f"the request ended early: {exc}", code=type(exc).__name__)
 
 
 def _error_event(exc: StreamError | ApiError) -> bytes:
