@@ -80,9 +80,16 @@ _NOT_EXPRESSIBLE = {
 def test_paddle_raises_the_reference_errors(ring: shm.Ring, case: tuple[str, dict[str, Any], str]) -> None:
     _, kwargs, message = case
     reader = ring.reader()
-    with pytest.raises(EmitError, match=message):
+    with pytest.raises(EmitError) as ref:
+        build_frame(**kwargs)
+    with pytest.raises(EmitError, match=message) as got:
         _paddle.emit(ring.name, **pd(kwargs))
     assert reader.poll() == [] and ring.stats().frames_written == 0
+
+    def fields(e: EmitError) -> tuple[int, ...]:
+        return e.code, e.arg, e.row, e.col, e.value, e.lo, e.hi
+
+    assert fields(got.value) == fields(ref.value)  # the check's fields too, not only its message
 
 
 def test_strided_paddle_tensors_reach_the_op_contiguous(ring: shm.Ring) -> None:

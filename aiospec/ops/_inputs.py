@@ -325,7 +325,7 @@ def check_scalars(step: Any, kind: Any) -> None:
     if not _is_int(kind):
         raise EmitError(f"kind = {kind!r}: expected 0 (target), 1 (draft) or 2 (prompt)")
     if int(kind) not in (L.KIND_TARGET, L.KIND_DRAFT, L.KIND_PROMPT):
-        raise emit_error(ErrorCode.KIND, Arg.KIND, value=int(kind))
+        raise emit_error(ErrorCode.KIND, Arg.KIND, value=int(kind), lo=L.KIND_TARGET, hi=L.KIND_PROMPT)  # as emit.h
 
 
 def collect(

@@ -37,7 +37,7 @@ SOURCES = ("paddle/emit_op.cc", "cpu/emit_cpu.cc")
 CXX_FLAGS = ["-O2", "-std=c++17"]
 _U64_MAX = (1 << 64) - 1
 _lock = threading.Lock()
-_TAGGED = re.compile(r"\[aiospec:(\w+)\] (.*)")
+_TAGGED = re.compile(r"\[aiospec:(\w+)(?::(-?\d+(?:,-?\d+){6}))?\] (.*)")  # emit: the error's fields
 
 
 def _import_paddle() -> ModuleType:
@@ -100,11 +100,14 @@ def _translate(exc: Exception) -> Exception:
     m = _TAGGED.search(str(exc))
     if m is None:
         return exc
-    kind, message = m.group(1), m.group(2).strip()
+    kind, fields, message = m.group(1), m.group(2), m.group(3).strip()
     # Paddle appends " (at <file>:<line>)" to thrown messages
     message = re.sub(r"\s*\(at [^()]*:\d+\)\s*$", "", message)
     if kind == "emit":
-        return EmitError(message)
+        if fields is None:  # a shape, dtype or device error: no check's fields
+            return EmitError(message)
+        code, arg, row, col, value, lo, hi = map(int, fields.split(","))
+        return EmitError(message, code=code, arg=arg, row=row, col=col, value=value, lo=lo, hi=hi)
     if kind == "ring_full":
         return RingFull(message)
     if kind == "bad_segment":

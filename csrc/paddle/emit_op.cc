@@ -36,6 +36,15 @@ namespace {
   PD_THROW("[aiospec:" + std::string(kind) + "] " + message);
 }
 
+// An input error: the tag carries the error's fields (code, arg, row, col, value, lo, hi), so
+// the EmitError raised in Python has them as the C++ writer's and the reference's have.
+[[noreturn]] void fail_emit(const aiospec_error& e) {
+  std::ostringstream tag;
+  tag << "[aiospec:emit:" << e.code << ',' << e.arg << ',' << e.row << ',' << e.col << ',' << e.value << ','
+      << e.lo << ',' << e.hi << "] " << aiospec::format_error(e);
+  PD_THROW(tag.str());
+}
+
 std::string shape_str(const std::vector<int64_t>& s) {
   std::ostringstream o;
   o << "[";
@@ -240,7 +249,7 @@ aiospec_emit_args make_args(const paddle::Tensor& handles_t, const paddle::Tenso
   const size_t options = size_t(7 * kMetaFields);
   a.logprobs_processed = meta.size() > options ? int32_t(meta[options] & 1) : 0;
   aiospec_error err;
-  if (aiospec_check_args(&a, &err) != AIOSPEC_E_OK) fail("emit", aiospec::format_error(err));
+  if (aiospec_check_args(&a, &err) != AIOSPEC_E_OK) fail_emit(err);
   return a;
 }
 
@@ -352,7 +361,7 @@ void AiospecEmit(const paddle::Tensor& handles, const paddle::Tensor& token_ids,
     try {
       aiospec::emit_cpu(p, a, double(timeout));
     } catch (const aiospec::EmitError& e) {
-      fail("emit", e.what());
+      fail_emit(e.error);
     } catch (const aiospec::RingError& e) {
       rethrow_ring(e);
     }
