@@ -415,6 +415,34 @@ def test_a_credit_past_what_was_sent_is_refused_and_a_repeated_resend_goes_back_
             sender.close()
 
 
+def test_a_rewind_for_entries_then_acknowledged_does_not_strand_the_sender() -> None:
+    # a late credit (sent before the far end had this end's last entries) looks like entries
+    # lost in flight and rewinds the send position; the next credit acknowledges them all, and
+    # they are forgotten: sending goes on after them (it stayed behind them, with nothing to
+    # send and no more reading, for good)
+    with shm.Ring.create(capacity=1 << 16) as near:
+        sender = BridgeSender(near.name, "tcp://127.0.0.1:1", **FAST)
+        try:
+            for i in range(10):
+                near.write(make_payload(i, 100))
+            sender._state, sender._far_session = "up", 7
+            sender._credit_seq, sender._credit_bytes = 100, 1 << 30
+            assert sender._read_ring(time.monotonic())
+            sock = _Socket()
+            assert sender._send_entries(sock, zmq, time.monotonic())
+            assert sender._send_seq == 11
+            sender._last_sent -= 1.0  # a while ago, as after a stall
+            sender._on_credit(_credit_msg(7, 1, 1, 100))  # the late one: expected 1
+            assert sender._send_seq == 1  # rewound
+            sender._on_credit(_credit_msg(7, 11, 11, 100))  # everything acknowledged
+            assert sender.stats().held == 0 and sender._send_seq == 11
+            near.write(make_payload(10, 100))
+            assert sender._can_read() and sender._read_ring(time.monotonic())
+            assert sender._send_entries(sock, zmq, time.monotonic()) and sender._send_seq == 12
+        finally:
+            sender.close()
+
+
 def test_a_lost_entry_past_the_credit_is_refused() -> None:
     target = RingTarget(None, capacity=1 << 16)
     try:
