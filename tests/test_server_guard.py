@@ -289,6 +289,17 @@ def test_a_pipelined_head_that_times_out_waits_for_the_stream_before_it(server: 
     assert body == b"the request head did not arrive within 1 s\n"
 
 
+def test_a_refused_head_reaches_a_client_still_sending_it(server: ServerProcess) -> None:
+    # 2 MB of headers sent at once before reading: the 431 comes after 64 KiB, and the rest is
+    # read and dropped (lingering) so that the client reads the answer, not a reset
+    head = b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-H%d: %s\r\n" % (i, b"v" * 4000) for i in range(500))
+    for _ in range(5):
+        with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
+            s.sendall(head + b"\r\n")
+            status, _, body = _read_response(s)
+        assert status == 431 and body == b"request head over 65536 bytes: expected at most 65536\n"
+
+
 def _raw(port: int, data: bytes) -> tuple[int, dict[str, str], bytes]:
     with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
         s.sendall(data)

@@ -29,7 +29,9 @@ hundreds of megabytes, and a connection that sends a byte at a time is never clo
   sent and the write side shut down, then what the client still sends is read and dropped
   until it closes its end, or for at most ``linger_timeout`` seconds. Closed at once, the
   socket would be reset by the kernel (unread data), and a client still sending its body
-  would see "connection reset" instead of the answer.
+  would see "connection reset" instead of the answer. A refusal of the bounds above (431,
+  414, 408, 400) closes lingering too; the 503 of a connection past ``max_connections`` does
+  not (a flood must not hold its connections).
 
 The defaults are those of Apache httpd (``LimitRequestLine``, ``LimitRequestFieldSize``,
 ``LimitRequestFields``: 8190, 8190, 100) with a 64 KiB head, and timeouts in the range of
@@ -127,7 +129,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
                 log.warning("refused %d connection(s) since the last such line: %d open, --max-connections %d",
                             _REFUSALS[1], len(self.connections) - 1, self.limits.max_connections)  # fmt: skip
                 _REFUSALS[0], _REFUSALS[1] = now, 0
-            self._answer(503, f"too many connections: expected at most {self.limits.max_connections}")
+            # at once: a flood of connections must not hold them while lingering
+            self._answer(503, f"too many connections: expected at most {self.limits.max_connections}", linger=False)
             return
         # a connection that opens and sends nothing is waiting for its first head
         self._arm(self.limits.header_timeout, "the request head")
@@ -185,14 +188,19 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         else:
             self._close_now()
 
-    def _answer(self, status: int, message: str) -> None:
-        """Write a plain-text ``status`` response and close the connection."""
+    def _answer(self, status: int, message: str, linger: bool = True) -> None:
+        """Write a plain-text ``status`` response and close the connection: lingering (what
+        the client still sends, the rest of a head too large, say, is read and dropped, so that
+        it reads the answer, not a reset), or at once without ``linger``."""
         body = (message + "\n").encode()
         self.transport.write(
             b"".join((STATUS_LINE[status], b"content-type: text/plain; charset=utf-8\r\n",
                       b"content-length: ", str(len(body)).encode(), b"\r\nconnection: close\r\n\r\n", body))
         )  # fmt: skip
-        self._close_now()
+        if linger:
+            self._close_lingering()
+        else:
+            self._close_now()
 
     def _refuse(self, r: _Reject) -> None:
         """Answer ``r`` and close; with responses of earlier requests still to come (pipelined),
@@ -237,13 +245,21 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         ):
             self._lingering = False
             return False
+        self._close_lingering()
+        return True
+
+    def _close_lingering(self) -> None:
+        """Shut the write side after what was written, then read and drop what comes until the
+        client closes its end or ``linger_timeout`` passes."""
+        raw = self._raw
+        if raw is None or raw.is_closing():
+            return
         self._lingering = True
-        self._disarm()  # the body timer: no answer is written any more
+        self._disarm()  # a timer of the request: no answer is written any more
         if raw.can_write_eof():
             raw.write_eof()  # after the response: the client reads it, then its end of file
         raw.resume_reading()  # (uvicorn's flow control may have paused it while the body queued)
         self._timer = self.loop.call_later(self.limits.linger_timeout, self._linger_over)
-        return True
 
     def _linger_over(self) -> None:
         self._timer = None
