@@ -271,6 +271,41 @@ def test_a_refused_pipelined_request_is_answered_after_those_before_it(
     assert got.index(b"data: [DONE]") < got.index(b"\r\n\r\nok") < got.index(b"HTTP/1.1 %d " % status)
 
 
+def _stream_head(max_tokens: int) -> bytes:
+    chat = json.dumps({"model": "aiospec-toy", **CHAT, "max_tokens": max_tokens, "stream": True}).encode()
+    return (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEYS[0]}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(chat)}\r\n\r\n").encode() + chat  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("second", "status"),
+    [(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n0123456789", 408),
+     (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", 400)],
+    ids=["body-408", "chunk-400"],
+)  # fmt: skip
+def test_a_pipelined_request_refused_in_its_body_waits_for_the_stream_before_it(
+    server: ServerProcess, second: bytes, status: int
+) -> None:
+    # its body stops coming (408 after --body-timeout, 1 s) or does not parse (400) while the
+    # stream before it runs: the stream ends whole, then the refusal (it was written into the
+    # stream, which then failed on a closed connection)
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
+        s.sendall(_stream_head(1500) + second)
+        got = _read_all(s)
+    statuses = [int(m.split(b" ")[1]) for m in re.findall(rb"HTTP/1\.1 \d{3} ", got)]
+    assert statuses == [200, status], got[-300:]
+    assert got.index(b"data: [DONE]\n\n\r\n0\r\n\r\n") < got.index(b"HTTP/1.1 %d " % status)
+
+
+def test_the_parsers_own_400_reaches_a_client_still_sending(server: ServerProcess) -> None:
+    # a malformed header line, then 4 MB more: the 400 is read, not a reset (it closed at once)
+    for _ in range(5):
+        with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
+            s.sendall(b"GET /health HTTP/1.1\r\nBad Header\r\n\r\n" + b"x" * (4 << 20))
+            status, _, _ = _read_response(s)
+        assert status == 400
+
+
 def test_a_pipelined_head_that_times_out_waits_for_the_stream_before_it(server: ServerProcess) -> None:
     # a partial head behind a stream that outlasts --header-timeout (1 s): the stream ends
     # whole, then the 408

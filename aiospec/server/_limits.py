@@ -158,11 +158,12 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def _send_timed_out(self) -> None:
         self._stuck = None
-        if self.transport.is_closing():
+        if self._raw is None:
             return
         log.info("closed a connection whose client read nothing for %g s", self.limits.send_timeout)
-        # what waits in the buffer is never read: abort, not close (which would wait to send it)
-        self.transport.abort()
+        # what waits in the buffer is never read: abort, not close (which would wait to send
+        # it), also when a close began already (after the response: it waits for the buffer)
+        self._raw.abort()
 
     def _arm(self, delay: float, what: str) -> None:
         self._disarm()
@@ -177,7 +178,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._timer = None
         if self.transport.is_closing():
             return
-        if self._phase != _BODY and self._open:  # a later request's head, behind pipelined ones
+        if (self._phase != _BODY and self._open) or self._queued():  # behind pipelined requests
             self._refuse(_Reject(408, f"{what} did not arrive within {delay:g} s"))
             return
         if self.cycle is not None and not self.cycle.response_started and self._phase == _BODY:
@@ -207,12 +208,33 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         after them (``on_response_complete``), reading nothing more meanwhile."""
         log.info("rejected a request: %d %s", r.status, r.message)
         self._disarm()
+        if self._queued():
+            # refused in its body while queued behind others: never started, the refusal is
+            # its answer (after theirs)
+            self.pipeline.popleft()
+            self._open -= 1
+        elif self._phase == _BODY:
+            self._open = 0  # the request refused is the one being answered: at once
+            cycle = self.cycle
+            if cycle is not None and cycle.response_started:
+                # it has its answer (a 413 before its body): no second one; a response still
+                # going out is cut (its request cannot be whole), a complete one lingers
+                if cycle.response_complete:
+                    self._close_lingering()
+                else:
+                    self._close_now()
+                return
         if self._open:
             self._deferred = r
             assert self._raw is not None
             self._raw.pause_reading()
             return
         self._answer(r.status, r.message)
+
+    def _queued(self) -> bool:
+        """Whether the request being read (its body: ``_phase`` is ``_BODY``) waits in
+        uvicorn's pipeline behind others (newest first) rather than running."""
+        return self._phase == _BODY and bool(self.pipeline) and self.pipeline[0][0] is self.cycle
 
     def on_response_complete(self) -> None:
         self._open -= 1
@@ -319,10 +341,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def send_400_response(self, msg: str) -> None:
         if self._reject is not None:
             return
-        if self._phase != _BODY and self._open:  # a later request's head, behind pipelined ones
-            self._refuse(_Reject(400, msg))
-            return
-        super().send_400_response(msg)
+        # the parser's own 400 (a malformed head or chunk): answered as the other refusals, in
+        # order behind pipelined requests and closing lingering
+        self._refuse(_Reject(400, msg))
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
