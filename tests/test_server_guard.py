@@ -3,6 +3,7 @@ the bounds on what a connection may send (raw sockets for what a client library 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -58,15 +59,17 @@ def _request(
         return _read_response(s)
 
 
+def _recv(s: socket.socket) -> bytes:
+    """One read; b"" at the end of the stream or at a reset."""
+    try:
+        return s.recv(65536)
+    except ConnectionResetError:
+        return b""
+
+
 def _read_response(s: socket.socket) -> tuple[int, dict[str, str], bytes]:
     got = b""
-    while True:
-        try:
-            chunk = s.recv(65536)
-        except ConnectionResetError:
-            break
-        if not chunk:
-            break
+    while chunk := _recv(s):
         got += chunk
     head, _, body = got.partition(b"\r\n\r\n")
     lines = head.decode("latin-1").split("\r\n")
@@ -436,6 +439,26 @@ def test_a_keep_alive_connection_goes_on_after_a_413(server: ServerProcess) -> N
     assert got.endswith(b"\r\n\r\nok"), got[-200:]
 
 
+def test_a_413_body_that_trickles_past_the_body_timeout_gets_no_second_answer(server: ServerProcess) -> None:
+    # kept alive after its 413, the body that nobody reads comes too slowly: the connection is
+    # closed after --body-timeout (1 s here) with no 408 after the 413, which the client would
+    # take for the answer to its next request
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+        s.sendall(_big_post("/v1/completions", 2 << 20, _auth(), close=False) + b"x" * 1024)
+        got = b""
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 6:
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                s.sendall(b"x" * 64)
+            if select.select([s], [], [], 0.2)[0]:
+                if not (chunk := _recv(s)):
+                    break
+                got += chunk
+        else:
+            raise AssertionError("the connection was never closed")
+    assert got.startswith(b"HTTP/1.1 413 ") and got.count(b"HTTP/1.1 ") == 1, got[-300:]
+
+
 def test_lingering_is_bounded(server: ServerProcess) -> None:
     # a client that keeps sending a body nobody reads, past the answer, is cut off after
     # --linger-timeout (1 s here)
@@ -541,6 +564,52 @@ def _one_response(s: socket.socket) -> tuple[int, bytes]:
         assert chunk
         body += chunk
     return int(lines[0].split()[1]), body
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
+def test_an_http_1_0_client_gets_no_chunked_coding(server: ServerProcess, stream: bool) -> None:
+    # HTTP/1.0 has no chunked coding: a stream to a 1.0 client is its bytes until the close
+    # (uvicorn chunked it, which a 1.0 client reads as garbage); a whole response keeps its length
+    chat = json.dumps({"model": "aiospec-toy", **CHAT, "max_tokens": 12, "stream": stream}).encode()
+    head = (f"POST /v1/chat/completions HTTP/1.0\r\nAuthorization: Bearer {KEYS[0]}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(chat)}\r\n\r\n")  # fmt: skip
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
+        s.sendall(head.encode() + chat)
+        status, headers, body = _read_response(s)  # to the server's close
+    assert status == 200 and "transfer-encoding" not in headers and headers["connection"] == "close"
+    if stream:
+        assert "content-length" not in headers
+        events = body.split(b"\n\n")
+        assert events[-2:] == [b"data: [DONE]", b""], body[-200:]
+        chunks = [json.loads(e.removeprefix(b"data: ")) for e in events[:-2]]
+        assert all(e.startswith(b"data: {") for e in events[:-2]) and len(chunks) >= 2
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert sum(len(c["choices"][0]["delta"].get("content") or "") for c in chunks) > 0
+    else:
+        assert int(headers["content-length"]) == len(body)
+        assert json.loads(body)["usage"]["completion_tokens"] == 12
+
+
+def test_a_half_closed_client_is_taken_for_gone(server: ServerProcess) -> None:
+    # a client that shuts its sending side after its request is gone, as nginx takes it: the
+    # connection closes and the running request is aborted in the engine (docs/server.md)
+    def stats() -> dict[str, Any]:
+        return json.loads(_request(server.port, "GET", "/stats", headers=_auth())[2])
+
+    before = stats()["aborted"]
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
+        s.sendall(_stream_head(8000))
+        assert s.recv(65536).startswith(b"HTTP/1.1 200 ")  # the stream runs
+        s.shutdown(socket.SHUT_WR)
+        t0 = time.monotonic()
+        while stats()["aborted"] == before:
+            assert time.monotonic() - t0 < 10, "the request was never aborted"
+            time.sleep(0.05)
+        s.settimeout(5)
+        with contextlib.suppress(ConnectionResetError):
+            while s.recv(65536):
+                pass  # then the server's end of file
+    assert stats()["streams_open"] == 0
 
 
 def test_bare_line_breaks_between_requests_do_not_hold_a_connection(server: ServerProcess) -> None:

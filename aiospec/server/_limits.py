@@ -33,6 +33,12 @@ hundreds of megabytes, and a connection that sends a byte at a time is never clo
   414, 408, 400) closes lingering too; the 503 of a connection past ``max_connections`` does
   not (a flood must not hold its connections).
 
+And one fix of uvicorn's framing: an HTTP/1.0 request gets a response without the chunked
+coding, which HTTP/1.0 does not have (RFC 9112, section 7.1: a server must not send it to a
+1.0 client). uvicorn chunks any response without a ``content-length`` (a stream), whatever the
+request's version; here such a response to a 1.0 request is delimited by the close of the
+connection, which uvicorn closes after it anyway (no keep-alive for 1.0).
+
 The defaults are those of Apache httpd (``LimitRequestLine``, ``LimitRequestFieldSize``,
 ``LimitRequestFields``: 8190, 8190, 100) with a 64 KiB head, and timeouts in the range of
 nginx's ``client_header_timeout`` / ``client_body_timeout`` (60 s there).
@@ -176,18 +182,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def _timed_out(self, what: str, delay: float) -> None:
         self._timer = None
-        if self.transport.is_closing():
-            return
-        if (self._phase != _BODY and self._open) or self._queued():  # behind pipelined requests
+        if not self.transport.is_closing():
             self._refuse(_Reject(408, f"{what} did not arrive within {delay:g} s"))
-            return
-        if self.cycle is not None and not self.cycle.response_started and self._phase == _BODY:
-            self.cycle.disconnected = True
-            self.cycle.message_event.set()
-        if self.cycle is None or self.cycle.response_complete or not self.cycle.response_started:
-            self._answer(408, f"{what} did not arrive within {delay:g} s")
-        else:
-            self._close_now()
 
     def _answer(self, status: int, message: str, linger: bool = True) -> None:
         """Write a plain-text ``status`` response and close the connection: lingering (what
@@ -205,26 +201,30 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 
     def _refuse(self, r: _Reject) -> None:
         """Answer ``r`` and close; with responses of earlier requests still to come (pipelined),
-        after them (``on_response_complete``), reading nothing more meanwhile."""
-        log.info("rejected a request: %d %s", r.status, r.message)
+        after them (``on_response_complete``), reading nothing more meanwhile. The request
+        refused in its body while it runs gets no answer when it has one already."""
         self._disarm()
         if self._queued():
             # refused in its body while queued behind others: never started, the refusal is
             # its answer (after theirs)
             self.pipeline.popleft()
             self._open -= 1
-        elif self._phase == _BODY:
-            self._open = 0  # the request refused is the one being answered: at once
+        elif self._phase == _BODY and self.cycle is not None:
             cycle = self.cycle
-            if cycle is not None and cycle.response_started:
-                # it has its answer (a 413 before its body): no second one; a response still
-                # going out is cut (its request cannot be whole), a complete one lingers
+            self._open -= 1  # the request refused is the one being answered: at once
+            if cycle.response_started:
+                # it has its answer (a 413 before its body, say): no second one (a 408 for the
+                # rest of a body nobody waits for would pass for the next request's); a response
+                # still going out is cut (its request cannot be whole), a complete one lingers
                 if cycle.response_complete:
                     self._close_lingering()
                 else:
                     self._close_now()
                 return
-        if self._open:
+            # its app waits for a body that will not come: it ends as a disconnected request
+            cycle.disconnected = True
+            cycle.message_event.set()
+        if self._open > 0:
             self._deferred = r
             assert self._raw is not None
             self._raw.pause_reading()
@@ -320,6 +320,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
                 break
         if self._reject is not None and not self.transport.is_closing():
             r, self._reject = self._reject, None
+            log.info("rejected a request: %d %s", r.status, r.message)
             self._refuse(r)
         elif (
             self._phase == _IDLE
@@ -343,6 +344,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             return
         # the parser's own 400 (a malformed head or chunk): answered as the other refusals, in
         # order behind pipelined requests and closing lingering
+        log.info("rejected a request: 400 %s", msg)
         self._refuse(_Reject(400, msg))
 
     def on_message_begin(self) -> None:
@@ -376,11 +378,45 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         super().on_headers_complete()
         if self.cycle is not cycle:
             self._open += 1
+            if self.scope.get("http_version") == "1.0":
+                _delimit_by_close(self.cycle)
 
     def on_message_complete(self) -> None:
         self._phase = _IDLE
         self._disarm()
         super().on_message_complete()
+
+
+_UNBOUNDED = 1 << 62  # a close-delimited body's "content length" until its last part
+
+
+def _delimit_by_close(cycle: Any) -> None:
+    """Make ``cycle`` (uvicorn's request-response cycle of an HTTP/1.0 request) send a response
+    without a length as bytes ended by the connection's close, not chunks: uvicorn's own
+    framing is kept, told that the length is unbounded until the last part gives it."""
+    send = cycle.send
+    delimited = False
+
+    async def send_1_0(message: Any) -> None:
+        nonlocal delimited
+        kind = message["type"]
+        if kind == "http.response.start" and not cycle.response_started:
+            names = {name.lower() for name, _ in message.get("headers", ())}
+            if (
+                b"content-length" not in names
+                and b"transfer-encoding" not in names
+                and cycle.scope["method"] != "HEAD"
+                and message["status"] not in (204, 304)
+            ):
+                delimited = True
+                cycle.chunked_encoding = False
+                cycle.expected_content_length = _UNBOUNDED
+        elif delimited and kind == "http.response.body" and not message.get("more_body", False):
+            # the last part: what is left is all of it
+            cycle.expected_content_length = len(message.get("body", b""))
+        await send(message)
+
+    cycle.send = send_1_0
 
 
 def limited_protocol(limits: HttpLimits) -> type[LimitedHttpToolsProtocol]:
