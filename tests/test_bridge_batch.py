@@ -462,7 +462,9 @@ def test_a_lost_entry_past_the_credit_is_refused() -> None:
 def test_a_peer_repeating_a_message_cannot_flood_the_log(caplog: pytest.LogCaptureFixture) -> None:
     import logging
 
-    throttle = P.Throttle(logging.getLogger("aiospec.bridge"), interval=10.0)
+    from aiospec._logthrottle import Throttle
+
+    throttle = Throttle(logging.getLogger("aiospec.bridge"), interval=10.0)
     with caplog.at_level(logging.WARNING, logger="aiospec.bridge"):
         for _ in range(1000):
             throttle(logging.WARNING, "superseded", "a new session supersedes the previous one")
@@ -472,3 +474,8 @@ def test_a_peer_repeating_a_message_cannot_flood_the_log(caplog: pytest.LogCaptu
     with caplog.at_level(logging.WARNING, logger="aiospec.bridge"):
         throttle(logging.WARNING, "superseded", "a new session supersedes the previous one")
     assert "supersedes the previous one (and 999 more in the last 10 s)" in caplog.text
+    throttle._due["reset"] = 0.0  # a call may stand for several events (count)
+    assert not throttle(logging.WARNING, "superseded", "x", count=5)
+    with caplog.at_level(logging.WARNING, logger="aiospec.bridge"):
+        assert throttle(logging.WARNING, "reset", "the far end does not know this sender")
+    assert caplog.text.count("does not know") == 2 and "(and" not in caplog.text.splitlines()[-1]

@@ -12,9 +12,7 @@ message), never an exception of another type.
 
 from __future__ import annotations
 
-import logging
 import struct
-import time
 from typing import NamedTuple
 
 from aiospec.bridge._errors import ProtocolError
@@ -287,50 +285,3 @@ def _check_seq(what: str, seq: int) -> None:
     # is reserved so that ``seq + 1`` stays a u64
     if not 0 < seq < _U64:
         raise ProtocolError(f"{what}: sequence number {seq}: expected 1..2**64-2")
-
-
-class ErrorLog:
-    """Log the messages a link drops without letting the peer flood the log: the first one,
-    then at most one per ``interval`` seconds, saying how many were dropped since (a peer
-    may send garbage, or an older protocol version, many times a second; every one is still
-    counted in ``protocol_errors``)."""
-
-    __slots__ = ("_due", "_interval", "_log", "_suppressed", "_what")
-
-    def __init__(self, log: logging.Logger, what: str, interval: float = 10.0) -> None:
-        self._log, self._what, self._interval = log, what, interval
-        self._due = 0.0
-        self._suppressed = 0
-
-    def dropped(self, exc: ProtocolError) -> None:
-        now = time.monotonic()
-        if now < self._due:
-            self._suppressed += 1
-            return
-        more = f" (and {self._suppressed} more in the last {self._interval:g} s)" if self._suppressed else ""
-        self._log.warning("%s: dropped a message: %s%s", self._what, exc, more)
-        self._due = now + self._interval
-        self._suppressed = 0
-
-
-class Throttle:
-    """Warnings a peer's messages cause (a HELLO, a RESET), one per ``interval`` seconds per
-    kind, the first at once and each later one saying how many were left out: a peer that
-    repeats a message many times a second cannot flood the log."""
-
-    __slots__ = ("_due", "_interval", "_log", "_suppressed")
-
-    def __init__(self, log: logging.Logger, interval: float = 10.0) -> None:
-        self._log, self._interval = log, interval
-        self._due: dict[str, float] = {}
-        self._suppressed: dict[str, int] = {}
-
-    def __call__(self, level: int, kind: str, msg: str, *args: object) -> None:
-        now = time.monotonic()
-        if now < self._due.get(kind, 0.0):
-            self._suppressed[kind] = self._suppressed.get(kind, 0) + 1
-            return
-        n = self._suppressed.pop(kind, 0)
-        more = f" (and {n} more in the last {self._interval:g} s)" if n else ""
-        self._log.log(level, msg + "%s", *args, more)
-        self._due[kind] = now + self._interval

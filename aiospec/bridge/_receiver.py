@@ -25,6 +25,7 @@ import threading
 import time
 from typing import Any
 
+from aiospec._logthrottle import Throttle
 from aiospec.bridge import _protocol as P
 from aiospec.bridge._errors import BridgeConfigError, LinkDown, ProtocolError
 from aiospec.bridge._idle import IdleStrategy
@@ -206,8 +207,7 @@ class BridgeReceiver:
         self._a_pos: int | None = None
         self._a_next: int | None = None
         self._fenced: collections.deque[bytes] = collections.deque(maxlen=64)  # superseded peers
-        self._error_log = P.ErrorLog(log, "bridge receiver")
-        self._throttle = P.Throttle(log)
+        self._throttle = Throttle(log)
         self._counts = dict.fromkeys(
             ("frames", "messages", "bytes", "lost", "duplicates", "gaps", "protocol_errors", "sessions", "full_waits",
              "superseded", "refused", "resumed", "credits"),
@@ -498,7 +498,7 @@ class BridgeReceiver:
 
     def _protocol_error(self, peer: bytes, exc: ProtocolError) -> None:
         self._counts["protocol_errors"] += 1
-        self._error_log.dropped(exc)
+        self._throttle(logging.WARNING, "dropped", "bridge receiver: dropped a message: %s", exc)
         if peer == self._peer and self._state == "up":
             # most of what the near end sends is DATA: have what may have been lost sent again
             self._ask_resend()

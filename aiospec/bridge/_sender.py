@@ -32,6 +32,7 @@ import time
 from typing import Any
 
 import shm
+from aiospec._logthrottle import Throttle
 from aiospec.bridge import _protocol as P
 from aiospec.bridge._errors import BridgeConfigError, BridgeError, LinkDown, ProtocolError, Superseded
 from aiospec.bridge._idle import IdleStrategy
@@ -270,8 +271,7 @@ class BridgeSender:
             0,
         )  # fmt: skip
         self._credit_stalled = False
-        self._error_log = P.ErrorLog(log, "bridge sender")
-        self._throttle = P.Throttle(log)
+        self._throttle = Throttle(log)
 
     # -- public surface --------------------------------------------------------------------
 
@@ -535,7 +535,7 @@ class BridgeSender:
                 self._on_credit(msg)
             except ProtocolError as exc:
                 self._counts["protocol_errors"] += 1
-                self._error_log.dropped(exc)
+                self._throttle(logging.WARNING, "dropped", "bridge sender: dropped a message: %s", exc)
 
     def _drain_monitor(self, monitor: Any, zmq: Any) -> None:
         from zmq.utils.monitor import recv_monitor_message

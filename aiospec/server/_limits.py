@@ -48,18 +48,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from typing import Any
 
 import httptools
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
+from aiospec._logthrottle import Throttle
 from aiospec.server._bounds import HttpLimits
 
 __all__ = ("LimitedHttpToolsProtocol", "limited_protocol")
 
 log = logging.getLogger("aiospec.server")
-_REFUSALS = [-1e9, 0]  # when the last refusal was logged, refusals since (the process's, every listener)
+_REFUSALS = Throttle(log)  # the process's, every listener
 
 
 class _Reject(Exception):
@@ -129,12 +129,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if len(self.connections) > self.limits.max_connections:
             self._refused = True
             # one line per 10 s, with the count: a flood of connections must not flood the log
-            now = time.monotonic()
-            _REFUSALS[1] += 1
-            if now - _REFUSALS[0] >= 10.0:
-                log.warning("refused %d connection(s) since the last such line: %d open, --max-connections %d",
-                            _REFUSALS[1], len(self.connections) - 1, self.limits.max_connections)  # fmt: skip
-                _REFUSALS[0], _REFUSALS[1] = now, 0
+            _REFUSALS(logging.WARNING, "connections", "refused a connection: %d open, --max-connections %d",
+                      len(self.connections) - 1, self.limits.max_connections)  # fmt: skip
             # at once: a flood of connections must not hold them while lingering
             self._answer(503, f"too many connections: expected at most {self.limits.max_connections}", linger=False)
             return

@@ -32,12 +32,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 from typing import Any
 
 import numpy as np
 
 from aiospec._codec import Flag, Kind
+from aiospec._logthrottle import Throttle
 from aiospec.integrations.fastdeploy._constants import (
     MESSAGE_DRAFT,
     MESSAGE_TARGET,
@@ -55,7 +55,6 @@ __all__ = ("FastDeployProducer", "host_array")
 
 _ENDS = int(Flag.FINISHED | Flag.PREEMPTED | Flag.RECOVERY_STOP | Flag.ABORTED)
 _SENTINELS = (NO_TOKEN, PREEMPTED_TOKEN_ID, RECOVERY_STOP_SIGNAL)
-_WARN_EVERY = 10.0  # seconds between two warnings of tokens dropped (with the count since)
 
 log = logging.getLogger("aiospec.integrations.fastdeploy")
 
@@ -244,7 +243,7 @@ class FastDeployProducer:
         self._attached: Any = None  # the ring this producer attached by name (closed with it)
         self.max_tokens_per_slot = max_tokens_per_slot
         self.dropped_tokens = 0
-        self._warned = (-_WARN_EVERY, 0)  # when the last warning was given, drops since
+        self._warn = Throttle(log)  # at most a line per 10 s for the rows dropped, with the count
 
     # -- the slot table ----------------------------------------------------------------------
 
@@ -630,18 +629,12 @@ class FastDeployProducer:
         ``TokenProcessor``, no record for them this step; counted, and warned of (throttled)."""
         n = int(odd.sum())
         self.dropped_tokens += n
-        last, since = self._warned
-        now = time.monotonic()
-        if now - last < _WARN_EVERY:
-            self._warned = (last, since + n)
-            return
         i = int(np.argmax(odd))
-        log.warning(
-            "save_output: x[%d] = %d, expected a token id >= 0, -1 (no token), -9 (preempted) or -3 (recovery "
-            "stop): no record for that row this step, as TokenProcessor skips it (%d such row(s) since the last "
-            "such line, %d in all)", i, int(col[i]), since + n, self.dropped_tokens,
+        self._warn(
+            logging.WARNING, "dropped", "save_output: x[%d] = %d, expected a token id >= 0, -1 (no token), -9 "
+            "(preempted) or -3 (recovery stop): no record for that row this step, as TokenProcessor skips it "
+            "(%d in all)", i, int(col[i]), self.dropped_tokens, count=n,
         )  # fmt: skip
-        self._warned = (now, 0)
 
     def _speculative(
         self,
