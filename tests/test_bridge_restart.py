@@ -6,6 +6,7 @@ refused while a session is live). Loopback only."""
 
 from __future__ import annotations
 
+import contextlib
 import struct
 import threading
 import time
@@ -181,39 +182,51 @@ def test_a_newer_sender_of_the_same_ring_supersedes_the_older_one(far: tuple[Bri
             reader.close()
 
 
-def test_a_sender_of_another_ring_is_refused_while_a_session_is_live(far: tuple[BridgeReceiver, shm.Ring]) -> None:
-    recv, ring_b = far
+@contextlib.contextmanager
+def _second_ring_refused(
+    recv: BridgeReceiver, ring_b: shm.Ring, first_endpoint: str
+) -> Iterator[tuple[shm.Ring, shm.Ring, BridgeSender, BridgeSender, shm.Reader]]:
+    """Ring one's sender up (over ``first_endpoint``) with a frame through to ``ring_b``, then
+    ring two's sender started and refused: (ring one, ring two, their senders, ring B's reader)."""
     assert recv.endpoint_bound is not None
     reader = ring_b.reader()
     with shm.Ring.create(capacity=1 << 20) as one, shm.Ring.create(capacity=1 << 20) as two:
-        first = BridgeSender(one.name, recv.endpoint_bound, **FAST).start()  # type: ignore[arg-type]
+        first = BridgeSender(one.name, first_endpoint, **FAST).start()  # type: ignore[arg-type]
         second = None
         try:
             wait_for(lambda: first.state == "up", "the first sender")
             one.write(b"one-0")
             assert drain(reader, 1) == [b"one-0"]
             second = BridgeSender(two.name, recv.endpoint_bound, **FAST).start()  # type: ignore[arg-type]
-            wait_for(lambda: second is not None and second.link_error is not None, "the refusal")
-            assert isinstance(second.link_error, BridgeError)
-            assert str(second.link_error) == (
-                f"bridge sender {recv.endpoint_bound}: the far end refused this sender: it carries another ring's "
-                f"live session; saying HELLO again until that session's link is down"
-            )
-            two.write(b"two-0")  # held in ring two meanwhile
-            for i in range(1, 20):
-                one.write(f"one-{i}".encode())
-            assert drain(reader, 19) == [f"one-{i}".encode() for i in range(1, 20)]
-            assert second.state == "connecting" and first.state == "up" and recv.stats().refused >= 1
-            first.stop()  # its link goes quiet: past the link timeout the other ring is admitted
-            wait_for(lambda: second is not None and second.state == "up", "the second sender", timeout=20)
-            two.write(b"two-1")
-            assert drain(reader, 2) == [b"two-0", b"two-1"]
-            assert reader.new_losses() == 0
+            refused = second
+            wait_for(lambda: refused.link_error is not None, "the refusal")
+            yield one, two, first, second, reader
         finally:
             first.close()
             if second is not None:
                 second.close()
             reader.close()
+
+
+def test_a_sender_of_another_ring_is_refused_while_a_session_is_live(far: tuple[BridgeReceiver, shm.Ring]) -> None:
+    recv, ring_b = far
+    assert recv.endpoint_bound is not None
+    with _second_ring_refused(recv, ring_b, recv.endpoint_bound) as (one, two, first, second, reader):
+        assert isinstance(second.link_error, BridgeError)
+        assert str(second.link_error) == (
+            f"bridge sender {recv.endpoint_bound}: the far end refused this sender: it carries another ring's "
+            f"live session; saying HELLO again until that session's link is down"
+        )
+        two.write(b"two-0")  # held in ring two meanwhile
+        for i in range(1, 20):
+            one.write(f"one-{i}".encode())
+        assert drain(reader, 19) == [f"one-{i}".encode() for i in range(1, 20)]
+        assert second.state == "connecting" and first.state == "up" and recv.stats().refused >= 1
+        first.stop()  # its link goes quiet: past the link timeout the other ring is admitted
+        wait_for(lambda: second.state == "up", "the second sender", timeout=20)
+        two.write(b"two-1")
+        assert drain(reader, 2) == [b"two-0", b"two-1"]
+        assert reader.new_losses() == 0
 
 
 def test_a_sender_displaced_by_another_ring_waits_its_turn_not_superseded(far: tuple[BridgeReceiver, shm.Ring]) -> None:
@@ -222,19 +235,11 @@ def test_a_sender_displaced_by_another_ring_waits_its_turn_not_superseded(far: t
     # superseded, and stopped for good), and is admitted again once that session ends
     recv, ring_b = far
     assert recv.endpoint_bound is not None
-    reader = ring_b.reader()
     proxy = Proxy(port_of(recv.endpoint_bound))
-    with shm.Ring.create(capacity=1 << 20) as one, shm.Ring.create(capacity=1 << 20) as two:
-        first = BridgeSender(one.name, proxy.endpoint, **FAST).start()  # type: ignore[arg-type]
-        second = None
-        try:
-            wait_for(lambda: first.state == "up", "the first sender")
-            one.write(b"one-0")
-            assert drain(reader, 1) == [b"one-0"]
-            second = BridgeSender(two.name, recv.endpoint_bound, **FAST).start()  # type: ignore[arg-type]
-            wait_for(lambda: second is not None and second.link_error is not None, "the refusal")
+    try:
+        with _second_ring_refused(recv, ring_b, proxy.endpoint) as (one, two, first, second, reader):
             proxy.cut()
-            wait_for(lambda: second is not None and second.state == "up", "the second sender", timeout=20)
+            wait_for(lambda: second.state == "up", "the second sender", timeout=20)
             two.write(b"two-0")
             assert drain(reader, 1) == [b"two-0"]
             one.write(b"one-1")  # held in ring one meanwhile
@@ -245,12 +250,8 @@ def test_a_sender_displaced_by_another_ring_waits_its_turn_not_superseded(far: t
             second.stop()
             wait_for(lambda: first.state == "up", "the first sender again", timeout=20)
             assert drain(reader, 1) == [b"one-1"] and reader.new_losses() == 0
-        finally:
-            first.close()
-            if second is not None:
-                second.close()
-            proxy.cut()
-            reader.close()
+    finally:
+        proxy.cut()
 
 
 def test_a_new_session_of_the_same_ring_is_welcomed_with_the_last_frame_and_a_gap_counted() -> None:
