@@ -612,6 +612,43 @@ def test_a_half_closed_client_is_taken_for_gone(server: ServerProcess) -> None:
     assert stats()["streams_open"] == 0
 
 
+@pytest.mark.parametrize("framing", ["length", "chunked", "none"])
+def test_an_upgrade_not_made_is_ignored_and_the_connection_goes_on(
+    server: ServerProcess, log_file: IO[bytes], framing: str
+) -> None:
+    # `curl --http2` over http:// asks for h2c in the request's head; the server makes no
+    # upgrade, so it serves the request as HTTP/1.1 (RFC 9110, 7.8), body and all, and the
+    # request after it on the connection (uvicorn's parser stopped at the head: a POST got
+    # 400 "truncated", the next request nothing, and the log two warnings a request)
+    body = json.dumps({"model": "aiospec-toy", "prompt": "hi", "max_tokens": 3, "ignore_eos": True}).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEYS[0]}\r\n"
+            "Connection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\nHTTP2-Settings: AAMAAABkAAQCAAAAAAIAAAAA\r\n"
+            "Content-Type: application/json\r\n").encode()  # fmt: skip
+    if framing == "length":
+        parts = [head + b"Content-Length: %d\r\n\r\n" % len(body) + body[:7], body[7:]]
+    elif framing == "chunked":
+        parts = [head + b"Transfer-Encoding: chunked\r\n\r\n" + b"7\r\n" + body[:7] + b"\r\n",
+                 b"%x\r\n" % (len(body) - 7) + body[7:] + b"\r\n0\r\n\r\n"]  # fmt: skip
+    else:
+        parts = [b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\n"
+                 b"Connection: Upgrade\r\nUpgrade: websocket\r\n\r\n" % KEYS[0].encode()]  # fmt: skip
+    parts[-1] += b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
+        for part in parts:
+            s.sendall(part)
+            time.sleep(0.05)  # the body in a later read than the head
+        got = _read_all(s)
+    first, second = got.split(b"HTTP/1.1 ")[1:]
+    assert first.startswith(b"200 ") and second.startswith(b"200 ") and second.endswith(b"\r\n\r\nok"), got[-300:]
+    answer = json.loads(first.partition(b"\r\n\r\n")[2])
+    if framing == "none":
+        assert answer["data"][0]["id"] == "aiospec-toy"
+    else:
+        assert answer["usage"]["completion_tokens"] == 3
+    log_file.seek(0)
+    assert b"Unsupported upgrade" not in log_file.read()
+
+
 def test_bare_line_breaks_between_requests_do_not_hold_a_connection(server: ServerProcess) -> None:
     # after one answered request, a client sends only CRLFs (which begin no request): the next
     # head is still waited for a bounded time (--header-timeout 1 here)

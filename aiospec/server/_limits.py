@@ -33,11 +33,17 @@ hundreds of megabytes, and a connection that sends a byte at a time is never clo
   414, 408, 400) closes lingering too; the 503 of a connection past ``max_connections`` does
   not (a flood must not hold its connections).
 
-And one fix of uvicorn's framing: an HTTP/1.0 request gets a response without the chunked
-coding, which HTTP/1.0 does not have (RFC 9112, section 7.1: a server must not send it to a
-1.0 client). uvicorn chunks any response without a ``content-length`` (a stream), whatever the
-request's version; here such a response to a 1.0 request is delimited by the close of the
-connection, which uvicorn closes after it anyway (no keep-alive for 1.0).
+Two fixes of uvicorn's framing:
+
+- a request asking for an upgrade the server does not make (``Upgrade: h2c``, as ``curl
+  --http2`` sends over http://) is served as HTTP/1.1 with its body, and the connection goes
+  on (RFC 9110, section 7.8, lets a server ignore ``Upgrade``): httptools stops at its head,
+  so uvicorn lost the body and what followed it, and logged two warnings a request;
+- an HTTP/1.0 request gets a response without the chunked coding, which HTTP/1.0 does not have
+  (RFC 9112, section 7.1: a server must not send it to a 1.0 client). uvicorn chunks any
+  response without a ``content-length`` (a stream), whatever the request's version; here such
+  a response to a 1.0 request is delimited by the close of the connection, which uvicorn
+  closes after it anyway (no keep-alive for 1.0).
 
 The defaults are those of Apache httpd (``LimitRequestLine``, ``LimitRequestFieldSize``,
 ``LimitRequestFields``: 8190, 8190, 100) with a 64 KiB head, and timeouts in the range of
@@ -48,6 +54,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 from typing import Any
 
 import httptools
@@ -120,6 +127,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._raw: asyncio.Transport | None = None
         self._open = 0  # requests whose head was read and whose response is not complete
         self._deferred: _Reject | None = None  # a refusal waiting for those responses
+        self._piece = b""  # what the parser is being fed
+        self._carry = b""  # what it left unparsed at an upgrade it stopped for, to feed again
+        self._replaying = False  # a framing head fed to a new parser: its callbacks are not a request
 
     # -- connection ----------------------------------------------------------------------------
 
@@ -308,12 +318,17 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
                 piece = data[pos : pos + room] if pos or n > room else data
                 self._head_bytes += len(piece)
             pos += len(piece)
+            self._piece = piece
             try:
                 super().data_received(piece)
             except _Reject as exc:  # raised by the callbacks below, through feed_data
                 self._reject = exc
+            self._piece = b""
             if self._reject is not None or self._deferred is not None or self.transport.is_closing():
                 break
+            if self._carry:  # after an upgrade not made: the rest of the piece, then of the data
+                data, self._carry = self._carry + data[pos:], b""
+                pos, n = 0, len(data)
         if self._reject is not None and not self.transport.is_closing():
             r, self._reject = self._reject, None
             log.info("rejected a request: %d %s", r.status, r.message)
@@ -343,7 +358,43 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         log.info("rejected a request: 400 %s", msg)
         self._refuse(_Reject(400, msg))
 
+    # -- an upgrade not made ------------------------------------------------------------------
+
+    def _unsupported_upgrade_warning(self) -> None:
+        # uvicorn's answer to an upgrade it does not make (h2c, which `curl --http2` asks for
+        # over http://; a websocket without a websocket library) was two warnings per request,
+        # with the parser stopped at the end of the head: the body was lost (a POST got 400,
+        # "truncated") and the next request too. A server may ignore Upgrade (RFC 9110, 7.8):
+        # the request is served as HTTP/1.1, with a new parser from where the old one stopped.
+        exc = sys.exc_info()[1]  # called in uvicorn's handler of the parser's upgrade pause
+        if not isinstance(exc, httptools.HttpParserUpgrade) or not exc.args or not isinstance(exc.args[0], int):
+            super()._unsupported_upgrade_warning()  # pragma: no cover - another httptools
+            return
+        self._carry = self._piece[exc.args[0] :]
+        framing = [(k, v) for k, v in self.headers if k in (b"content-length", b"transfer-encoding")]
+        self.parser = httptools.HttpRequestParser(self)
+        if not framing or self.cycle is None or self.cycle.response_complete:
+            return  # no body: the request is whole, and what follows it is the next one
+        # the old parser skipped the body and took the request for whole: undone, and the new
+        # parser told the body's framing by a head of those headers alone
+        cycle = self.cycle
+        cycle.more_body = True
+        cycle.message_event.clear()
+        self._phase = _BODY
+        self._arm(self.limits.body_timeout, "the request body")
+        self._replaying = True
+        try:
+            self.parser.feed_data(
+                b"".join([b"POST / HTTP/1.1\r\n", *(k + b": " + v + b"\r\n" for k, v in framing), b"\r\n"])
+            )
+        finally:
+            self._replaying = False
+
+    # -- the parser's callbacks ----------------------------------------------------------------
+
     def on_message_begin(self) -> None:
+        if self._replaying:
+            return
         super().on_message_begin()
         self._phase = _HEAD
         self._nheaders = 0
@@ -351,11 +402,15 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self._arm(self.limits.header_timeout, "the request head")
 
     def on_url(self, url: bytes) -> None:
+        if self._replaying:
+            return
         super().on_url(url)
         if len(self.url) > self.limits.max_request_line:
             self._fail(414, f"request target over {self.limits.max_request_line} bytes")
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if self._replaying:
+            return
         lim = self.limits
         self._nheaders += 1
         if self._nheaders > lim.max_headers:
@@ -367,6 +422,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
+        if self._replaying:
+            return
         self._phase = _BODY
         self._head_bytes = 0
         self._arm(self.limits.body_timeout, "the request body")
