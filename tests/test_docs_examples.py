@@ -266,6 +266,7 @@ _SHORT = re.compile(r"`(-[a-zA-Z])[` ]")
 # the same docs mention other programs' options; each with why it is not ours
 _FOREIGN = {
     ("docs/emit-op.md", "--version"): "the compiler's --version, hashed into the build cache key",
+    ("docs/server.md", "--http2"): "curl's --http2, whose h2c upgrade request the server serves as HTTP/1.1",
 }
 
 
