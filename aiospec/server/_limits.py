@@ -217,7 +217,6 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self._open -= 1
         elif self._phase == _BODY and self.cycle is not None:
             cycle = self.cycle
-            self._open -= 1  # the request refused is the one being answered: at once
             if cycle.response_started:
                 # it has its answer (a 413 before its body, say): no second one (a 408 for the
                 # rest of a body nobody waits for would pass for the next request's); a response
@@ -227,7 +226,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
                 else:
                     self._close_now()
                 return
-            # its app waits for a body that will not come: it ends as a disconnected request
+            # its app waits for a body that will not come: it ends as a disconnected request,
+            # answered at once (the one running: no response to wait for)
+            self._open -= 1
             cycle.disconnected = True
             cycle.message_event.set()
         if self._open > 0:
