@@ -82,6 +82,10 @@ def _auth(key: str = KEYS[0]) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
 
 
+def _stats(port: int) -> dict[str, Any]:
+    return json.loads(_request(port, "GET", "/stats", headers=_auth())[2])
+
+
 def _rss(pid: int) -> int:
     with open(f"/proc/{pid}/status") as f:
         for line in f:
@@ -593,23 +597,20 @@ def test_an_http_1_0_client_gets_no_chunked_coding(server: ServerProcess, stream
 def test_a_half_closed_client_is_taken_for_gone(server: ServerProcess) -> None:
     # a client that shuts its sending side after its request is gone, as nginx takes it: the
     # connection closes and the running request is aborted in the engine (docs/server.md)
-    def stats() -> dict[str, Any]:
-        return json.loads(_request(server.port, "GET", "/stats", headers=_auth())[2])
-
-    before = stats()["aborted"]
+    before = _stats(server.port)["aborted"]
     with socket.create_connection(("127.0.0.1", server.port), timeout=30) as s:
         s.sendall(_stream_head(8000))
         assert s.recv(65536).startswith(b"HTTP/1.1 200 ")  # the stream runs
         s.shutdown(socket.SHUT_WR)
         t0 = time.monotonic()
-        while stats()["aborted"] == before:
+        while _stats(server.port)["aborted"] == before:
             assert time.monotonic() - t0 < 10, "the request was never aborted"
             time.sleep(0.05)
         s.settimeout(5)
         with contextlib.suppress(ConnectionResetError):
             while s.recv(65536):
                 pass  # then the server's end of file
-    assert stats()["streams_open"] == 0
+    assert _stats(server.port)["streams_open"] == 0
 
 
 @pytest.mark.parametrize("framing", ["length", "chunked", "none"])
@@ -673,10 +674,7 @@ def test_a_client_that_reads_nothing_is_closed_and_its_request_aborted(server: S
     # a stream whose client never reads: once the socket's buffers are full, the server's
     # writes wait; after --send-timeout (1 s here) the connection is closed, the request
     # aborted in the engine, and the connection slot free
-    def stats() -> dict[str, Any]:
-        return json.loads(_request(server.port, "GET", "/stats", headers=_auth())[2])
-
-    before = stats()["aborted"]
+    before = _stats(server.port)["aborted"]
     body = json.dumps(
         {
             "model": "aiospec-toy",
@@ -698,9 +696,9 @@ def test_a_client_that_reads_nothing_is_closed_and_its_request_aborted(server: S
         )
         s.sendall(head.encode() + body)
         t0 = time.monotonic()
-        while stats()["aborted"] == before:
+        while _stats(server.port)["aborted"] == before:
             assert time.monotonic() - t0 < 30, "the request was never aborted"
             time.sleep(0.2)
-        assert stats()["streams_open"] == 0
+        assert _stats(server.port)["streams_open"] == 0
     finally:
         s.close()
