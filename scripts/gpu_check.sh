@@ -25,7 +25,7 @@
 #      JSON into $OUT/bench_step.json.
 # The summary ends with each target of the GPU path, met or not met with its number.
 # Optional stage "variants": rebuilds the driver with each measurement switch of
-# csrc/cuda/emit_kernel.cuh and times them (docs/benchmarks.md).
+# csrc/cuda/emit_kernel.cuh and times them (docs/benchmarks.md); VARIANTS="pdl0 wc0" picks some.
 # $OUT (default /tmp/aiospec-gpu-check) gets summary.log, bench_emit.json and logs.tgz (every
 # stage's log). Every stage runs even when an earlier one failed; the exit status is the
 # number of failed stages. Stages can be picked: gpu_check.sh build driver tests sanitize
@@ -175,33 +175,30 @@ if has variants; then
     nvcc -arch=sm_90 -O2 -std=c++17 -Icsrc/include -Ishm/include "$@" csrc/cuda/tools/emit_check.cu csrc/cuda/emit_cuda.cu \
       csrc/cpu/emit_cpu.cc -o "$DRIVER.$name"
   }
-  build_variant f0 -DAIOSPEC_FENCE_MODE=0 &
-  build_variant f1 -DAIOSPEC_FENCE_MODE=1 &
-  build_variant f3 -DAIOSPEC_FENCE_MODE=3 &
-  build_variant t128 -DAIOSPEC_THREADS=128 &
-  build_variant t512 -DAIOSPEC_THREADS=512 &
-  build_variant solo0 -DAIOSPEC_SOLO_BYTES=0 &
-  build_variant solo64k -DAIOSPEC_SOLO_BYTES=65536 &
-  build_variant inline0 -DAIOSPEC_INLINE_TOKENS=0 &
-  build_variant inline8k -DAIOSPEC_INLINE_TOKENS=8192 &
+  # VARIANTS picks some of them (default: all)
+  declare -A flags=([f0]=-DAIOSPEC_FENCE_MODE=0 [f1]=-DAIOSPEC_FENCE_MODE=1 [f3]=-DAIOSPEC_FENCE_MODE=3
+    [t128]=-DAIOSPEC_THREADS=128 [t512]=-DAIOSPEC_THREADS=512 [solo0]=-DAIOSPEC_SOLO_BYTES=0
+    [solo64k]=-DAIOSPEC_SOLO_BYTES=65536 [inline0]=-DAIOSPEC_INLINE_TOKENS=0
+    [inline8k]=-DAIOSPEC_INLINE_TOKENS=8192 [pdl0]=-DAIOSPEC_PDL=0 [pdl2]=-DAIOSPEC_PDL=2
+    [wc0]=-DAIOSPEC_WARP_COUNTS=0 [hw0]=-DAIOSPEC_HEADER_WARP=0)
+  VARIANTS="${VARIANTS:-f0 f1 t128 t512 solo0 solo64k inline0 inline8k pdl0 pdl2 wc0 hw0 f3}"
+  for v in $VARIANTS; do build_variant "$v" "${flags[$v]}" & done
   wait
   variants() {
-    echo "## default build (fence mode 2, 256 threads), rows per block 4 8 16 32"
+    echo "## default build (fence mode 2, 256 threads, PDL 1), rows per block 4 8 16 32"
     "$DRIVER" time 4 8 16 32
-    for v in f0 f1 t128 t512 solo0 solo64k; do
+    for v in $VARIANTS; do
       echo "## $v"
-      "$DRIVER.$v" time 8
+      case $v in
+        inline*) "$DRIVER.$v" cold 41 ;;  # the exceptions pre-pass always / up to 8192 tokens inline
+        pdl*) "$DRIVER.$v" time 8 && "$DRIVER.$v" cold 41 ;;  # without PDL / the trigger at entry
+        f3) "$DRIVER.$v" time 8; continue ;;  # no fences: a lower bound, not a correct protocol
+        *) "$DRIVER.$v" time 8 ;;
+      esac
       "$DRIVER.$v" 60 | tail -n 1
     done
-    for v in inline0 inline8k; do  # the exceptions pre-pass always / up to 8192 tokens inline
-      echo "## $v"
-      "$DRIVER.$v" cold 41
-      "$DRIVER.$v" 60 | tail -n 1
-    done
-    echo "## f3: no fences, a lower bound"
-    "$DRIVER.f3" time 8
   }
-  export DRIVER
+  export DRIVER VARIANTS
   stage variants 300 bash -c "$(declare -f variants); variants"
 fi
 

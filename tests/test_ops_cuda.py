@@ -523,6 +523,64 @@ def test_prepared_emits_follow_the_buffers_eagerly_and_in_a_graph(torch: Any, ro
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("pdl", ["1", "0"])
+@pytest.mark.parametrize("k", [0, 20])
+def test_emits_read_what_the_kernel_before_them_wrote(torch: Any, monkeypatch: pytest.MonkeyPatch, pdl: str,
+                                                      k: int) -> None:  # fmt: skip
+    # On sm_90 and later the emit's launch may overlap the end of the kernel before it
+    # (programmatic dependent launch, AIOSPEC_CUDA_PDL=0 turns it off): each frame must still
+    # hold what that kernel, a reduction that stores the token ids at its end, wrote just
+    # before; eagerly and with ten steps captured in one graph (kernel -> emit -> kernel ...).
+    from aiospec.ops import EmitStep
+
+    monkeypatch.setenv("AIOSPEC_CUDA_PDL", pdl)
+    rows, width, steps = 256, 1 << 14, 10
+    rng = np.random.default_rng(17 + k)
+    inp = _full_rows(rng, rows, 1, k)
+    dev = _cuda_inputs(torch, inp)
+    src = torch.from_numpy(rng.integers(0, 60, (steps, rows, width))).cuda()
+    sums = src.sum(dim=2).cpu().numpy()  # the token ids of step i: row sums, < 2**31
+    step = EmitStep.from_kwargs(**{k_: v for k_, v in dev.items() if k_ != "step"})
+    counter = torch.zeros(1, dtype=torch.int64, device="cuda")
+    want = []
+
+    def frame(i: int, step_no: int) -> bytes:
+        ids = sums[i].reshape(rows, 1).astype(np.int64)
+        lp_ids = inp["lp_ids"].copy()
+        lp_ids[:, 0] = ids[:, 0]  # the sampled token leads its logprob row
+        return build_frame(**{**inp, "token_ids": ids, "lp_ids": lp_ids, "step": step_no})
+
+    def one(i: int) -> None:
+        torch.sum(src[i], dim=1, keepdim=True, out=dev["token_ids"])
+        dev["lp_ids"][:, :1].copy_(dev["token_ids"])
+
+    with (
+        shm.Ring.create(capacity=64 << 20, max_record=8 << 20) as ring,
+        ring.reader() as reader,
+        Producer(ring, device="cuda", max_rows=rows) as prod,
+    ):
+        prepared = prod.prepare(step)
+        for i in range(steps):
+            one(i)
+            prepared.emit(100 + i)
+            want.append(frame(i, 100 + i))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for i in range(steps):
+                one(i)
+                counter.add_(1)
+                prepared.emit(step_tensor=counter)
+        for r in range(3):
+            graph.replay()
+            want.extend(frame(i, r * steps + i + 1) for i in range(steps))
+        got = _frames(reader, len(want))
+        prod.check()
+    assert len(got) == len(want)
+    for n, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g == w, f"frame {n}: not what the kernel before it wrote"
+
+
+@pytest.mark.gpu
 def test_prepared_emits_on_a_side_stream_beside_the_next_step(torch: Any) -> None:
     # the side-stream pattern of docs/emit-op.md: two buffer sets, each step's emit on a side
     # stream after the step's end, the next step's work on the main stream meanwhile, a buffer

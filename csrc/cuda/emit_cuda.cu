@@ -13,6 +13,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -58,6 +59,7 @@ constexpr long long kInlineMaxTokens = 8;
 #define AIOSPEC_EXCHANGE 1
 #endif
 constexpr bool kExchange = AIOSPEC_EXCHANGE != 0;
+constexpr bool kPdl = AIOSPEC_PDL != 0;  // emit_kernel.cuh
 
 // The largest frame these inputs can make (every row a record, every token and draft id
 // live): the bytes of each column's elements plus the header and the padding words.
@@ -112,6 +114,7 @@ struct aiospec_cuda_producer {
   aiospec::cuda::Part* part = nullptr;  // the exchange: kMaxBlocks blocks' counts
   long long max_blocks = 0;  // the most blocks resident at once (cooperative launch), <= kMaxBlocks
   bool exchange = false;  // multi-block frames through the exchange (cooperative launches work)
+  bool pdl = false;  // launches with programmatic stream serialization (sm_90 and later)
   Mapped* mh = nullptr;  // host view of the error word
   Mapped* md = nullptr;  // device view
   aiospec_error last{};
@@ -335,6 +338,14 @@ int aiospec_cuda_producer_create(const char* ring_name, const aiospec_cuda_optio
     p->max_blocks = std::min<long long>(kMaxBlocks, (long long)per_sm * sms);
     p->exchange = kExchange && coop != 0 && p->max_blocks >= 2;
     if (!p->exchange) p->max_blocks = kMaxBlocks;
+    // programmatic dependent launch (emit_kernel.cuh, AIOSPEC_PDL): the kernel's launch and
+    // entry overlap the end of the step's last kernel; Hopper and later
+    int major = 0;
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, o.device);
+    // AIOSPEC_CUDA_PDL=0 launches without it (to measure what it gives, or for a driver that
+    // mishandles it)
+    const char* env = std::getenv("AIOSPEC_CUDA_PDL");
+    p->pdl = kPdl && major >= 9 && !(env != nullptr && std::strcmp(env, "0") == 0);
   }
   e = cudaHostAlloc(&p->mh, sizeof(Mapped), cudaHostAllocMapped | cudaHostAllocPortable);
   if (e != cudaSuccess) return fail("cudaHostAlloc(error word)", e);
@@ -410,20 +421,44 @@ cudaError_t aiospec_cuda_emit_ex(aiospec_cuda_producer* p, const aiospec_emit_ar
   // pre-pass) costs more than the exchange's wait; without it every block checking every row
   // is cheaper than the wait (docs/benchmarks.md).
   bool exchange = blocks == 1 || (sampled && p->exchange && blocks <= p->max_blocks);
-  cudaError_t status = cudaSuccess;
-  if (exchange && blocks > 1) {
+  // emit_kernel through cudaLaunchKernelEx: cooperative (the exchange of several blocks) and
+  // programmatic stream serialization (p->pdl), either, both or neither
+  auto launch = [&](bool cooperative, int inline_x, int through_exchange) {
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3(unsigned(blocks));
     cfg.blockDim = dim3(unsigned(aiospec::cuda::kThreads));
     cfg.dynamicSmemBytes = shmem;
     cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeCooperative;
-    attr[0].val.cooperative = 1;
+    cudaLaunchAttribute attr[2];
+    unsigned n = 0;
+    if (cooperative) {
+      attr[n].id = cudaLaunchAttributeCooperative;
+      attr[n++].val.cooperative = 1;
+    }
+    if (p->pdl) {
+      attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+      attr[n++].val.programmaticStreamSerializationAllowed = 1;
+    }
     cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    status = cudaLaunchKernelEx(&cfg, aiospec::cuda::emit_kernel, *args, p->ref, p->st, p->md, step_dev,
-                                static_cast<const int*>(p->xcnt), p->part, int(rpb), 0, 1);
+    cfg.numAttrs = n;
+    cudaError_t rc = cudaLaunchKernelEx(&cfg, aiospec::cuda::emit_kernel, *args, p->ref, p->st, p->md, step_dev,
+                                        static_cast<const int*>(p->xcnt), p->part, int(rpb), inline_x,
+                                        through_exchange);
+    if (rc != cudaSuccess) cudaGetLastError();  // not left for the caller's next launch check
+    if ((rc == cudaErrorNotSupported || rc == cudaErrorInvalidValue) && p->pdl) {
+      // a driver that takes the kernel but not the attribute (or not beside a cooperative
+      // launch): this producer launches without it from now on
+      p->pdl = false;
+      cfg.numAttrs = cooperative ? 1 : 0;
+      rc = cudaLaunchKernelEx(&cfg, aiospec::cuda::emit_kernel, *args, p->ref, p->st, p->md, step_dev,
+                              static_cast<const int*>(p->xcnt), p->part, int(rpb), inline_x, through_exchange);
+      if (rc != cudaSuccess) cudaGetLastError();
+    }
+    return rc;
+  };
+  cudaError_t status = cudaSuccess;
+  if (exchange && blocks > 1) {
+    status = launch(true, 0, 1);
     if (status == cudaErrorCooperativeLaunchTooLarge || status == cudaErrorNotSupported ||
         status == cudaErrorNotPermitted) {
       // the device holds fewer blocks at once than it reported (an MPS share, a partition):
@@ -449,9 +484,7 @@ cudaError_t aiospec_cuda_emit_ex(aiospec_cuda_producer* p, const aiospec_emit_ar
         if (pre != cudaSuccess) return pre;
       }
     }
-    aiospec::cuda::emit_kernel<<<unsigned(blocks), aiospec::cuda::kThreads, shmem, stream>>>(
-        *args, p->ref, p->st, p->md, step_dev, p->xcnt, p->part, int(rpb), int(inline_x), int(exchange));
-    status = cudaGetLastError();
+    status = launch(false, int(inline_x), int(exchange));
   }
   if (status == cudaSuccess && p->opts.host_notify) status = cudaLaunchHostFunc(stream, notify_callback, p);
   if (status == cudaSuccess) ++p->emits;

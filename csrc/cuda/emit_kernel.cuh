@@ -2,10 +2,13 @@
 // CUDA C++ only, private to csrc/cuda/emit_cuda.cu (the launcher) beside it; the build cache
 // key (aiospec/ops/_build.py) covers the headers next to each source as well as include/.
 //
-// One launch per frame, a block per `rows_per_block` rows, in one of two ways:
+// One launch per frame, a block per `rows_per_block` rows; on sm_90 and later a programmatic
+// dependent launch (AIOSPEC_PDL below): the kernel waits for the kernels before it before it
+// loads anything, and lets the next one launch once its inputs are read. In one of two ways:
 //   * the exchange (`exchange`: one block, or several with the sampled_pos encoding, launched
 //     cooperatively so that all are resident): each block checks its own rows (emit.h's
-//     structural checks, a thread a row), counts its records, tokens, draft ids and its own
+//     structural checks, a thread a row; the smallest error key and the records' count bounds
+//     by warp reductions), counts its records, tokens, draft ids and its own
 //     tokens' exceptions (8 lanes a token, sampled_pos_group8, the positions kept in shared
 //     memory for the columns), publishes the counts in device scratch, waits until every
 //     block has (a release/acquire counter), then reads them all: the totals, the counts
@@ -35,7 +38,8 @@
 //     be full; a bounded wait on %globaltimer); a block that runs out of time writes nothing
 //     and marks the frame lost;
 //   * block 0 writes the PAD frame when the frame does not fit before the end of the data
-//     area, the msgpack header, the position word and every padding word; each block writes
+//     area, the msgpack header (its last warp, a lane a field), the position word and every
+//     padding word; each block writes
 //     its rows' columns and checks their int64 ids;
 //   * the last block to finish (threadfence reduction on a device counter) publishes: zero
 //     the next header, release-store the 8-byte commit word at system scope, then head and
@@ -72,6 +76,31 @@
 //     fences before and after the commit as well.
 //   3 none: no fences and a plain commit store; a lower bound, not a correct protocol.
 // AIOSPEC_THREADS: threads per block.
+// AIOSPEC_PDL, programmatic dependent launch (sm_90 and later; the launcher sets the launch
+// attribute only on such devices, and without it both instructions do nothing):
+//   1 (default) the kernel waits for the kernels before it (griddepcontrol.wait) before its
+//     first load of anything they wrote, so its launch and entry overlap their end; the
+//     committing block lets the next kernel launch once it has read its last input, before
+//     its commit (a kernel that overwrites this step's inputs without waiting still cannot
+//     change what the frame holds);
+//   2 as 1, the next kernel let launch right after the wait: a measurement of the most the
+//     overlap gives, correct only when what comes next waits;
+//   0 off: no wait, no trigger (the launcher then sets no attribute either).
+#ifndef AIOSPEC_PDL
+#define AIOSPEC_PDL 1
+#endif
+// AIOSPEC_WARP_COUNTS, how the exchange path gathers its rows' smallest error key and the
+// records' count bounds: 1 (default) a warp reduction, one shared store a warp, folded by
+// thread 0 after the scan; 0 shared atomics from every row's thread on one word each (which
+// also needs a barrier after their initialization).
+#ifndef AIOSPEC_WARP_COUNTS
+#define AIOSPEC_WARP_COUNTS 1
+#endif
+// AIOSPEC_HEADER_WARP, who encodes the msgpack header: 1 (default) block 0's last warp, a
+// lane a field at its fixed offset; 0 one lane with emit.h's serial encoder.
+#ifndef AIOSPEC_HEADER_WARP
+#define AIOSPEC_HEADER_WARP 1
+#endif
 #ifndef AIOSPEC_FENCE_MODE
 #define AIOSPEC_FENCE_MODE 2
 #endif
@@ -190,6 +219,21 @@ __device__ __forceinline__ void prefetch_row(const aiospec_emit_args& a, int64_t
   if (a.max_tokens > 0) prefetch_l1(tok);
 }
 
+// griddepcontrol (PTX ISA 7.8, sm_90): wait returns once every kernel this grid depends on
+// has completed and its memory is visible; launch_dependents lets the next grid launch once
+// every block of this one has issued it or exited. No-ops in a grid launched without the
+// programmatic stream serialization attribute.
+__device__ __forceinline__ void pdl_wait() {
+#if AIOSPEC_PDL != 0 && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if AIOSPEC_PDL != 0 && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ uint64_t globaltimer_ns() {
   uint64_t t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -202,6 +246,24 @@ __device__ __forceinline__ uint64_t warp_min_u64(uint64_t v) {
     v = o < v ? o : v;
   }
   return v;
+}
+
+// Warp-wide min / max of an int (every lane calls it): one REDUX on sm_80 and later.
+__device__ __forceinline__ int warp_min_i32(int v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  return __reduce_min_sync(0xffffffffu, v);
+#else
+  for (int s = 16; s > 0; s >>= 1) v = min(v, __shfl_xor_sync(0xffffffffu, v, s));
+  return v;
+#endif
+}
+__device__ __forceinline__ int warp_max_i32(int v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  return __reduce_max_sync(0xffffffffu, v);
+#else
+  for (int s = 16; s > 0; s >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, s));
+  return v;
+#endif
 }
 
 __device__ __forceinline__ unsigned long long min_key(unsigned long long a, uint64_t b) {
@@ -475,6 +537,49 @@ static_assert(AIOSPEC_HEADER_SPACE / 8 <= 32, "the header warp stores a word a l
 static_assert(kColumnPads + AIOSPEC_NUM_COLUMNS <= kAlignTail, "column pads overlap the tail");
 static_assert(kAlignTail + kAlignTailWords <= kThreads, "block 0's tasks need more threads");
 
+// emit.h's aiospec_write_header with a lane a field, the same bytes (the driver compares every
+// frame with the CPU writer's): every field is 0xce and a big-endian u32 (5 bytes), but the
+// step, 0xcf and a u64 (9 bytes), after the 3-byte array16 prefix; then zeros to HEADER_SPACE.
+static_assert(3 + 5 * AIOSPEC_HEADER_FIELDS + 4 <= AIOSPEC_HEADER_SPACE, "the header outgrew its space");
+static_assert(AIOSPEC_HEADER_FIELDS < 32 && AIOSPEC_HF_PAYLOAD_LEN == AIOSPEC_HF_COLUMNS + AIOSPEC_NUM_COLUMNS,
+              "a lane a field: the fields below");
+__device__ __forceinline__ void write_header_lanes(uint8_t* dst, const aiospec_frame_layout& lay, uint32_t producer,
+                                                   uint64_t step, uint32_t kind, int lane) {
+  if (lane < AIOSPEC_HEADER_FIELDS) {
+    uint32_t v;
+    switch (lane) {
+      case AIOSPEC_HF_VERSION: v = AIOSPEC_PAYLOAD_VERSION; break;
+      case AIOSPEC_HF_PRODUCER: v = producer; break;
+      case AIOSPEC_HF_STEP: v = 0; break;
+      case AIOSPEC_HF_KIND: v = kind; break;
+      case AIOSPEC_HF_FFLAGS: v = lay.fflags; break;
+      case AIOSPEC_HF_K: v = lay.k; break;
+      case AIOSPEC_HF_R: v = uint32_t(lay.r); break;
+      case AIOSPEC_HF_T: v = uint32_t(lay.t); break;
+      case AIOSPEC_HF_D: v = uint32_t(lay.d); break;
+      case AIOSPEC_HF_E: v = uint32_t(lay.e); break;
+      case AIOSPEC_HF_NT: v = lay.nt; break;
+      case AIOSPEC_HF_ND: v = lay.nd; break;
+      case AIOSPEC_HF_PAYLOAD_LEN: v = uint32_t(lay.payload_len); break;
+      default: v = uint32_t(lay.off[lane - AIOSPEC_HF_COLUMNS]); break;
+    }
+    uint8_t* q = dst + 3 + 5 * lane + (lane > AIOSPEC_HF_STEP ? 4 : 0);
+    if (lane == AIOSPEC_HF_STEP) {
+      q[0] = 0xcf;
+      aiospec_put_be32(q + 1, uint32_t(step >> 32));
+      aiospec_put_be32(q + 5, uint32_t(step));
+    } else {
+      q[0] = 0xce;
+      aiospec_put_be32(q + 1, v);
+    }
+  } else if (lane == 31) {
+    dst[0] = 0xdc;
+    dst[1] = 0x00;
+    dst[2] = AIOSPEC_HEADER_FIELDS;
+    for (int b = 3 + 5 * AIOSPEC_HEADER_FIELDS + 4; b < AIOSPEC_HEADER_SPACE; ++b) dst[b] = 0;
+  }
+}
+
 __device__ __forceinline__ void write_frame_words(int tid, const aiospec_frame_layout& lay, uint8_t* frame,
                                                   uint64_t pos) {
   uint8_t* pay = frame + AIOSPEC_FRAME_HEADER;
@@ -530,6 +635,12 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t row0 = int64_t(blockIdx.x) * rpb;
   const int64_t row_end = row0 + rpb < rows ? row0 + rpb : rows;
   const int n = row_end > row0 ? int(row_end - row0) : 0;
+  // nothing the kernels before this one wrote (the step's tensors, the producer state of the
+  // last emit) is loaded, or prefetched into L1, before this
+  pdl_wait();
+#if AIOSPEC_PDL == 2
+  if (tid == 0) pdl_launch_dependents();
+#endif
   if (exchange) {
     if (tid < n) prefetch_row(a, row0 + tid);  // a block reads only its own rows
   } else {
@@ -553,7 +664,9 @@ __global__ void __launch_bounds__(kThreads)
     s_nt_min = s_nd_min = INT32_MAX;
     s_nt_max = s_nd_max = -1;
   }
-  __syncthreads();
+  // the row checks' shared atomics need the words initialized (the exchange path with warp
+  // reductions has none: its first barrier is the scan's)
+  if (!exchange || AIOSPEC_WARP_COUNTS == 0) __syncthreads();
   AIOSPEC_PHASE(0);
 
   aiospec_emit_args sa = a;  // the structural checks only (the id checks: where ids are copied)
@@ -571,28 +684,60 @@ __global__ void __launch_bounds__(kThreads)
     // has (the launch is cooperative: all blocks are resident), then reads them all: the
     // totals and what comes before its rows. One block: no exchange.
     Triple v{0, 0, 0, 0};
+    unsigned long long rkey = kNoError;
+    int ntl = INT32_MAX, nth = -1, ndl = INT32_MAX, ndh = -1;  // this row's counts, if a record
     if (tid < n) {
       const int64_t i = row0 + tid;
       aiospec_error e;
       if (aiospec_check_row(&sa, i, &e) != AIOSPEC_E_OK) {
-        atomicMin(&s_key, (unsigned long long)aiospec_error_order(&e));
+        rkey = aiospec_error_order(&e);
       } else {
         v = row_counts(a, i);  // a failing row counts nothing: its counts are not safe to follow
-        if (v.r) {
-          atomicMin(&s_nt_min, int(v.t));
-          atomicMax(&s_nt_max, int(v.t));
-          atomicMin(&s_nd_min, int(v.d));
-          atomicMax(&s_nd_max, int(v.d));
-        }
+        if (v.r) ntl = nth = int(v.t), ndl = ndh = int(v.d);
       }
       if (aiospec_has_logprobs(&a)) s_lp[tid] = a.lp_offsets[i];
     }
-    const Triple ex = block_exclusive_scan(v);
+#if AIOSPEC_WARP_COUNTS
+    __shared__ unsigned long long s_wkey[kThreads / 32];
+    __shared__ int s_wcnt[kThreads / 32][4];
+    {
+      if (__any_sync(0xffffffffu, rkey != kNoError)) rkey = warp_min_u64(rkey);
+      ntl = warp_min_i32(ntl), nth = warp_max_i32(nth);
+      ndl = warp_min_i32(ndl), ndh = warp_max_i32(ndh);
+      const int w = tid >> 5;
+      if ((tid & 31) == 0) {
+        s_wkey[w] = rkey;
+        s_wcnt[w][0] = ntl, s_wcnt[w][1] = nth, s_wcnt[w][2] = ndl, s_wcnt[w][3] = ndh;
+      }
+    }
+#else
+    if (rkey != kNoError) atomicMin(&s_key, rkey);
+    if (nth >= 0) {
+      atomicMin(&s_nt_min, ntl);
+      atomicMax(&s_nt_max, nth);
+      atomicMin(&s_nd_min, ndl);
+      atomicMax(&s_nd_max, ndh);
+    }
+#endif
+    const Triple ex = block_exclusive_scan(v);  // its barriers publish the warps' values too
     if (tid <= n) {
       s_rec[tid] = ex.r;
       s_tok[tid] = ex.t;
       s_dr[tid] = ex.d;
     }
+#if AIOSPEC_WARP_COUNTS
+    if (tid == 0) {
+      unsigned long long kk = kNoError;
+      int c0 = INT32_MAX, c1 = -1, c2 = INT32_MAX, c3 = -1;
+      for (int w = 0; w < kThreads / 32; ++w) {
+        kk = min_key(kk, s_wkey[w]);
+        c0 = min(c0, s_wcnt[w][0]), c1 = max(c1, s_wcnt[w][1]);
+        c2 = min(c2, s_wcnt[w][2]), c3 = max(c3, s_wcnt[w][3]);
+      }
+      s_key = kk;
+      s_nt_min = c0, s_nt_max = c1, s_nd_min = c2, s_nd_max = c3;
+    }
+#endif
     __syncthreads();
     long long own_x = 0;
     if (sampled) {
@@ -804,13 +949,17 @@ __global__ void __launch_bounds__(kThreads)
 
   AIOSPEC_PHASE(4);
   // 4. Block 0: the frame-wide words (block0::write_frame_words); the header is encoded and
-  //    stored by block 0's last warp (one serial encoder, then a lane a word) while the other
+  //    stored by block 0's last warp (a lane a field, then a lane a word) while the other
   //    warps go on with the rows: nothing waits for it before the commit's barrier.
   if (write && blockIdx.x == 0) {
     block0::write_frame_words(tid, lay, frame, pos);
     if ((tid >> 5) == kThreads / 32 - 1) {
       const int lane = tid & 31;
+#if AIOSPEC_HEADER_WARP
+      block0::write_header_lanes(s_header, lay, a.producer, step, a.kind, lane);
+#else
       if (lane == 0) aiospec_write_header(s_header, &lay, a.producer, step, a.kind);
+#endif
       __syncwarp();
       if (lane < AIOSPEC_HEADER_SPACE / 8) {
         st_u64(pay + 8 * lane, reinterpret_cast<const uint64_t*>(s_header)[lane]);
@@ -1004,6 +1153,11 @@ __global__ void __launch_bounds__(kThreads)
     report_error(e, ring, st, m, step);
     return;
   }
+  // every input is read (the error paths above read rows again): the next kernel may launch
+  // while the commit's system-scope release drains this frame's stores
+#if AIOSPEC_PDL == 1
+  pdl_launch_dependents();
+#endif
   uint8_t* next = ring.data + ((pos + size) & ring.mask);
   st_u64(next, 0);
   st_u64(next + 8, 0);
