@@ -34,6 +34,7 @@ class Drain:
         self._running: dict[int, Callable[[ApiError], None]] = {}
         self._next = 0
         self._ended = False
+        self._at_once = False  # a second interrupt ended them before the grace period did
         self._timer: asyncio.TimerHandle | None = None
 
     def add(self, end: Callable[[ApiError], None]) -> int:
@@ -64,20 +65,23 @@ class Drain:
             log.info("stopping: %d request(s) running get %g s to finish", len(self._running), grace)
         self._timer = asyncio.get_running_loop().call_later(grace, self.end)
 
-    def end(self) -> None:
-        """End every request still running, with the shutdown error."""
-        self._timer = None
+    def end(self, *, at_once: bool = False) -> None:
+        """End every request still running, with the shutdown error; ``at_once``: the grace
+        period is cut short (a second interrupt)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if at_once and not self._ended:
+            self._at_once = True
         self._ended = True
         running, self._running = self._running, {}
         if running:
-            log.warning("stopping: ending %d request(s) still running after the %g s grace period",
-                        len(running), self.grace)  # fmt: skip
+            when = "at once (a second interrupt)" if self._at_once else f"after the {self.grace:g} s grace period"
+            log.warning("stopping: ending %d request(s) still running %s", len(running), when)
         err = self._error()
         for end in running.values():
             end(err)
 
     def _error(self) -> ApiError:
-        return ApiError(
-            503, f"the server is shutting down: the request was ended after the {self.grace:g} s grace period",
-            code=SHUTDOWN_CODE,
-        )  # fmt: skip
+        when = "at once (a second interrupt)" if self._at_once else f"after the {self.grace:g} s grace period"
+        return ApiError(503, f"the server is shutting down: the request was ended {when}", code=SHUTDOWN_CODE)

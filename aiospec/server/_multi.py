@@ -20,7 +20,8 @@ engine, and the kernel goes on handing it new connections. So each server's loop
 writes a heartbeat into a shared file (``Heartbeats``), and the parent kills a server whose
 heartbeat is older than ``api_server_timeout``; its death is then handled as any other.
 SIGTERM or SIGINT to the parent (or end of file on its watch pipe) stops the servers
-gracefully, then the engines.
+gracefully, then the engines; a second SIGINT is passed on to the servers, which then end
+their running requests at once.
 """
 
 from __future__ import annotations
@@ -269,6 +270,14 @@ class _Parent:
                 with contextlib.suppress(ProcessLookupError):
                     c.proc.kill()  # SIGKILL: a stopped or stuck process takes no other signal
 
+    def hurry(self) -> None:
+        """A second SIGINT: the server processes, each in its own session (out of the terminal's
+        reach), get it too, and end their running requests at once (``_serve``)."""
+        for c in self.children:
+            if c.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    c.proc.send_signal(signal.SIGINT)
+
     async def stop_children(self, graceful: float) -> None:
         for c in self.children:
             if c.watch_w >= 0:
@@ -322,8 +331,15 @@ def run_servers(
     async def main() -> int:
         loop = asyncio.get_running_loop()
         parent = _Parent(settings, n, child_argv, env)
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, parent.stopping.set)
+
+        def on_sigint() -> None:
+            if parent.stopping.is_set():
+                parent.hurry()
+            else:
+                parent.stopping.set()
+
+        loop.add_signal_handler(signal.SIGINT, on_sigint)
+        loop.add_signal_handler(signal.SIGTERM, parent.stopping.set)
         if watch_fd >= 0:
 
             def on_eof() -> None:

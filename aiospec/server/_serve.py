@@ -3,14 +3,16 @@
 Stopping: SIGTERM or SIGINT (or end of file on the watch pipe) begins a graceful stop. The
 requests running get ``graceful_timeout`` seconds to finish; then the server ends those still
 running itself (``_drain.Drain``), before uvicorn's own timeout (a little later) would cancel
-their tasks. uvicorn's signal capture is replaced: it re-raises the caught signal after its
-shutdown, so the process would die of SIGTERM (status 143) instead of returning its status.
+their tasks. A second SIGINT ends them at once, the same way; a third stops without waiting.
+uvicorn's signal capture is replaced: it re-raises the caught signal after its shutdown, so the
+process would die of SIGTERM (status 143) instead of returning its status.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -42,6 +44,8 @@ class _Server(uvicorn.Server):
     watch_fd: int = -1
     drain: Drain | None = None
     grace: float = 5.0
+    _loop: asyncio.AbstractEventLoop | None = None
+    _hurried = False  # a second SIGINT ended the running requests
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -58,10 +62,16 @@ class _Server(uvicorn.Server):
                 signal.signal(sig, handler)
 
     def _on_signal(self, sig: int, frame: FrameType | None) -> None:
-        if self.should_exit and sig == signal.SIGINT:
-            self.force_exit = True  # a second Ctrl-C: do not wait for the running requests
-        else:
+        if not self.should_exit or sig != signal.SIGINT:
             self.should_exit = True
+        elif self.drain is not None and self._loop is not None and not self._hurried:
+            # a second Ctrl-C: the running requests end now, the documented way (a last event
+            # and [DONE], or 503), and the stop goes on from there (the app's shutdown, no
+            # traceback); called in the loop, which a signal handler may have interrupted
+            self._hurried = True
+            self._loop.call_soon_threadsafe(functools.partial(self.drain.end, at_once=True))
+        else:
+            self.force_exit = True  # a third: uvicorn's own stop without waiting for anything
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         if self.drain is not None:
@@ -69,6 +79,7 @@ class _Server(uvicorn.Server):
         await super().shutdown(sockets=sockets)
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
         await super().startup(sockets=sockets)
         if self.watch_fd >= 0:
             loop = asyncio.get_running_loop()
