@@ -339,13 +339,17 @@ int aiospec_cuda_producer_create(const char* ring_name, const aiospec_cuda_optio
     p->exchange = kExchange && coop != 0 && p->max_blocks >= 2;
     if (!p->exchange) p->max_blocks = kMaxBlocks;
     // programmatic dependent launch (emit_kernel.cuh, AIOSPEC_PDL): the kernel's launch and
-    // entry overlap the end of the step's last kernel; Hopper and later
-    int major = 0;
+    // entry overlap the end of the step's last kernel; Hopper and later, with a runtime and a
+    // driver of CUDA 12.3 or later (stream capture of such launches into graphs)
+    int major = 0, runtime = 0, driver = 0;
     cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, o.device);
+    cudaRuntimeGetVersion(&runtime);
+    cudaDriverGetVersion(&driver);
     // AIOSPEC_CUDA_PDL=0 launches without it (to measure what it gives, or for a driver that
     // mishandles it)
     const char* env = std::getenv("AIOSPEC_CUDA_PDL");
-    p->pdl = kPdl && major >= 9 && !(env != nullptr && std::strcmp(env, "0") == 0);
+    p->pdl = kPdl && major >= 9 && runtime >= 12030 && driver >= 12030 &&
+             !(env != nullptr && std::strcmp(env, "0") == 0);
   }
   e = cudaHostAlloc(&p->mh, sizeof(Mapped), cudaHostAllocMapped | cudaHostAllocPortable);
   if (e != cudaSuccess) return fail("cudaHostAlloc(error word)", e);
