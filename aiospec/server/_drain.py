@@ -76,12 +76,13 @@ class Drain:
         self._ended = True
         running, self._running = self._running, {}
         if running:
-            when = "at once (a second interrupt)" if self._at_once else f"after the {self.grace:g} s grace period"
-            log.warning("stopping: ending %d request(s) still running %s", len(running), when)
+            log.warning("stopping: ending %d request(s) still running %s", len(running), self._when())
         err = self._error()
         for end in running.values():
             end(err)
 
+    def _when(self) -> str:
+        return "at once (a second interrupt)" if self._at_once else f"after the {self.grace:g} s grace period"
+
     def _error(self) -> ApiError:
-        when = "at once (a second interrupt)" if self._at_once else f"after the {self.grace:g} s grace period"
-        return ApiError(503, f"the server is shutting down: the request was ended {when}", code=SHUTDOWN_CODE)
+        return ApiError(503, f"the server is shutting down: the request was ended {self._when()}", code=SHUTDOWN_CODE)

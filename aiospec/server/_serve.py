@@ -79,10 +79,9 @@ class _Server(uvicorn.Server):
         await super().shutdown(sockets=sockets)
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        self._loop = asyncio.get_running_loop()
+        self._loop = loop = asyncio.get_running_loop()
         await super().startup(sockets=sockets)
         if self.watch_fd >= 0:
-            loop = asyncio.get_running_loop()
 
             def on_eof() -> None:
                 with contextlib.suppress(OSError):

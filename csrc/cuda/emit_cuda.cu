@@ -434,31 +434,28 @@ cudaError_t aiospec_cuda_emit_ex(aiospec_cuda_producer* p, const aiospec_emit_ar
     cfg.dynamicSmemBytes = shmem;
     cfg.stream = stream;
     cudaLaunchAttribute attr[2];
-    unsigned n = 0;
-    if (cooperative) {
-      attr[n].id = cudaLaunchAttributeCooperative;
-      attr[n++].val.cooperative = 1;
-    }
-    if (p->pdl) {
-      attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-      attr[n++].val.programmaticStreamSerializationAllowed = 1;
-    }
-    cfg.attrs = attr;
-    cfg.numAttrs = n;
-    cudaError_t rc = cudaLaunchKernelEx(&cfg, aiospec::cuda::emit_kernel, *args, p->ref, p->st, p->md, step_dev,
-                                        static_cast<const int*>(p->xcnt), p->part, int(rpb), inline_x,
-                                        through_exchange);
-    if (rc != cudaSuccess) cudaGetLastError();  // not left for the caller's next launch check
-    if ((rc == cudaErrorNotSupported || rc == cudaErrorInvalidValue) && p->pdl) {
+    for (;;) {
+      unsigned n = 0;
+      if (cooperative) {
+        attr[n].id = cudaLaunchAttributeCooperative;
+        attr[n++].val.cooperative = 1;
+      }
+      if (p->pdl) {
+        attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attr[n++].val.programmaticStreamSerializationAllowed = 1;
+      }
+      cfg.attrs = attr;
+      cfg.numAttrs = n;
+      const cudaError_t rc = cudaLaunchKernelEx(&cfg, aiospec::cuda::emit_kernel, *args, p->ref, p->st, p->md,
+                                                step_dev, static_cast<const int*>(p->xcnt), p->part, int(rpb),
+                                                inline_x, through_exchange);
+      if (rc == cudaSuccess) return rc;
+      cudaGetLastError();  // not left for the caller's next launch check
+      if ((rc != cudaErrorNotSupported && rc != cudaErrorInvalidValue) || !p->pdl) return rc;
       // a driver that takes the kernel but not the attribute (or not beside a cooperative
       // launch): this producer launches without it from now on
       p->pdl = false;
-      cfg.numAttrs = cooperative ? 1 : 0;
-      rc = cudaLaunchKernelEx(&cfg, aiospec::cuda::emit_kernel, *args, p->ref, p->st, p->md, step_dev,
-                              static_cast<const int*>(p->xcnt), p->part, int(rpb), inline_x, through_exchange);
-      if (rc != cudaSuccess) cudaGetLastError();
     }
-    return rc;
   };
   cudaError_t status = cudaSuccess;
   if (exchange && blocks > 1) {

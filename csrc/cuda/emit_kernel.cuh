@@ -540,7 +540,8 @@ static_assert(kAlignTail + kAlignTailWords <= kThreads, "block 0's tasks need mo
 // emit.h's aiospec_write_header with a lane a field, the same bytes (the driver compares every
 // frame with the CPU writer's): every field is 0xce and a big-endian u32 (5 bytes), but the
 // step, 0xcf and a u64 (9 bytes), after the 3-byte array16 prefix; then zeros to HEADER_SPACE.
-static_assert(3 + 5 * AIOSPEC_HEADER_FIELDS + 4 <= AIOSPEC_HEADER_SPACE, "the header outgrew its space");
+constexpr int kHeaderEnd = 3 + 5 * AIOSPEC_HEADER_FIELDS + 4;  // 147 bytes, then zeros
+static_assert(kHeaderEnd <= AIOSPEC_HEADER_SPACE, "the header outgrew its space");
 static_assert(AIOSPEC_HEADER_FIELDS < 32 && AIOSPEC_HF_PAYLOAD_LEN == AIOSPEC_HF_COLUMNS + AIOSPEC_NUM_COLUMNS,
               "a lane a field: the fields below");
 __device__ __forceinline__ void write_header_lanes(uint8_t* dst, const aiospec_frame_layout& lay, uint32_t producer,
@@ -576,7 +577,7 @@ __device__ __forceinline__ void write_header_lanes(uint8_t* dst, const aiospec_f
     dst[0] = 0xdc;
     dst[1] = 0x00;
     dst[2] = AIOSPEC_HEADER_FIELDS;
-    for (int b = 3 + 5 * AIOSPEC_HEADER_FIELDS + 4; b < AIOSPEC_HEADER_SPACE; ++b) dst[b] = 0;
+    for (int b = kHeaderEnd; b < AIOSPEC_HEADER_SPACE; ++b) dst[b] = 0;
   }
 }
 
