@@ -562,7 +562,16 @@ __device__ __forceinline__ void write_header_lanes(uint8_t* dst, const aiospec_f
       case AIOSPEC_HF_NT: v = lay.nt; break;
       case AIOSPEC_HF_ND: v = lay.nd; break;
       case AIOSPEC_HF_PAYLOAD_LEN: v = uint32_t(lay.payload_len); break;
-      default: v = uint32_t(lay.off[lane - AIOSPEC_HF_COLUMNS]); break;
+      default:
+        // a mask per column, not lay.off[lane - ...]: an index known only at run time (or a
+        // branch the compiler folds back into one) puts the whole layout on the stack, in
+        // local memory, for every thread of the kernel
+        v = 0;
+#pragma unroll
+        for (int c = 0; c < AIOSPEC_NUM_COLUMNS; ++c) {
+          v |= uint32_t(lay.off[c]) & (0u - uint32_t(lane - AIOSPEC_HF_COLUMNS == c));
+        }
+        break;
     }
     uint8_t* q = dst + 3 + 5 * lane + (lane > AIOSPEC_HF_STEP ? 4 : 0);
     if (lane == AIOSPEC_HF_STEP) {
@@ -591,12 +600,13 @@ __device__ __forceinline__ void write_frame_words(int tid, const aiospec_frame_l
   if (tid == kDraftOffsetsEnd && lay.off[AIOSPEC_COL_DRAFT_OFFSETS] != 0) {
     st_u32(pay + lay.off[AIOSPEC_COL_DRAFT_OFFSETS] + 4 * lay.r, uint32_t(lay.d));
   }
-  if (tid >= kColumnPads && tid < kColumnPads + AIOSPEC_NUM_COLUMNS) {
-    // a column of 4-byte elements with an odd count ends 4 bytes before the next boundary; a
-    // column of bytes (flags, sampled_pos) up to 7 bytes before it, in a word whose other
-    // bytes its rows' threads store: byte stores, so no word is read back
-    const int c = tid - kColumnPads;
-    if (lay.off[c] != 0) {
+  // a column of 4-byte elements with an odd count ends 4 bytes before the next boundary; a
+  // column of bytes (flags, sampled_pos) up to 7 bytes before it, in a word whose other bytes
+  // its rows' threads store: byte stores, so no word is read back. Thread kColumnPads + c
+  // takes column c; unrolled, so that c is a constant (the layout stays in registers).
+#pragma unroll
+  for (int c = 0; c < AIOSPEC_NUM_COLUMNS; ++c) {
+    if (tid == kColumnPads + c && lay.off[c] != 0) {
       const uint64_t size = aiospec_column_size(c);
       const uint64_t end = lay.off[c] + aiospec_column_count(&lay, c) * size;
       if (size == 1) {

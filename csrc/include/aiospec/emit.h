@@ -560,6 +560,10 @@ AIOSPEC_HD void aiospec_compute_layout(uint64_t r, uint64_t t, uint64_t d, uint6
       sp && e > 0,
   };
   uint64_t pos = AIOSPEC_HEADER_SPACE;
+  /* unrolled on the device: constant indices keep the layout in registers, not on the stack */
+#ifdef __CUDA_ARCH__
+#pragma unroll
+#endif
   for (int c = 0; c < AIOSPEC_NUM_COLUMNS; ++c) {
     if (!present[c]) {
       out->off[c] = 0;
