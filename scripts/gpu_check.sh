@@ -180,9 +180,12 @@ if has variants; then
     [t128]=-DAIOSPEC_THREADS=128 [t512]=-DAIOSPEC_THREADS=512 [solo0]=-DAIOSPEC_SOLO_BYTES=0
     [solo64k]=-DAIOSPEC_SOLO_BYTES=65536 [inline0]=-DAIOSPEC_INLINE_TOKENS=0
     [inline8k]=-DAIOSPEC_INLINE_TOKENS=8192 [pdl0]=-DAIOSPEC_PDL=0 [pdl2]=-DAIOSPEC_PDL=2
-    [wc0]=-DAIOSPEC_WARP_COUNTS=0 [hw0]=-DAIOSPEC_HEADER_WARP=0)
-  VARIANTS="${VARIANTS:-f0 f1 t128 t512 solo0 solo64k inline0 inline8k pdl0 pdl2 wc0 hw0 f3}"
-  for v in $VARIANTS; do build_variant "$v" "${flags[$v]}" & done
+    [wc0]=-DAIOSPEC_WARP_COUNTS=0 [hw0]=-DAIOSPEC_HEADER_WARP=0
+    [empty]=-DAIOSPEC_EMPTY=1 [empty_pdl0]="-DAIOSPEC_EMPTY=1 -DAIOSPEC_PDL=0"
+    [spec0]=-DAIOSPEC_SPECIALIZE=0 [spec2]=-DAIOSPEC_SPECIALIZE=2)
+  VARIANTS="${VARIANTS:-f0 f1 t128 t512 solo0 solo64k inline0 inline8k pdl0 pdl2 wc0 hw0 spec0 spec2 f3 empty empty_pdl0}"
+  # shellcheck disable=SC2086
+  for v in $VARIANTS; do build_variant "$v" ${flags[$v]} & done
   wait
   variants() {
     echo "## default build (fence mode 2, 256 threads, PDL 1), rows per block 4 8 16 32"
@@ -193,6 +196,7 @@ if has variants; then
         inline*) "$DRIVER.$v" cold 41 ;;  # the exceptions pre-pass always / up to 8192 tokens inline
         pdl*) "$DRIVER.$v" time 8 && "$DRIVER.$v" cold 41 ;;  # without PDL / the trigger at entry
         f3) "$DRIVER.$v" time 8; continue ;;  # no fences: a lower bound, not a correct protocol
+        empty*) "$DRIVER.$v" time 8; continue ;;  # nothing after the wait: the launch's floor
         *) "$DRIVER.$v" time 8 ;;
       esac
       "$DRIVER.$v" 60 | tail -n 1

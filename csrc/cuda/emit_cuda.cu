@@ -61,6 +61,24 @@ constexpr long long kInlineMaxTokens = 8;
 constexpr bool kExchange = AIOSPEC_EXCHANGE != 0;
 constexpr bool kPdl = AIOSPEC_PDL != 0;  // emit_kernel.cuh
 
+// The emit kernel of a frame's path (emit_kernel.cuh, AIOSPEC_SPECIALIZE).
+using EmitKernel = void (*)(aiospec_emit_args, aiospec::cuda::RingRef, aiospec::cuda::State*, aiospec::cuda::Mapped*,
+                            const uint64_t*, const int*, aiospec::cuda::Part*, int, int, int);
+EmitKernel emit_kernel_for(bool exchange, bool sampled) {
+  using aiospec::cuda::emit_kernel;
+  using aiospec::cuda::kAtRunTime;
+#if AIOSPEC_SPECIALIZE == 0
+  (void)exchange, (void)sampled;
+  return emit_kernel<kAtRunTime, kAtRunTime>;
+#elif AIOSPEC_SPECIALIZE == 2
+  if (exchange) return sampled ? emit_kernel<1, 1> : emit_kernel<1, 0>;
+  return sampled ? emit_kernel<0, 1> : emit_kernel<0, 0>;
+#else
+  if (sampled) return emit_kernel<kAtRunTime, kAtRunTime>;
+  return exchange ? emit_kernel<1, 0> : emit_kernel<0, 0>;
+#endif
+}
+
 // The largest frame these inputs can make (every row a record, every token and draft id
 // live): the bytes of each column's elements plus the header and the padding words.
 long long frame_bound(const aiospec_emit_args* a) {
@@ -330,7 +348,8 @@ int aiospec_cuda_producer_create(const char* ring_name, const aiospec_cuda_optio
     cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, o.device);
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, o.device);
     const size_t shmem_max = sizeof(long long) * 4 * size_t(kMaxRowsPerBlock + 1);
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, aiospec::cuda::emit_kernel, aiospec::cuda::kThreads,
+    // (the kernel launched cooperatively with several blocks: the exchange with sampled_pos)
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, emit_kernel_for(true, true), aiospec::cuda::kThreads,
                                                       shmem_max) != cudaSuccess) {
       per_sm = 0;
       cudaGetLastError();
@@ -427,7 +446,8 @@ cudaError_t aiospec_cuda_emit_ex(aiospec_cuda_producer* p, const aiospec_emit_ar
   bool exchange = blocks == 1 || (sampled && p->exchange && blocks <= p->max_blocks);
   // emit_kernel through cudaLaunchKernelEx: cooperative (the exchange of several blocks) and
   // programmatic stream serialization (p->pdl), either, both or neither
-  auto launch = [&](bool cooperative, int inline_x, int through_exchange) {
+  auto launch = [&](bool cooperative, int inline_x, bool through_exchange) {
+    const EmitKernel kernel = emit_kernel_for(through_exchange, sampled);
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3(unsigned(blocks));
     cfg.blockDim = dim3(unsigned(aiospec::cuda::kThreads));
@@ -446,9 +466,9 @@ cudaError_t aiospec_cuda_emit_ex(aiospec_cuda_producer* p, const aiospec_emit_ar
       }
       cfg.attrs = attr;
       cfg.numAttrs = n;
-      const cudaError_t rc = cudaLaunchKernelEx(&cfg, aiospec::cuda::emit_kernel, *args, p->ref, p->st, p->md,
-                                                step_dev, static_cast<const int*>(p->xcnt), p->part, int(rpb),
-                                                inline_x, through_exchange);
+      const cudaError_t rc = cudaLaunchKernelEx(&cfg, kernel, *args, p->ref, p->st, p->md, step_dev,
+                                                static_cast<const int*>(p->xcnt), p->part, int(rpb), inline_x,
+                                                int(through_exchange));
       if (rc == cudaSuccess) return rc;
       cudaGetLastError();  // not left for the caller's next launch check
       if ((rc != cudaErrorNotSupported && rc != cudaErrorInvalidValue) || !p->pdl) return rc;
@@ -459,7 +479,7 @@ cudaError_t aiospec_cuda_emit_ex(aiospec_cuda_producer* p, const aiospec_emit_ar
   };
   cudaError_t status = cudaSuccess;
   if (exchange && blocks > 1) {
-    status = launch(true, 0, 1);
+    status = launch(true, 0, true);
     if (status == cudaErrorCooperativeLaunchTooLarge || status == cudaErrorNotSupported ||
         status == cudaErrorNotPermitted) {
       // the device holds fewer blocks at once than it reported (an MPS share, a partition):
@@ -485,7 +505,7 @@ cudaError_t aiospec_cuda_emit_ex(aiospec_cuda_producer* p, const aiospec_emit_ar
         if (pre != cudaSuccess) return pre;
       }
     }
-    status = launch(false, int(inline_x), int(exchange));
+    status = launch(false, int(inline_x), exchange);
   }
   if (status == cudaSuccess && p->opts.host_notify) status = cudaLaunchHostFunc(stream, notify_callback, p);
   if (status == cudaSuccess) ++p->emits;

@@ -76,6 +76,14 @@
 //     fences before and after the commit as well.
 //   3 none: no fences and a plain commit store; a lower bound, not a correct protocol.
 // AIOSPEC_THREADS: threads per block.
+// AIOSPEC_SPECIALIZE, which kernel the launcher takes (emit_kernel's template arguments):
+//   1 (default) the one specialized for the frame's path without the sampled_pos encoding, the
+//   one that decides at run time with it (the specialized one measured slower there, back to
+//   back: docs/benchmarks.md); 2 the specialized one for every frame; 0 the one that decides
+//   at run time for every frame (one kernel holding every path, as before the instantiations).
+#ifndef AIOSPEC_SPECIALIZE
+#define AIOSPEC_SPECIALIZE 1
+#endif
 // AIOSPEC_PDL, programmatic dependent launch (sm_90 and later; the launcher sets the launch
 // attribute only on such devices, and without it both instructions do nothing):
 //   1 (default) the kernel waits for the kernels before it (griddepcontrol.wait) before its
@@ -103,6 +111,11 @@
 #endif
 #ifndef AIOSPEC_FENCE_MODE
 #define AIOSPEC_FENCE_MODE 2
+#endif
+// AIOSPEC_EMPTY=1: the kernel returns right after its wait, writing nothing: the floor of this
+// kernel's own launch (its arguments, block size and launch attributes), not an emit.
+#ifndef AIOSPEC_EMPTY
+#define AIOSPEC_EMPTY 0
 #endif
 #ifndef AIOSPEC_THREADS
 #define AIOSPEC_THREADS 256
@@ -626,9 +639,18 @@ __device__ __forceinline__ void write_frame_words(int tid, const aiospec_frame_l
 // ---- the kernel ---------------------------------------------------------------------------------
 
 // Dynamic shared memory: 4 * (rows_per_block + 1) int64; rows_per_block <= kThreads.
+// An instantiation per path (the launcher picks it with the same functions of the arguments):
+// Exchange, the exchange path (else every block checks every row; `exchange_rt` when
+// kAtRunTime); Sampled, the sampled_pos encoding (aiospec_uses_sampled_pos; from the arguments
+// when kAtRunTime). Exchange without Sampled is one block. A specialized kernel holds only its
+// own path's code: a small emit spent more than half its warps' time waiting for instructions
+// (Nsight Compute: stall "no instruction") in the kernel that held every path.
+constexpr int kAtRunTime = 2;
+template <int Exchange, int Sampled>
 __global__ void __launch_bounds__(kThreads)
     emit_kernel(aiospec_emit_args a, RingRef ring, State* st, Mapped* m, const uint64_t* step_dev,
-                const int* xcnt, Part* part, int rows_per_block, int inline_x, int exchange) {
+                const int* xcnt, Part* part, int rows_per_block, int inline_x, int exchange_rt) {
+  const bool exchange = Exchange == kAtRunTime ? exchange_rt != 0 : Exchange != 0;
   extern __shared__ long long sh[];
   __shared__ unsigned long long s_key, s_idkey, s_needed;
   __shared__ int s_write, s_last, s_full, s_pad;
@@ -649,6 +671,7 @@ __global__ void __launch_bounds__(kThreads)
   // nothing the kernels before this one wrote (the step's tensors, the producer state of the
   // last emit) is loaded, or prefetched into L1, before this
   pdl_wait();
+  if (AIOSPEC_EMPTY) return;
 #if AIOSPEC_PDL == 2
   if (tid == 0) pdl_launch_dependents();
 #endif
@@ -666,7 +689,9 @@ __global__ void __launch_bounds__(kThreads)
   const uint64_t step = step_dev != nullptr ? *step_dev : a.step;
   // one block: the frame is committed by this block alone, with no device-memory round trip
   // between its stores and the commit (no counter, no state read back)
-  const bool solo = gridDim.x == 1;
+  const uint32_t k = aiospec_frame_k(&a);
+  const bool sampled = Sampled == kAtRunTime ? aiospec_uses_sampled_pos(k, aiospec_has_logprobs(&a)) != 0 : Sampled != 0;
+  const bool solo = exchange && (!sampled || gridDim.x == 1);
   if (tid == 0) {
     s_key = kNoError;
     s_idkey = kNoError;
@@ -686,8 +711,6 @@ __global__ void __launch_bounds__(kThreads)
   sa.lp_ids_i64 = 0;
   sa.lp_ranks_i64 = 0;
   Triple before{0, 0, 0, 0}, total{0, 0, 0, 0};
-  const uint32_t k = aiospec_frame_k(&a);
-  const int sampled = aiospec_uses_sampled_pos(k, aiospec_has_logprobs(&a));
   uint64_t skey = kNoError;
   if (exchange) {
     // 1-2 (the exchange). Each block checks and counts its own rows (a thread a row) and its
