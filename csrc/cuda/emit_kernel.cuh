@@ -42,8 +42,9 @@
 //     padding word; each block writes
 //     its rows' columns and checks their int64 ids;
 //   * the last block to finish (threadfence reduction on a device counter) publishes: zero
-//     the next header, release-store the 8-byte commit word at system scope, then head and
-//     counters.
+//     the next header, release-store the 8-byte commit word at system scope, then the
+//     counters and, release-stored too, the head (a reader takes a head past a commit word
+//     that still reads 0 for a wiped frame: the head must never be seen first).
 // An error (the first in emit.h's order: smallest aiospec_error_order key, details recomputed
 // with aiospec_check_row) or a ring that stayed full means no commit: the error goes to a
 // word in mapped host memory and frames_lost rises, in the control page too.
@@ -200,6 +201,18 @@ __device__ __forceinline__ void st_u8(uint8_t* p, uint8_t v) { *reinterpret_cast
 
 __device__ __forceinline__ void st_release_sys_u64(uint8_t* p, uint64_t v) {
   asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+// The control page's head, after a commit word: released at system scope, so that no reader
+// sees it before that word. Plain stores to host memory at different addresses reach it in
+// any order (they leave through different L2 slices): a head stored plainly after the commit
+// was measured to arrive first.
+__device__ __forceinline__ void st_head(const RingRef& ring, uint64_t v) {
+#if AIOSPEC_FENCE_MODE == 3
+  st_u64(ring.ctl + AIOSPEC_OFF_HEAD, v);
+#else
+  st_release_sys_u64(ring.ctl + AIOSPEC_OFF_HEAD, v);
+#endif
 }
 __device__ __forceinline__ uint32_t ld_acquire_gpu_u32(const unsigned int* p) {
   uint32_t v;
@@ -1164,7 +1177,7 @@ __global__ void __launch_bounds__(kThreads)
   }
   if (pad_done) {
     st->head = pos;
-    st_u64(ring.ctl + AIOSPEC_OFF_HEAD, pos);
+    st_head(ring, pos);
   }
   uint64_t first = skey == kNoError && size > ring.max_record ? kFrameSizeKey : skey;
   first = idkey < first ? idkey : first;
@@ -1210,10 +1223,7 @@ __global__ void __launch_bounds__(kThreads)
   st->bytes_written = bytes_written + lay.payload_len;
   st_u64(ring.ctl + AIOSPEC_OFF_FRAMES_WRITTEN, frames_written + 1);
   st_u64(ring.ctl + AIOSPEC_OFF_BYTES_WRITTEN, bytes_written + lay.payload_len);
-#if AIOSPEC_FENCE_MODE == 0
-  __threadfence_system();
-#endif
-  st_u64(ring.ctl + AIOSPEC_OFF_HEAD, pos + size);
+  st_head(ring, pos + size);
   AIOSPEC_PHASE(8);
 }
 

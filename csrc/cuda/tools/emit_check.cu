@@ -12,7 +12,10 @@
 //            nothing, counts a lost frame;
 //   full     a reader that does not read: a bounded wait, then "ring full" and a lost frame;
 //            once the reader catches up, frames flow again;
-//   graph    one emit captured in a CUDA graph (the step read from device memory) replayed.
+//   graph    one emit captured in a CUDA graph (the step read from device memory) replayed;
+//   order    a reader on the host following the frontier as the kernels commit (section 3 of
+//            docs/wire-format.md): a head past a commit word that still reads 0 is a
+//            "wiped" frame to every reader, so the head must never become visible first.
 // Build: nvcc -arch=sm_90 -std=c++17 -Icsrc/include csrc/cuda/tools/emit_check.cu
 //        csrc/cuda/emit_cuda.cu csrc/cpu/emit_cpu.cc -o emit_check
 // Exit status 0 when every check passed; prints one line per scenario.
@@ -25,6 +28,7 @@
 #include <cinttypes>
 #include <cstdio>
 #include <cstdlib>
+#include <chrono>
 #include <cstring>
 #include <random>
 #include <string>
@@ -853,6 +857,60 @@ void cold_emits(int n, int rpb) {
   CUDA_OK(cudaStreamDestroy(s));
 }
 
+// Frames emitted back to back while this thread reads at the frontier, as a reader in another
+// process does: at a commit word of 0 it loads the head (acquire) and the commit word again; 0
+// with the head past it is what docs/wire-format.md calls a wiped frame. Each path of the
+// kernel: one block, several blocks without and with the exchange.
+void scenario_order(std::mt19937_64& rng, int rounds) {
+  Segment seg(64u << 20, 8u << 20, "order");
+  aiospec_cuda_producer* p = timing_producer(seg, 1024, 0);
+  cudaStream_t s;
+  CUDA_OK(cudaStreamCreate(&s));
+  const int64_t configs[][3] = {{64, 1, -1}, {1024, 6, -1}, {1024, 6, 0}, {1024, 1, 20}, {256, 6, 20}};
+  const volatile uint64_t* head = &seg.u64(AIOSPEC_OFF_HEAD);
+  uint64_t frames = 0, early = 0;
+  for (const auto& c : configs) {
+    Inputs in = timing_inputs(rng, c[0], c[1], c[2]);
+    aiospec_emit_args da = in.device_args(0);
+    for (int round = 0; round < rounds; ++round) {
+      const int n = 200;
+      for (int i = 0; i < n; ++i) CUDA_OK(aiospec_cuda_emit(p, &da, s));
+      uint64_t last_bad = ~uint64_t(0);
+      const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+      for (int got = 0; got < n;) {
+        uint64_t cw = seg.commit_at(seg.tail);
+        if (cw == 0) {
+          const uint64_t h = __atomic_load_n(const_cast<const uint64_t*>(head), __ATOMIC_ACQUIRE);
+          cw = seg.commit_at(seg.tail);
+          if (cw == 0) {
+            if (h > seg.tail && seg.tail != last_bad) {
+              ++early;
+              last_bad = seg.tail;
+            }
+            if (std::chrono::steady_clock::now() > deadline) {
+              CHECK(false, "order: frame at %" PRIu64 " never committed (head %" PRIu64 ")", seg.tail, h);
+              break;
+            }
+            continue;
+          }
+        }
+        const uint64_t sz = ((cw & 0xFFFFFFFFull) + 63) & ~uint64_t(63);
+        if ((cw >> 32) == AIOSPEC_FRAME_DATA) ++got, ++frames;
+        seg.tail += sz;
+        __atomic_store_n(&seg.slot64(AIOSPEC_RD_TAIL), seg.tail, __ATOMIC_RELEASE);
+      }
+      CUDA_OK(cudaStreamSynchronize(s));
+    }
+  }
+  aiospec_error e;
+  CHECK(aiospec_cuda_check(p, &e, nullptr) == 0, "order: device error %d", e.code);
+  CHECK(early == 0, "order: the head was visible before the commit word at %" PRIu64 " of %" PRIu64 " frames",
+        early, frames);
+  std::printf("order: %" PRIu64 " frames read at the frontier, head before commit %" PRIu64 " times\n", frames, early);
+  aiospec_cuda_producer_destroy(p);
+  CUDA_OK(cudaStreamDestroy(s));
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -886,6 +944,7 @@ int main(int argc, char** argv) {
   scenario_errors(rng, iters);
   scenario_full(rng);
   scenario_graph(rng);
+  scenario_order(rng, iters >= 100 ? 12 : 1);  // fewer under the sanitizers
   std::printf("%s: %d failure(s)\n", g_failures ? "FAILED" : "OK", g_failures);
   return g_failures ? 1 : 0;
 }
