@@ -3,7 +3,8 @@
 #   1. build libaiospec_cuda.so for sm_90 (aiospec.ops._build, the cache the library uses) and
 #      the self-checking driver csrc/cuda/tools/emit_check.cu (against the CPU writer);
 #   2. run the driver: byte identity with the CPU writer across wrap-arounds, every error
-#      reported as the CPU writer reports it, ring full, CUDA graph replay;
+#      reported as the CPU writer reports it, ring full, CUDA graph replay, a reader at the
+#      frontier that never sees the head before its commit word;
 #   3. pytest -m gpu tests/test_ops_cuda.py;
 #   4. compute-sanitizer --tool memcheck on the driver (valid and invalid inputs alike must
 #      never touch memory out of bounds), and racecheck / synccheck on a shorter run;
