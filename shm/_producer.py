@@ -238,6 +238,9 @@ class Producer:
         release_fence()
         q[word + 1] = (L.FRAME_HEADER + n) | (ftype << 32)
         self._head = pos + size
+        # the head after the commit word (a reader takes a head past a 0 commit word for a
+        # wiped frame): a barrier between the two stores where the CPU may reorder them
+        release_fence()
         self._q[L.OFF_HEAD // 8] = self._head
 
     def _write_pad(self, pos: int, pad: int) -> None:

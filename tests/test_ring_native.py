@@ -1,4 +1,5 @@
-"""The native commit/sleep paths (shm/_native.c): built, interchangeable with Python, strict."""
+"""The native commit/sleep paths (shm/_native.c): built, interchangeable with Python, strict;
+and the Python commit's barriers where the CPU reorders stores."""
 
 from __future__ import annotations
 
@@ -162,3 +163,23 @@ def test_native_sleep_runs_signal_handlers() -> None:
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
+
+
+def test_python_commit_fences_before_the_head_on_a_weakly_ordered_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Section 3: the head is stored after the commit word. Where the CPU may reorder stores
+    (not x86-64), the Python commit puts a barrier between the two; each barrier records what
+    the two words held when it ran."""
+    monkeypatch.setattr(shm._sys, "native", None)
+    with shm.Ring.create(capacity=CAP) as ring:
+        q = ring._producer._q
+        commit_word = (L.CONTROL_SIZE >> 3) + 1  # the first frame's, at position 0
+        seen: list[tuple[int, int]] = []
+        monkeypatch.setattr(shm._sys, "_TSO", False)
+        monkeypatch.setattr(shm._sys, "full_fence", lambda: seen.append((q[commit_word], q[L.OFF_HEAD // 8])))
+        ring.write(b"x" * 100)
+        monkeypatch.undo()
+        committed = (L.FRAME_HEADER + 100) | (L.FRAME_DATA << 32)
+        # one barrier before the commit word (the payload first), one between it and the head
+        assert (0, 0) in seen
+        assert (committed, 0) in seen
+        assert q[L.OFF_HEAD // 8] == L.frame_size(100)
