@@ -701,7 +701,9 @@ __global__ void __launch_bounds__(kThreads)
   const uint64_t bytes_written = tid == 0 ? st->bytes_written : 0;
   const uint64_t step = step_dev != nullptr ? *step_dev : a.step;
   // one block: the frame is committed by this block alone, with no device-memory round trip
-  // between its stores and the commit (no counter, no state read back)
+  // between its stores and the commit (no counter, no state read back). The launcher makes
+  // this gridDim.x == 1; written from the path so that a specialized kernel knows it at
+  // compile time (the exchange without sampled_pos is one block, no exchange is several)
   const uint32_t k = aiospec_frame_k(&a);
   const bool sampled = Sampled == kAtRunTime ? aiospec_uses_sampled_pos(k, aiospec_has_logprobs(&a)) != 0 : Sampled != 0;
   const bool solo = exchange && (!sampled || gridDim.x == 1);

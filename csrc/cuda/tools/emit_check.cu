@@ -860,14 +860,14 @@ void cold_emits(int n, int rpb) {
 // Frames emitted back to back while this thread reads at the frontier, as a reader in another
 // process does: at a commit word of 0 it loads the head (acquire) and the commit word again; 0
 // with the head past it is what docs/wire-format.md calls a wiped frame. Each path of the
-// kernel: one block, several blocks without and with the exchange.
+// kernel: one block, several blocks without and with the exchange. Not Segment::read_frame:
+// its payload copy (up to 268 KB a frame) would leave the reader behind the frontier.
 void scenario_order(std::mt19937_64& rng, int rounds) {
   Segment seg(64u << 20, 8u << 20, "order");
   aiospec_cuda_producer* p = timing_producer(seg, 1024, 0);
   cudaStream_t s;
   CUDA_OK(cudaStreamCreate(&s));
   const int64_t configs[][3] = {{64, 1, -1}, {1024, 6, -1}, {1024, 6, 0}, {1024, 1, 20}, {256, 6, 20}};
-  const volatile uint64_t* head = &seg.u64(AIOSPEC_OFF_HEAD);
   uint64_t frames = 0, early = 0;
   for (const auto& c : configs) {
     Inputs in = timing_inputs(rng, c[0], c[1], c[2]);
@@ -880,7 +880,7 @@ void scenario_order(std::mt19937_64& rng, int rounds) {
       for (int got = 0; got < n;) {
         uint64_t cw = seg.commit_at(seg.tail);
         if (cw == 0) {
-          const uint64_t h = __atomic_load_n(const_cast<const uint64_t*>(head), __ATOMIC_ACQUIRE);
+          const uint64_t h = __atomic_load_n(&seg.u64(AIOSPEC_OFF_HEAD), __ATOMIC_ACQUIRE);
           cw = seg.commit_at(seg.tail);
           if (cw == 0) {
             if (h > seg.tail && seg.tail != last_bad) {
