@@ -183,8 +183,9 @@ if has variants; then
     [inline8k]=-DAIOSPEC_INLINE_TOKENS=8192 [pdl0]=-DAIOSPEC_PDL=0 [pdl2]=-DAIOSPEC_PDL=2
     [wc0]=-DAIOSPEC_WARP_COUNTS=0 [hw0]=-DAIOSPEC_HEADER_WARP=0
     [empty]=-DAIOSPEC_EMPTY=1 [empty_pdl0]="-DAIOSPEC_EMPTY=1 -DAIOSPEC_PDL=0"
-    [spec0]=-DAIOSPEC_SPECIALIZE=0 [spec2]=-DAIOSPEC_SPECIALIZE=2)
-  VARIANTS="${VARIANTS:-f0 f1 t128 t512 solo0 solo64k inline0 inline8k pdl0 pdl2 wc0 hw0 spec0 spec2 f3 empty empty_pdl0}"
+    [spec0]=-DAIOSPEC_SPECIALIZE=0 [spec2]=-DAIOSPEC_SPECIALIZE=2
+    [pos8]=-DAIOSPEC_POS_LANES=8 [pos2]=-DAIOSPEC_POS_LANES=2)
+  VARIANTS="${VARIANTS:-f0 f1 t128 t512 solo0 solo64k inline0 inline8k pdl0 pdl2 wc0 hw0 spec0 spec2 pos8 pos2 f3 empty empty_pdl0}"
   # shellcheck disable=SC2086
   for v in $VARIANTS; do build_variant "$v" ${flags[$v]} & done
   wait

@@ -9,7 +9,7 @@
 //     cooperatively so that all are resident): each block checks its own rows (emit.h's
 //     structural checks, a thread a row; the smallest error key and the records' count bounds
 //     by warp reductions), counts its records, tokens, draft ids and its own
-//     tokens' exceptions (8 lanes a token, sampled_pos_group8, the positions kept in shared
+//     tokens' exceptions (2 to 8 lanes a token, sampled_pos_group, the positions kept in shared
 //     memory for the columns), publishes the counts in device scratch, waits until every
 //     block has (a release/acquire counter), then reads them all: the totals, the counts
 //     before its rows and the smallest error key. One block exchanges nothing.
@@ -112,6 +112,11 @@
 #endif
 #ifndef AIOSPEC_FENCE_MODE
 #define AIOSPEC_FENCE_MODE 2
+#endif
+// AIOSPEC_POS_LANES, the lanes a token of the exchange path's sampled_pos count: 0 (default) 8,
+// 4 or 2, the most that leave one pass over the block's tokens; 2, 4 or 8 fixed.
+#ifndef AIOSPEC_POS_LANES
+#define AIOSPEC_POS_LANES 0
 #endif
 // AIOSPEC_EMPTY=1: the kernel returns right after its wait, writing nothing: the floor of this
 // kernel's own launch (its arguments, block size and launch attributes), not an emit.
@@ -430,37 +435,83 @@ __device__ __forceinline__ int find_row(const long long* off, int n, long long e
   return lo;
 }
 
-// emit.h's aiospec_sampled_pos with 8 lanes a token: lane `sub` of a group takes columns
-// sub, sub + 8, ... of the top-k, so a group reads a row's values and ids in one coalesced
-// round trip (for k <= 32) where one thread makes k / 4. The same function: the number of
-// values at or above the sampled logprob against the rank, then the first column with the
-// same id and bits. Every lane of the warp calls it (ballots); `active` says whether this
-// lane's group has a token.
-__device__ __forceinline__ uint32_t sampled_pos_group8(const aiospec_emit_args& a, bool active, int64_t lr, int64_t tok,
-                                                       int64_t rank, uint32_t k) {
-  const unsigned lane = threadIdx.x & 31, sub = lane & 7, g0 = lane & ~7u;
+// emit.h's aiospec_sampled_pos with G lanes a token (G = 2, 4 or 8, a group's lanes
+// consecutive and aligned): lane `sub` of a group takes columns sub, sub + G, ... of the
+// top-k, loading kPosLoads of them (values and ids) before it compares any, so a group reads
+// up to G * kPosLoads columns in one round trip to memory where one thread makes k / 4. The
+// same function: the number of values at or above the sampled logprob against the rank, and
+// the first column with the same id and bits; each lane counts and matches its own columns,
+// the group sums the counts and takes the smallest column with shuffles. Every lane of the
+// warp calls it; `active` says whether this lane's group has a token.
+constexpr int kPosLoads = 8;
+template <int G>
+__device__ __forceinline__ uint32_t sampled_pos_group(const aiospec_emit_args& a, bool active, int64_t lr, int64_t tok,
+                                                      int64_t rank, uint32_t k) {
+  static_assert(G == 2 || G == 4 || G == 8, "a group is 2, 4 or 8 lanes");
+  const uint32_t sub = threadIdx.x & (G - 1);
   const float* vals = a.lp_values + (active ? aiospec_lp_values_row(&a, lr) : 0);
   const int64_t base = active ? aiospec_lp_ids_row(&a, lr) + 1 : 0;
   const float lp = active ? vals[0] : 0.f;
   const uint32_t bits = aiospec_float_bits(lp);
-  int64_t count = 0;
-  uint32_t first = AIOSPEC_SAMPLED_EXCEPTION;
-#pragma unroll 4
-  for (uint32_t j0 = 0; j0 < k; j0 += 8) {
-    const uint32_t j = j0 + sub;
-    bool ge = false, m = false;
-    if (active && j < k) {
-      const float v = vals[1 + j];
-      const int64_t id = aiospec_load_int(a.lp_ids, a.lp_ids_i64, base + j);
-      ge = v >= lp;
-      m = id == tok && aiospec_float_bits(v) == bits;
+  const uint32_t kk = active ? k : 0u;
+  uint32_t count = 0, first = AIOSPEC_SAMPLED_EXCEPTION;
+  for (uint32_t j0 = sub; j0 < kk; j0 += G * kPosLoads) {
+    float v[kPosLoads];
+    int64_t id[kPosLoads];
+#pragma unroll
+    for (int q = 0; q < kPosLoads; ++q) {
+      const uint32_t j = j0 + uint32_t(q * G);
+      v[q] = 0.f;
+      id[q] = 0;
+      if (j < kk) {
+        v[q] = vals[1 + j];
+        id[q] = aiospec_load_int(a.lp_ids, a.lp_ids_i64, base + j);
+      }
     }
-    const unsigned bg = (__ballot_sync(0xffffffffu, ge) >> g0) & 0xFFu;
-    const unsigned bm = (__ballot_sync(0xffffffffu, m) >> g0) & 0xFFu;
-    count += __popc(bg);
-    if (first == AIOSPEC_SAMPLED_EXCEPTION && bm != 0) first = j0 + uint32_t(__ffs(int(bm)) - 1);
+#pragma unroll
+    for (int q = 0; q < kPosLoads; ++q) {
+      const uint32_t j = j0 + uint32_t(q * G);
+      if (j < kk) {
+        count += v[q] >= lp;
+        // a lane's columns rise with q and j0: its first match is its smallest
+        if (first == AIOSPEC_SAMPLED_EXCEPTION && id[q] == tok && aiospec_float_bits(v[q]) == bits) first = j;
+      }
+    }
   }
-  return count == rank ? first : AIOSPEC_SAMPLED_EXCEPTION;
+#pragma unroll
+  for (int o = G / 2; o > 0; o >>= 1) {  // xor below G stays within the group
+    count += __shfl_xor_sync(0xffffffffu, count, o);
+    first = min(first, __shfl_xor_sync(0xffffffffu, first, o));  // the exception (255) above every column
+  }
+  return int64_t(count) == rank ? first : AIOSPEC_SAMPLED_EXCEPTION;
+}
+
+// The exchange path's count of its block's exceptions, G lanes a token (sampled_pos_group):
+// tokens [0, nt) of the block's rows (s_tok: their exclusive scan; s_lp: their logprob rows),
+// each token's sampled_pos kept in s_p for the columns. kThreads / G tokens a pass.
+template <int G>
+__device__ long long block_exceptions(const aiospec_emit_args& a, const long long* s_tok, const long long* s_lp, int n,
+                                      int64_t row0, uint32_t k, uint8_t* s_p) {
+  const long long nt = s_tok[n];
+  const int tid = threadIdx.x;
+  const bool lead = (tid & (G - 1)) == 0;
+  long long x = 0;
+  for (long long c0 = 0; c0 < nt; c0 += kThreads / G) {
+    const long long e = c0 + tid / G;
+    const bool active = e < nt;
+    int64_t lr = 0, tok = 0, rank = 0;
+    if (active) {
+      const int li = find_row(s_tok, n, e);
+      const int64_t j = e - s_tok[li];
+      lr = s_lp[li] + j;
+      tok = aiospec_token(&a, row0 + li, j);
+      rank = aiospec_load_int(a.lp_ranks, a.lp_ranks_i64, lr);
+    }
+    const uint32_t pos = sampled_pos_group<G>(a, active, lr, tok, rank, k);
+    if (active && lead && e < kPosCache) s_p[e] = uint8_t(pos);
+    x += __syncthreads_count(active && lead && pos == AIOSPEC_SAMPLED_EXCEPTION);
+  }
+  return x;
 }
 
 // ---- the sampled_pos pre-pass ----------------------------------------------------------------
@@ -790,24 +841,13 @@ __global__ void __launch_bounds__(kThreads)
     __syncthreads();
     long long own_x = 0;
     if (sampled) {
-      // 8 lanes a token (sampled_pos_group8), kThreads / 8 tokens a pass
+      // as many lanes a token as leave one pass for the block's tokens, 2 at the least
+      // (AIOSPEC_POS_LANES fixes it for measurement)
       const long long nt = s_tok[n];
-      const int sub = tid & 7;
-      for (long long c0 = 0; c0 < nt; c0 += kThreads / 8) {
-        const long long e = c0 + (tid >> 3);
-        const bool active = e < nt;
-        int64_t lr = 0, tok = 0, rank = 0;
-        if (active) {
-          const int li = find_row(s_tok, n, e);
-          const int64_t j = e - s_tok[li];
-          lr = s_lp[li] + j;
-          tok = aiospec_token(&a, row0 + li, j);
-          rank = aiospec_load_int(a.lp_ranks, a.lp_ranks_i64, lr);
-        }
-        const uint32_t pos = sampled_pos_group8(a, active, lr, tok, rank, k);
-        if (active && sub == 0 && e < kPosCache) s_p[e] = uint8_t(pos);
-        own_x += __syncthreads_count(active && sub == 0 && pos == AIOSPEC_SAMPLED_EXCEPTION);
-      }
+      const int lanes = AIOSPEC_POS_LANES != 0 ? AIOSPEC_POS_LANES : nt <= kThreads / 8 ? 8 : nt <= kThreads / 4 ? 4 : 2;
+      own_x = lanes == 8   ? block_exceptions<8>(a, s_tok, s_lp, n, row0, k, s_p)
+              : lanes == 4 ? block_exceptions<4>(a, s_tok, s_lp, n, row0, k, s_p)
+                           : block_exceptions<2>(a, s_tok, s_lp, n, row0, k, s_p);
     }
     if (solo) {
       skey = s_key;
