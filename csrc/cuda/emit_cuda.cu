@@ -541,6 +541,10 @@ int aiospec_cuda_check(aiospec_cuda_producer* p, aiospec_error* out, uint64_t* s
 int aiospec_cuda_phases(unsigned long long* out) {
   return int(cudaMemcpyFromSymbol(out, aiospec_cuda_phase_clock, 16 * sizeof(unsigned long long)));
 }
+// and every block's clocks (264 x 7 words)
+extern "C" int aiospec_cuda_block_clocks(unsigned long long* out) {
+  return int(cudaMemcpyFromSymbol(out, aiospec_cuda_block_clock, 264 * 7 * sizeof(unsigned long long)));
+}
 #endif
 
 const volatile uint64_t* aiospec_cuda_error_seq(const aiospec_cuda_producer* p) {

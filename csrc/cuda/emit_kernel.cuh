@@ -128,9 +128,18 @@
 #endif
 // AIOSPEC_PHASES: thread 0 of block 0 (phases 9 = entry, 0-6) and the committing thread (7, 8) store
 // clock64() at each phase boundary into aiospec_cuda_phase_clock (emit_cuda.cu), where the
-// driver's "phases" mode reads them; meaningful for one-block frames (one SM's clock).
+// driver's "phases" mode reads them; meaningful for one-block frames (one SM's clock). Thread 0
+// of every block also stores, into aiospec_cuda_block_clock: its %globaltimer after the wait,
+// its cycles from there to the end of its row checks, to the end of its exceptions' count and
+// out of the exchange's wait, its %globaltimer then, its SM and the grid's size (the driver's
+// "coldone" mode).
 #ifdef AIOSPEC_PHASES
 __device__ unsigned long long aiospec_cuda_phase_clock[16];
+__device__ unsigned long long aiospec_cuda_block_clock[264][7];
+#define AIOSPEC_BCLOCK(q, v)                                                    \
+  do {                                                                          \
+    if (threadIdx.x == 0 && blockIdx.x < 264) aiospec_cuda_block_clock[blockIdx.x][q] = (v); \
+  } while (0)
 #define AIOSPEC_PHASE(n)                                                                         \
   do {                                                                                           \
     if ((n) == 7 || (n) == 8 || (blockIdx.x == 0 && threadIdx.x == 0)) aiospec_cuda_phase_clock[n] = clock64(); \
@@ -138,6 +147,9 @@ __device__ unsigned long long aiospec_cuda_phase_clock[16];
 #else
 #define AIOSPEC_PHASE(n) \
   do {                   \
+  } while (0)
+#define AIOSPEC_BCLOCK(q, v) \
+  do {                       \
   } while (0)
 #endif
 
@@ -736,6 +748,14 @@ __global__ void __launch_bounds__(kThreads)
   // last emit) is loaded, or prefetched into L1, before this
   pdl_wait();
   if (AIOSPEC_EMPTY) return;
+#ifdef AIOSPEC_PHASES
+  unsigned smid_;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(smid_));
+  const long long c0_ = clock64();
+  AIOSPEC_BCLOCK(0, globaltimer_ns());
+  AIOSPEC_BCLOCK(5, smid_);
+  AIOSPEC_BCLOCK(6, gridDim.x);
+#endif
 #if AIOSPEC_PDL == 2
   if (tid == 0) pdl_launch_dependents();
 #endif
@@ -840,6 +860,9 @@ __global__ void __launch_bounds__(kThreads)
 #endif
     __syncthreads();
     long long own_x = 0;
+#ifdef AIOSPEC_PHASES
+    AIOSPEC_BCLOCK(1, clock64() - c0_);
+#endif
     if (sampled) {
       // as many lanes a token as leave one pass for the block's tokens, 2 at the least
       // (AIOSPEC_POS_LANES fixes it for measurement)
@@ -855,6 +878,9 @@ __global__ void __launch_bounds__(kThreads)
     } else {
       __shared__ unsigned long long s_gkey;
       __shared__ int s_g[4];
+#ifdef AIOSPEC_PHASES
+      AIOSPEC_BCLOCK(2, clock64() - c0_);
+#endif
       if (tid == 0) {
         Part* mine = part + blockIdx.x;
         mine->r = s_rec[n];
@@ -871,6 +897,10 @@ __global__ void __launch_bounds__(kThreads)
         asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(&st->arrived), "r"(1u) : "memory");
         while (ld_acquire_gpu_u32(&st->arrived) < gridDim.x) {
         }
+#ifdef AIOSPEC_PHASES
+        AIOSPEC_BCLOCK(3, clock64() - c0_);
+        AIOSPEC_BCLOCK(4, globaltimer_ns());
+#endif
         s_gkey = kNoError;
         s_g[0] = s_g[2] = INT32_MAX;
         s_g[1] = s_g[3] = -1;

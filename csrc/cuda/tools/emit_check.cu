@@ -41,6 +41,7 @@
 
 #ifdef AIOSPEC_PHASES
 extern "C" int aiospec_cuda_phases(unsigned long long* out);
+extern "C" int aiospec_cuda_block_clocks(unsigned long long* out);
 #endif
 
 namespace {
@@ -591,8 +592,9 @@ double median(std::vector<float> v) {
 // A timing batch: every row `tokens` tokens, no drafts, no flags; k < 0: no logprobs.
 // `spread`: the sampled token sits at column 1 + (its index % k) of its top-k with the rank
 // that implies, as top-k sampling hands them over (no exceptions, but a search per token);
+// `spread` 2: every token an exception (its rank above k, as bench_emit.py's random inputs);
 // otherwise it is the top-1 alternative.
-Inputs timing_inputs(std::mt19937_64& rng, int64_t rows, int64_t tokens, int64_t k, bool spread = false) {
+Inputs timing_inputs(std::mt19937_64& rng, int64_t rows, int64_t tokens, int64_t k, int spread = 0) {
   Inputs in = random_inputs(rng, rows, tokens, k < 0 ? -1 : int(k), true);
   for (auto& v : in.nt) v = int32_t(tokens);
   for (auto& v : in.fl) v = 0;
@@ -614,7 +616,8 @@ Inputs timing_inputs(std::mt19937_64& rng, int64_t rows, int64_t tokens, int64_t
           in.lpid64[r + size_t(c)] = c <= 1 ? tok : 1000 + c;
           in.lpv[r + size_t(c)] = c <= 1 ? -0.1f : -0.1f - float(c);
         }
-        if (spread && k > 1) {
+        if (spread == 2) in.rank64[size_t(i * tokens + j)] = k + 7;
+        if (spread == 1 && k > 1) {
           const int64_t c = 1 + (i * tokens + j) % k;
           in.lpid64[r + 1] = 1001;
           in.lpv[r + 1] = -0.1f;
@@ -799,7 +802,7 @@ __global__ void flush_l2(uint4* p, size_t n) {
 // emit's instructions and inputs. Events around the emit alone; "warm" is the same emit
 // right after another one. Under AIOSPEC_PHASES the kernel's phase clocks, cold. ``rpb`` rows
 // per block (0: the producer's default).
-void cold_emits(int n, int rpb) {
+void cold_emits(int n, int rpb, const int64_t (*only)[4] = nullptr) {
   std::mt19937_64 rng(11);
   Segment seg(64u << 20, 8u << 20, "cold");
   seg.slot32(AIOSPEC_RD_STATE) = AIOSPEC_READER_FREE;
@@ -814,8 +817,9 @@ void cold_emits(int n, int rpb) {
   CUDA_OK(cudaEventCreate(&e1));
   const int64_t configs[][4] = {{64, 1, -1, 0},   {64, 1, 20, 1},  {256, 1, 20, 0}, {256, 1, 20, 1},
                                 {1024, 1, 20, 1}, {256, 6, 20, 1}, {1024, 6, 20, 1}, {1024, 1, -1, 0}};
-  for (const auto& c : configs) {
-    Inputs in = timing_inputs(rng, c[0], c[1], c[2], c[3] != 0);
+  for (size_t q = 0; q < (only != nullptr ? 1 : sizeof configs / sizeof configs[0]); ++q) {
+    const int64_t* c = only != nullptr ? *only : configs[q];
+    Inputs in = timing_inputs(rng, c[0], c[1], c[2], int(c[3]));
     aiospec_emit_args da = in.device_args(0);
     aiospec_frame_layout lay;
     aiospec_error e;
@@ -837,6 +841,18 @@ void cold_emits(int n, int rpb) {
         (pass == 0 ? cold : warm).push_back(ms * 1000.f);
 #ifdef AIOSPEC_PHASES
         if (pass == 0) ph.add();
+        if (pass == 0 && only != nullptr && i == n - 1) {
+          // every block of the last cold emit: its SM, its start against the first block's, its
+          // cycles to the end of its row checks, of its count and of the exchange's wait
+          static unsigned long long bc[264][7];
+          CUDA_OK(cudaError_t(aiospec_cuda_block_clocks(&bc[0][0])));
+          const int nb = int(std::min<unsigned long long>(bc[0][6], 264));
+          unsigned long long t0 = ~0ull;
+          for (int b = 0; b < nb; ++b) t0 = std::min(t0, bc[b][0]);
+          for (int b = 0; b < nb; ++b)
+            std::printf("block %d/%d sm=%llu entry_ns=%llu checks_cyc=%llu count_cyc=%llu barrier_out_cyc=%llu out_ns=%llu\n",
+                        b, nb, bc[b][5], bc[b][0] - t0, bc[b][1], bc[b][2], bc[b][3], bc[b][4] - t0);
+        }
 #endif
       }
     }
@@ -920,6 +936,13 @@ int main(int argc, char** argv) {
     if (argc <= 3) cold_emits(n, 0);
     for (int i = 3; i < argc; ++i) cold_emits(n, std::atoi(argv[i]));
     return 0;
+  }
+  if (argc >= 7 && std::strcmp(argv[1], "coldone") == 0) {
+    // coldone R T K SPREAD N [RPB]: cold and warm GPU time of one batch (SPREAD 2: every token
+    // an exception), N emits
+    const int64_t c[1][4] = {{std::atoll(argv[2]), std::atoll(argv[3]), std::atoll(argv[4]), std::atoll(argv[5])}};
+    cold_emits(std::atoi(argv[6]), argc > 7 ? std::atoi(argv[7]) : 0, c);
+    return g_failures ? 1 : 0;
   }
   if (argc == 6 && std::strcmp(argv[1], "one") == 0) {
     // one R T K N: N emits of one timing batch, nothing timed (for Nsight Compute)
