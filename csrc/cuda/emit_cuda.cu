@@ -36,6 +36,15 @@ constexpr int kDefaultRowsPerBlock = 8;
 constexpr int kMaxRowsPerBlock = aiospec::cuda::kThreads / 2;
 // Every block reads every row's counts, so past this many blocks the rows per block grow.
 constexpr long long kMaxBlocks = 264;
+// The exchange of several blocks (the sampled_pos encoding) takes at least this many blocks
+// where the rows allow, fewer rows a block than rows_per_block if need be: on an H200 a
+// cooperative grid of 2, 8 or 16 blocks took 24-30 us for 64 or 128 rows x 6 tokens x top-5,
+// the same rows in 32 blocks 15-17 us, every block's own work alike (docs/benchmarks.md,
+// "Small exchange grids").
+#ifndef AIOSPEC_MIN_EXCHANGE_BLOCKS
+#define AIOSPEC_MIN_EXCHANGE_BLOCKS 32
+#endif
+constexpr long long kMinExchangeBlocks = AIOSPEC_MIN_EXCHANGE_BLOCKS;
 // A frame that cannot exceed this many bytes is written by one block: it commits without the
 // blocks' counter and the state read back after it (docs/benchmarks.md, "Where the fixed cost
 // goes"); past it, more blocks move the bytes faster than those round trips cost.
@@ -434,11 +443,17 @@ cudaError_t aiospec_cuda_emit_ex(aiospec_cuda_producer* p, const aiospec_emit_ar
   long long rpb = p->opts.rows_per_block;
   const long long max_blocks = p->max_blocks;
   if ((args->rows + rpb - 1) / rpb > max_blocks) rpb = (args->rows + max_blocks - 1) / max_blocks;
-  if (args->rows <= kMaxRowsPerBlock && frame_bound(args) <= kSoloBytes) rpb = args->rows > 0 ? args->rows : 1;
+  const bool sampled = aiospec_uses_sampled_pos(aiospec_frame_k(args), aiospec_has_logprobs(args));
+  const bool solo_frame = args->rows <= kMaxRowsPerBlock && frame_bound(args) <= kSoloBytes;
+  if (solo_frame) rpb = args->rows > 0 ? args->rows : 1;
+  // the exchange of several blocks: fewer rows a block where that makes kMinExchangeBlocks
+  if (!solo_frame && sampled && p->exchange && args->rows / kMinExchangeBlocks < rpb) {
+    rpb = std::max<long long>(1, args->rows / kMinExchangeBlocks);
+    if ((args->rows + rpb - 1) / rpb > max_blocks) rpb = (args->rows + max_blocks - 1) / max_blocks;
+  }
   if (rpb > kMaxRowsPerBlock) rpb = kMaxRowsPerBlock;
   const long long blocks = args->rows > 0 ? (args->rows + rpb - 1) / rpb : 1;
   const size_t shmem = sizeof(long long) * 4 * size_t(rpb + 1);
-  const bool sampled = aiospec_uses_sampled_pos(aiospec_frame_k(args), aiospec_has_logprobs(args));
   // One block always takes the exchange path (with nothing to exchange). Several take it for
   // the sampled_pos encoding, where each block counting every token's exceptions (or the
   // pre-pass) costs more than the exchange's wait; without it every block checking every row
