@@ -19,7 +19,8 @@
 #      into registered host memory with and without fences and a commit; cudaMemcpyAsync);
 #      "timing": the driver's GPU time per emit (events around each, back to back, graph) and
 #      the kernel's phase clocks (an AIOSPEC_PHASES build); "cold" times, each emit after a
-#      kernel that evicts the L2, as in a decoding step;
+#      kernel that evicts the L2, as in a decoding step, and two batches of small exchange
+#      grids (64 and 100 rows x 6 tokens x top-5, every token an exception);
 #      "ncu": Nsight Compute on the small and the 256 x 6 x 20 emit (the clocks left alone);
 #   8. "step": scripts/bench_step.py, a decoding loop with a transformers Llama (random
 #      weights) and six output paths (four in the step's stream, two on a side stream), the
@@ -117,7 +118,9 @@ if has timing; then
   export DRIVER
   # "cold": each emit after a kernel that overwrites 256 MiB, as a model's forward pass
   # leaves the caches; with the phase clocks from the AIOSPEC_PHASES build
-  stage timing 180 bash -c "$(declare -f phases); \"$DRIVER\" time 8 && phases && \"$DRIVER\" cold 41 && \"$DRIVER.phases\" cold 41"
+  # "coldone": two batches whose exchange grids measured slow (docs/benchmarks.md, "Small
+  # exchange grids"): 64 rows (fast since the launcher makes 32 blocks), 100 rows (still slow)
+  stage timing 180 bash -c "$(declare -f phases); \"$DRIVER\" time 8 && phases && \"$DRIVER\" cold 41 && \"$DRIVER.phases\" cold 41 && \"$DRIVER\" coldone 64 6 5 2 41 && \"$DRIVER\" coldone 100 6 5 2 41"
   grep '^time\|^phases\|^cold' "$LOGS/timing.log" > "$OUT/timing.txt"
 fi
 
