@@ -442,15 +442,14 @@ cudaError_t aiospec_cuda_emit_ex(aiospec_cuda_producer* p, const aiospec_emit_ar
   if (guard.status() != cudaSuccess) return guard.status();
   long long rpb = p->opts.rows_per_block;
   const long long max_blocks = p->max_blocks;
-  if ((args->rows + rpb - 1) / rpb > max_blocks) rpb = (args->rows + max_blocks - 1) / max_blocks;
   const bool sampled = aiospec_uses_sampled_pos(aiospec_frame_k(args), aiospec_has_logprobs(args));
   const bool solo_frame = args->rows <= kMaxRowsPerBlock && frame_bound(args) <= kSoloBytes;
-  if (solo_frame) rpb = args->rows > 0 ? args->rows : 1;
   // the exchange of several blocks: fewer rows a block where that makes kMinExchangeBlocks
   if (!solo_frame && sampled && p->exchange && args->rows / kMinExchangeBlocks < rpb) {
     rpb = std::max<long long>(1, args->rows / kMinExchangeBlocks);
-    if ((args->rows + rpb - 1) / rpb > max_blocks) rpb = (args->rows + max_blocks - 1) / max_blocks;
   }
+  if ((args->rows + rpb - 1) / rpb > max_blocks) rpb = (args->rows + max_blocks - 1) / max_blocks;
+  if (solo_frame) rpb = args->rows > 0 ? args->rows : 1;
   if (rpb > kMaxRowsPerBlock) rpb = kMaxRowsPerBlock;
   const long long blocks = args->rows > 0 ? (args->rows + rpb - 1) / rpb : 1;
   const size_t shmem = sizeof(long long) * 4 * size_t(rpb + 1);
@@ -556,9 +555,10 @@ int aiospec_cuda_check(aiospec_cuda_producer* p, aiospec_error* out, uint64_t* s
 int aiospec_cuda_phases(unsigned long long* out) {
   return int(cudaMemcpyFromSymbol(out, aiospec_cuda_phase_clock, 16 * sizeof(unsigned long long)));
 }
-// and every block's clocks (264 x 7 words)
+// and every block's clocks (kBlockClocks x 7 words)
+static_assert(kMaxBlocks <= aiospec::cuda::kBlockClocks, "a clock row for every block the launcher makes");
 extern "C" int aiospec_cuda_block_clocks(unsigned long long* out) {
-  return int(cudaMemcpyFromSymbol(out, aiospec_cuda_block_clock, 264 * 7 * sizeof(unsigned long long)));
+  return int(cudaMemcpyFromSymbol(out, aiospec_cuda_block_clock, sizeof aiospec_cuda_block_clock));
 }
 #endif
 

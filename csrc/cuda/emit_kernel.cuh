@@ -135,10 +135,15 @@
 // "coldone" mode).
 #ifdef AIOSPEC_PHASES
 __device__ unsigned long long aiospec_cuda_phase_clock[16];
-__device__ unsigned long long aiospec_cuda_block_clock[264][7];
-#define AIOSPEC_BCLOCK(q, v)                                                    \
-  do {                                                                          \
-    if (threadIdx.x == 0 && blockIdx.x < 264) aiospec_cuda_block_clock[blockIdx.x][q] = (v); \
+namespace aiospec {
+namespace cuda {
+constexpr unsigned kBlockClocks = 264;  // rows of aiospec_cuda_block_clock: emit_cuda.cu's kMaxBlocks
+}  // namespace cuda
+}  // namespace aiospec
+__device__ unsigned long long aiospec_cuda_block_clock[aiospec::cuda::kBlockClocks][7];
+#define AIOSPEC_BCLOCK(q, v)                                                                       \
+  do {                                                                                             \
+    if (threadIdx.x == 0 && blockIdx.x < aiospec::cuda::kBlockClocks) aiospec_cuda_block_clock[blockIdx.x][q] = (v); \
   } while (0)
 #define AIOSPEC_PHASE(n)                                                                         \
   do {                                                                                           \
