@@ -69,6 +69,35 @@ def test_extra_cxxflags_build_beside_the_regular_library(
     assert _build.build_cpu_library() == regular and compiles(counting_cxx) == 2
 
 
+def test_nvccflags_go_to_the_cuda_build_under_their_own_key(
+    cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a stand-in nvcc that records its arguments and writes the output file it is given
+    log = tmp_path / "nvcc.log"
+    script = tmp_path / "nvcc"
+    script.write_text(
+        textwrap.dedent(f"""\
+            #!/bin/sh
+            case "$1" in --version) echo stand-in; exit 0 ;; esac
+            echo "$*" >> {log}
+            while [ $# -gt 1 ]; do [ "$1" = -o ] && : > "$2"; shift; done
+        """)
+    )
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("NVCC", str(script))
+    monkeypatch.delenv("AIOSPEC_FORCE_CPU", raising=False)
+    monkeypatch.delenv("AIOSPEC_NVCCFLAGS", raising=False)
+    regular = _build.build_cuda_library()
+    monkeypatch.setenv("AIOSPEC_NVCCFLAGS", "-DAIOSPEC_EXCHANGE=0 -DAIOSPEC_PDL=0")
+    switched = _build.build_cuda_library()
+    assert switched != regular and regular.is_file() and switched.is_file()
+    calls = log.read_text().splitlines()
+    assert len(calls) == 2
+    assert "-DAIOSPEC_EXCHANGE=0" not in calls[0].split()
+    assert {"-DAIOSPEC_EXCHANGE=0", "-DAIOSPEC_PDL=0"} <= set(calls[1].split())
+    assert _build.build_cuda_library() == switched and len(log.read_text().splitlines()) == 2
+
+
 def _build_in_child(cache: str, cxx: str, conn: object) -> None:
     os.environ["AIOSPEC_CACHE_DIR"] = cache
     os.environ["CXX"] = cxx

@@ -11,6 +11,8 @@ so a reader never sees a half-written library.
 Environment: ``AIOSPEC_CACHE_DIR`` (cache root), ``CXX`` (C++ compiler, default ``g++``),
 ``AIOSPEC_CXXFLAGS`` (extra flags of the CPU library, e.g. a sanitizer build),
 ``NVCC`` (CUDA compiler; default ``nvcc`` on PATH or ``$CUDA_HOME/bin/nvcc``),
+``AIOSPEC_NVCCFLAGS`` (extra flags of the CUDA library, e.g. a measurement build's
+``-DAIOSPEC_EXCHANGE=0``),
 ``AIOSPEC_CUDA_ARCH`` (e.g. ``90`` or ``80;90``; default ``90``), ``AIOSPEC_FORCE_CPU=1``
 (``aiospec.ops`` never builds or loads the CUDA path).
 """
@@ -244,9 +246,12 @@ def build_cuda_library(
         if not sources:
             raise BuildError(f"{name}: no CUDA sources in {source_root() / 'cuda'}")
     gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in cuda_archs()]
+    # AIOSPEC_NVCCFLAGS: extra flags after the defaults (the kernel's measurement switches,
+    # docs/emit-op.md); they are part of the cache key like every flag
+    env_flags = tuple(os.environ.get("AIOSPEC_NVCCFLAGS", "").split())
     flags = [
         "-O2", "-std=c++17", "-shared", "-Xcompiler", "-fPIC",
-        *gencode, *extra_flags,
+        *gencode, *extra_flags, *env_flags,
     ]  # fmt: skip
     return build_library(name, sources, compiler=nvcc, flags=flags, link_flags=link_flags)
 
