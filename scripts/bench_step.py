@@ -32,8 +32,18 @@ step is captured in a CUDA graph. Output paths, all in the same run and on the s
 
 Step time: wall clock over ``--steps`` steps (after warm-up) divided by their number, the GPU
 never idle for ``none`` and ``aiospec`` (graph replays run ahead of the GPU); each path's runs
-alternate with runs of the step alone, and its added time is its fastest run less the fastest
-of those (so that drift between the paths' turns does not count). A reader in
+alternate with runs of the step alone as that path runs it (the same graph; the two graphs the
+side-stream paths alternate), and its added time is its fastest run less the fastest of those
+(so that drift between the paths' turns does not count). A path captured into the step's graph
+(``aiospec``, and ``control``: one trivial kernel after the step, what the method gives for a
+kernel node that costs next to nothing) cannot run beside the same graph without it, so
+``--captures`` graphs of it and as many of the step alone are captured, every round runs each
+once, and its added time is the median of its captures' fastest runs less the median of
+theirs (the JSON's ``captures`` holds every capture's figure). Every graph of a batch is
+captured into one memory pool (``--pool shared``, as engines keep their graphs), so the
+step's intermediates sit at the same addresses in each: captured each into a pool of its own
+(``--pool private``), graphs of the same step differed by up to 13 us from one capture to the
+next, more than the trivial kernel costs and about what the emit does. A reader in
 another process consumes every path's messages meanwhile. Latency ("step end -> reader has
 the tokens"): one step in flight; the end of the sampling is an event the host spins on,
 the reader stamps the time it holds the tokens decoded. Prints one JSON document.
@@ -202,7 +212,10 @@ class _Eager:
         self.replay = fn
 
 
-def _capture(torch: Any, fn: Any) -> Any:
+def _capture(torch: Any, fn: Any, pool: Any = None) -> Any:
+    """A CUDA graph of fn (after three eager warm-up calls), in the memory pool ``pool`` (a
+    handle shared by several captures: the same allocations in each land at the same
+    addresses), or in a pool of its own."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -211,7 +224,7 @@ def _capture(torch: Any, fn: Any) -> Any:
     torch.cuda.current_stream().wait_stream(s)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, pool=pool):
         fn()
     torch.cuda.synchronize()
     return graph
@@ -228,13 +241,47 @@ def _timed(torch: Any, n: int, one: Any) -> float:
 
 
 def _paired(torch: Any, n: int, repeats: int, base: Any, one: Any) -> tuple[list[float], list[float]]:
-    """Runs of the step alone and of the step with a path, alternating (so that the GPU's clock
-    and the machine's drift weigh on both alike): (alone, with) microseconds per step."""
+    """Runs of the step alone (``base(i)``) and of the step with a path, alternating (so that
+    the GPU's clock and the machine's drift weigh on both alike): (alone, with) microseconds
+    per step."""
     alone, with_path = [], []
     for _ in range(repeats):
-        alone.append(_timed(torch, n, lambda i: base.replay()))
+        alone.append(_timed(torch, n, base))
         with_path.append(_timed(torch, n, one))
     return alone, with_path
+
+
+def _median(xs: list[float]) -> float:
+    ys = sorted(xs)
+    h = len(ys) // 2
+    return ys[h] if len(ys) % 2 else (ys[h - 1] + ys[h]) / 2.0
+
+
+def _captured_pairs(torch: Any, n: int, repeats: int, alone: list[Any], with_path: list[Any]) -> dict[str, Any]:
+    """Graphs of the step alone and of the step with something captured into it, several
+    captures of each: separately captured graphs of the same step differ by a few
+    microseconds (each capture's own memory pool), about what an emit costs, so one capture
+    of each would measure the two captures as much as the emit. Each round runs every capture
+    once, alone and with in turn; a capture's figure is its fastest run, and the path's is
+    the median over its captures (against the median over the captures of the step alone)."""
+    runs_a: list[list[float]] = [[] for _ in alone]
+    runs_w: list[list[float]] = [[] for _ in with_path]
+    for _ in range(repeats):
+        for c in range(max(len(alone), len(with_path))):
+            if c < len(alone):
+                runs_a[c].append(_timed(torch, n, lambda i, g=alone[c]: g.replay()))
+            if c < len(with_path):
+                runs_w[c].append(_timed(torch, n, lambda i, g=with_path[c]: g.replay()))
+    mins_a = [min(r) for r in runs_a]
+    mins_w = [min(r) for r in runs_w]
+    return {
+        "alone_us": round(_median(mins_a), 2),
+        "with_us": round(_median(mins_w), 2),
+        "alone_capture_min_us": [round(x, 2) for x in mins_a],
+        "with_capture_min_us": [round(x, 2) for x in mins_w],
+        "runs_alone": [[round(x, 2) for x in r] for r in runs_a],
+        "runs_with": [[round(x, 2) for x in r] for r in runs_w],
+    }
 
 
 def run_batch(torch: Any, model: Any, args: argparse.Namespace, batch: int, fd_info: dict[str, Any],
@@ -246,9 +293,14 @@ def run_batch(torch: Any, model: Any, args: argparse.Namespace, batch: int, fd_i
     st = Step(torch, model, batch, args.k, args.vocab)
     res: dict[str, Any] = {"batch": batch, "k": args.k}
     n, warm = args.steps, 10
+    # every graph of the batch in one memory pool (as engines keep theirs): the step's
+    # intermediates then sit at the same addresses in every capture, which the graphs can
+    # share because they never run at once and pass nothing through that memory
+    pool = torch.cuda.graph_pool_handle() if args.pool == "shared" else None
+    res["graph_pool"] = args.pool
     with torch.inference_mode():
         try:
-            g_model = _capture(torch, st.run)
+            g_model = _capture(torch, st.run, pool)
             res["model_in_graph"] = True
         except Exception as exc:
             res["model_in_graph"] = False
@@ -267,20 +319,58 @@ def run_batch(torch: Any, model: Any, args: argparse.Namespace, batch: int, fd_i
         # those. The step alone runs on a second buffer set (also the side-stream paths'), so
         # that it advances neither the first set's tokens nor its device step counter
         st2 = Step(torch, model, batch, args.k, args.vocab)
-        g_model2 = _capture(torch, st2.run) if res["model_in_graph"] else _Eager(st2.run)
-        alone: dict[str, list[float]] = {}
+        g_model2 = _capture(torch, st2.run, pool) if res["model_in_graph"] else _Eager(st2.run)
+        graphs2 = (g_model, g_model2)
+        # what each path's added time is against: the step alone as that path runs it (the
+        # same graph, or the two graphs the side-stream paths alternate), so that no
+        # difference between two captures counts as the path's
+        base_us: dict[str, float] = {}
 
-        def paired(name: str, one: Any) -> list[float]:
-            base, runs = _paired(torch, n, args.repeats, g_model2, one)
-            alone[name] = base
+        def paired(name: str, one: Any, base: Any) -> list[float]:
+            alone, runs = _paired(torch, n, args.repeats, base, one)
+            base_us[name] = min(alone)
             res["step_us"][name] = round(min(runs), 2)
             res["step_us_runs"][name] = [round(x, 2) for x in runs]
-            res["step_us_runs"][f"none_beside_{name}"] = [round(x, 2) for x in base]
+            res["step_us_runs"][f"none_beside_{name}"] = [round(x, 2) for x in alone]
             return runs
+
+        def the_step(_: int) -> None:
+            g_model.replay()
+
+        def both_steps(i: int) -> None:
+            graphs2[i & 1].replay()
+
+        def captured(name: str, alone: list[Any], with_path: list[Any]) -> None:
+            got = _captured_pairs(torch, n, args.repeats, alone, with_path)
+            base_us[name] = got["alone_us"]
+            res["step_us"][name] = got["with_us"]
+            res.setdefault("captures", {})[name] = got
+            res["step_us_runs"][name] = got["runs_with"]
+            res["step_us_runs"][f"none_beside_{name}"] = got["runs_alone"]
+
+        # the captures of the step alone that the graph paths' captures are set against (on
+        # the second buffer set, whose step counter no frame reads)
+        alone_graphs = [g_model2]
+        if res["model_in_graph"]:
+            alone_graphs += [_capture(torch, st2.run, pool) for _ in range(args.captures - 1)]
+        res["captures_per_graph_path"] = len(alone_graphs)
+
+        # -- control: one trivial kernel captured after the step (what the method calls the
+        # cost of a kernel node that does nothing worth measuring) ---------------------------
+        if res["model_in_graph"] and args.control:
+            scratch = torch.zeros(1, dtype=torch.int64, device="cuda")
+
+            def with_control() -> None:
+                st2.run()
+                scratch.add_(1)
+
+            ctl = [_capture(torch, with_control, pool) for _ in range(len(alone_graphs))]
+            captured("control", alone_graphs, ctl)
+            del ctl
 
         # -- aiospec -------------------------------------------------------------------------
         with shm.Ring.create(capacity=RING_CAPACITY, max_record=RING_MAX_RECORD) as ring:
-            total = warm + 3 + n * args.repeats
+            total = warm + 3 * len(alone_graphs) + n * args.repeats * len(alone_graphs)
             seen[:] = 0
             readers["ring"].start(total, 1, ring.name)
             with Producer(ring, device="cuda", max_rows=batch) as prod:
@@ -290,12 +380,16 @@ def run_batch(torch: Any, model: Any, args: argparse.Namespace, batch: int, fd_i
                     st.run()
                     prepared.emit(step_tensor=st.step_no)
 
-                in_graph = True
+                in_graph = res["model_in_graph"]
+                g_emits: list[Any] = []
                 try:
                     st.step_no.fill_(-1)
-                    g_emit = _capture(torch, with_emit)  # the 3 warm-up emits are frames 0..2
+                    # each capture's 3 warm-up emits are frames too (steps 0, 1, 2, 3, ...)
+                    while in_graph and len(g_emits) < len(alone_graphs):
+                        g_emits.append(_capture(torch, with_emit, pool))
                 except Exception as exc:
                     in_graph = False
+                    g_emits.clear()
                     res["aiospec_graph_error"] = f"{type(exc).__name__}: {exc}"[:300]
                     torch.cuda.synchronize()
                 res["aiospec_in_graph"] = in_graph
@@ -303,7 +397,7 @@ def run_batch(torch: Any, model: Any, args: argparse.Namespace, batch: int, fd_i
 
                 def one(i: int) -> None:
                     if in_graph:
-                        g_emit.replay()
+                        g_emits[0].replay()
                         return
                     g_model.replay()
                     prepared.emit(eager_step[0])
@@ -311,17 +405,21 @@ def run_batch(torch: Any, model: Any, args: argparse.Namespace, batch: int, fd_i
 
                 for _ in range(warm):
                     one(0)
-                paired("aiospec", one)
+                if in_graph:
+                    captured("aiospec", alone_graphs, g_emits)
+                else:
+                    paired("aiospec", one, the_step)
                 prod.check()
                 torch.cuda.synchronize()
                 stats = ring.stats()
                 res["aiospec_frames"] = int(stats.frames_written)
                 res["aiospec_payload_bytes"] = int(stats.bytes_written // max(1, stats.frames_written))
-                # the reader counts `total` frames: the eager path made 3 fewer warm-ups
+                # the reader counts `total` frames: the eager path made fewer
                 for i in range(int(stats.frames_written), total):
                     prepared.emit(i)
                 torch.cuda.synchronize()
                 readers["ring"].wait()
+                g_emits.clear()
 
                 # latency: one step in flight, the emit eager after the step's end event
                 lat = []
@@ -348,7 +446,7 @@ def run_batch(torch: Any, model: Any, args: argparse.Namespace, batch: int, fd_i
         main = torch.cuda.current_stream()
         step_end = [torch.cuda.Event(), torch.cuda.Event()]
         if side is not None:
-            steps2, graphs2 = (st, st2), (g_model, g_model2)
+            steps2 = (st, st2)
             with shm.Ring.create(capacity=RING_CAPACITY, max_record=RING_MAX_RECORD) as ring:
                 seen[:] = 0
                 readers["ring"].start(warm + n * args.repeats, 1, ring.name)
@@ -375,7 +473,7 @@ def run_batch(torch: Any, model: Any, args: argparse.Namespace, batch: int, fd_i
                     counter = [0]
                     for _ in range(warm):
                         aiospec_side_step(0)
-                    paired("aiospec_side", aiospec_side_step)
+                    paired("aiospec_side", aiospec_side_step, both_steps)
                     torch.cuda.synchronize()
                     prod.check()
                     readers["ring"].wait()
@@ -428,7 +526,7 @@ def run_batch(torch: Any, model: Any, args: argparse.Namespace, batch: int, fd_i
 
         for _ in range(warm):
             fd_step(0)
-        paired("fastdeploy", fd_step)
+        paired("fastdeploy", fd_step, the_step)
         readers["fd"].wait()
         res["fastdeploy_messages_per_step"] = msgs
         seen[:] = 0
@@ -484,7 +582,7 @@ def run_batch(torch: Any, model: Any, args: argparse.Namespace, batch: int, fd_i
             step_v = [0]
             for _ in range(warm):
                 vllm_step(0)
-            paired("vllm", vllm_step)
+            paired("vllm", vllm_step, the_step)
             while pending:
                 ship(pending.pop(0))
             readers["zmq"].wait()
@@ -543,7 +641,7 @@ def run_batch(torch: Any, model: Any, args: argparse.Namespace, batch: int, fd_i
                 readers["zmq"].start(warm + n * args.repeats)
                 for _ in range(warm):
                     vllm_side_step(0)
-                paired("vllm_side", vllm_side_step)
+                paired("vllm_side", vllm_side_step, both_steps)
                 while pend:
                     ship2(pend.pop(0))
                 readers["zmq"].wait()
@@ -564,10 +662,10 @@ def run_batch(torch: Any, model: Any, args: argparse.Namespace, batch: int, fd_i
         finally:
             emitter.close()
     s = res["step_us"]
-    paths = [p for p in ("aiospec", "fastdeploy", "vllm", "aiospec_side", "vllm_side") if p in s]
-    added = {p: round(s[p] - min(alone[p]), 2) for p in paths}
+    paths = [p for p in ("aiospec", "fastdeploy", "vllm", "aiospec_side", "vllm_side", "control") if p in s]
+    added = {p: round(s[p] - base_us[p], 2) for p in paths}
     res["added_us"] = added
-    res["added_pct"] = {p: round(100.0 * a / min(alone[p]), 3) for p, a in added.items()}
+    res["added_pct"] = {p: round(100.0 * a / base_us[p], 3) for p, a in added.items()}
     # an addition within the noise counts as 0.01 us
     res["cheaper_x"] = {p: round(added[p] / max(added["aiospec"], 0.01), 1) for p in ("fastdeploy", "vllm")}
     if "aiospec_side" in added:
@@ -582,6 +680,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--k", type=int, default=20, help="top-k alternatives per token")
     ap.add_argument("--steps", type=int, default=100, help="timed steps per run")
     ap.add_argument("--repeats", type=int, default=3, help="runs per path (the fastest is reported)")
+    ap.add_argument("--captures", type=int, default=5,
+                    help="captures of each graph path and of the step alone (the median is reported)")  # fmt: skip
+    ap.add_argument("--pool", choices=("shared", "private"), default="shared",
+                    help="the batch's graphs in one memory pool, or each in its own")  # fmt: skip
+    ap.add_argument("--no-control", dest="control", action="store_false",
+                    help="skip the control path (one trivial kernel captured after the step)")  # fmt: skip
     ap.add_argument("--latency-steps", type=int, default=100)
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--hidden", type=int, default=2048)
@@ -594,6 +698,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="skip the two paths with the output on a side stream")  # fmt: skip
     ap.add_argument("--json", type=Path, help="also write the JSON here")
     args = ap.parse_args(argv)
+    if args.captures < 1:
+        ap.error(f"--captures: expected at least 1, got {args.captures}")
     import torch
 
     if not torch.cuda.is_available():
@@ -609,7 +715,7 @@ def main(argv: list[str] | None = None) -> int:
         params = sum(p.numel() for p in model.parameters())
         if pins["producer"] is not None:
             os.sched_setaffinity(0, {pins["producer"]})
-        steps_max = 10 + 3 + args.steps * args.repeats + 8 + args.latency_steps
+        steps_max = 10 + (3 + args.steps * args.repeats) * max(1, args.captures) + 8 + args.latency_steps
         with seen_array(steps_max + 16) as (seen_path, seen):
             fd = FdChannel(fd_info["transport"])
             readers: dict[str, Any] = {
@@ -646,6 +752,8 @@ def main(argv: list[str] | None = None) -> int:
             "cheaper_goal_x": CHEAPER_GOAL,
             "cheaper_met": min(r["cheaper_x"].values()) >= CHEAPER_GOAL,
             "aiospec_in_graph": r["aiospec_in_graph"],
+            "captures": r.get("captures_per_graph_path"),
+            "control_added_us": r["added_us"].get("control"),
         })  # fmt: skip
         if "side_cheaper_x" in r:
             targets[-1].update({
