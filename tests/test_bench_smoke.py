@@ -135,3 +135,48 @@ def test_bench_e2e_sweeps_api_servers_side_by_side(tmp_path: Path) -> None:
     assert t["ring_N2_over_N1"] == pytest.approx(ring2 / runs[0]["tokens_per_s"], rel=1e-2)  # type: ignore[index]
     assert set(t) == {"loop_lag_p99_le_10ms", "tokens_per_s_ge_1.5x_vllm", "server_cpu_per_token_le_vllm",
                       "itl_p99_le_vllm", "ring_N2_over_N1"}  # fmt: skip
+
+
+def test_bench_step_sets_each_capture_against_the_median_of_the_others() -> None:
+    # the GPU benchmark's estimator, with stand-in graphs whose replays take known times: each
+    # capture's figure is its fastest run, the path's the median over captures
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        import bench_step
+    finally:
+        sys.path.remove(str(SCRIPTS))
+
+    class Clock:
+        def __init__(self) -> None:
+            self.ns = 0
+
+    clock = Clock()
+
+    class Graph:
+        def __init__(self, us: float) -> None:
+            self.us = us
+
+        def replay(self) -> None:
+            clock.ns += int(self.us * 1000)
+
+    class Cuda:
+        @staticmethod
+        def synchronize() -> None:
+            pass
+
+    class Torch:
+        cuda = Cuda
+
+    real = bench_step.time.perf_counter_ns
+    bench_step.time.perf_counter_ns = lambda: clock.ns  # type: ignore[assignment]
+    try:
+        alone = [Graph(t) for t in (100.0, 104.0, 101.0)]
+        with_path = [Graph(t) for t in (111.0, 130.0, 112.0)]
+        got = bench_step._captured_pairs(Torch, 10, 2, alone, with_path)
+    finally:
+        bench_step.time.perf_counter_ns = real  # type: ignore[assignment]
+    assert got["alone_capture_min_us"] == [100.0, 104.0, 101.0]
+    assert got["with_capture_min_us"] == [111.0, 130.0, 112.0]
+    assert (got["alone_us"], got["with_us"]) == (101.0, 112.0)  # one slow capture does not count
+    assert [len(r) for r in got["runs_alone"] + got["runs_with"]] == [2] * 6
+    assert bench_step._median([3.0, 1.0, 2.0, 4.0]) == 2.5
