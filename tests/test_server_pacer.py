@@ -512,3 +512,66 @@ async def test_a_long_queue_holds_admissions_back_before_anyone_has_waited() -> 
     fixed = await _queue_then_admit(None)
     assert max(held) <= 1 and sum(held) >= 5, held
     assert sum(fixed) >= 14, fixed
+
+
+async def _wave(growth: float | None, streams_n: int) -> tuple[list[int], Pacer]:
+    """``streams_n`` running streams of 1.1 ms pieces in 4 ms windows (a 20 ms deadline) for
+    1,200 iterations, then 100 requests of 0.2 ms set-up each arrive at once: the admissions
+    of each iteration until all are set up, and the pacer."""
+    clock = _Clock()
+    p = Pacer(budget=0.004, admission_share=0.5, stream_deadline=0.02, clock=clock, admission_growth=growth)
+    _costs(p, 0.0011, admission=0.0002)
+    tick = _Ticker(clock)
+    done = False
+
+    async def stream() -> None:
+        while not done:
+            await p.turn()
+            p.charge(0.0011)
+
+    admitted: list[int] = []
+
+    async def admission() -> None:
+        await p.admission()
+        admitted.append(tick.iteration)
+        p.charge(0.0002, admission=True)
+
+    streams = [asyncio.ensure_future(stream()) for _ in range(streams_n)]
+    while tick.iteration < 1200:
+        await asyncio.sleep(0)
+    start = tick.iteration
+    await asyncio.wait_for(asyncio.gather(*(admission() for _ in range(100))), 60)
+    done = True
+    await asyncio.wait_for(asyncio.gather(*streams), 60)
+    tick.stop()
+    per = [0] * (max(admitted) - start + 1)
+    for it in admitted:
+        per[it - start] += 1
+    return per, p
+
+
+@pytest.mark.asyncio
+async def test_a_wave_of_requests_is_admitted_at_the_recent_pace_under_sustained_pressure() -> None:
+    """60 streams keep their turns waiting past half the deadline: a wave of 100 requests
+    goes in at the admissions' recent pace (none came before it: one a window), where without
+    the pace they take up to the share of each window; every one is set up."""
+    paced, p = await _wave(1.1, 60)
+    free, q = await _wave(None, 60)
+    assert sum(paced) == sum(free) == 100
+    assert max(paced) == 1 and p.paced > 0, paced
+    assert max(free) >= 3 and q.paced == 0, free
+    assert len(paced) > 2 * len(free)
+
+
+@pytest.mark.asyncio
+async def test_the_pace_leaves_a_server_with_short_waits_alone() -> None:
+    """4 streams (their turns hardly wait): the same wave goes in as fast with the pace as
+    without it."""
+    paced, p = await _wave(1.1, 4)
+    free, _ = await _wave(None, 4)
+    assert p.paced == 0 and paced == free, (paced, free)
+
+
+def test_admission_growth_is_validated() -> None:
+    with pytest.raises(ValueError, match=r"^admission_growth = 0\.5: expected a factor >= 1 or None$"):
+        Pacer(admission_growth=0.5)

@@ -32,6 +32,14 @@ deadline, and grows back as the streams catch up (a share that fell and rose at 
 swing: the admissions held back would flood in together). Under overload the inter-token
 tail stays near the deadline and new requests wait longer for their first token instead, as
 an engine's scheduler runs the decoding requests before it prefills new ones.
+
+Past half the deadline the admissions also keep a pace: at most ``admission_growth`` times
+their recent rate (a moving average over about half a second of the pacer's clock) a window,
+one at the least. A server that delivers at about the engine's pace sees requests started
+together end together, and a closed-loop client replace them together: admitted as fast as
+they arrive, each such wave comes back a request's lifetime later, and the rounds swing with
+it (docs/benchmarks.md, "Where the ring's inter-chunk tail comes from"). Held to the recent
+rate, a wave is admitted over a longer time than it arrived in, and its requests end apart.
 """
 
 from __future__ import annotations
@@ -56,11 +64,12 @@ class _Queue:
         self.spent = 0.0  # expected cost of the turns of this kind granted in the current window
         self.front = 0  # where the next task that queues again goes (ahead of new waiters)
 
-    def release(self, limit: float, at_least_one: bool = False) -> int:
-        """Resolve waiters, in order, while the expected cost stays under ``limit``."""
+    def release(self, limit: float, at_least_one: bool = False, most: int | None = None) -> int:
+        """Resolve waiters, in order, while the expected cost stays under ``limit`` (and at
+        most ``most`` of them)."""
         waiters = self.waiters
         n = 0
-        while waiters and (self.spent < limit or (at_least_one and not n)):
+        while waiters and (self.spent < limit or (at_least_one and not n)) and (most is None or n < most):
             f = waiters.popleft()
             self.since.popleft()
             if not f.done():
@@ -85,6 +94,9 @@ class _Queue:
         return now - self.since[0] if self.since else 0.0
 
 
+_RATE_SPAN = 0.5  # seconds of the pacer's clock the admissions' rate is averaged over
+
+
 class Pacer:
     def __init__(
         self,
@@ -92,6 +104,7 @@ class Pacer:
         admission_share: float = 0.5,
         stream_deadline: float | None = 0.1,
         clock: Callable[[], float] = time.perf_counter,
+        admission_growth: float | None = 1.1,
     ) -> None:
         if not budget > 0:
             raise ValueError(f"budget = {budget!r}: expected a positive number of seconds")
@@ -99,9 +112,15 @@ class Pacer:
             raise ValueError(f"admission_share = {admission_share!r}: expected a fraction in (0, 1]")
         if stream_deadline is not None and not stream_deadline > 0:
             raise ValueError(f"stream_deadline = {stream_deadline!r}: expected a positive number of seconds or None")
+        if admission_growth is not None and not admission_growth >= 1:
+            raise ValueError(f"admission_growth = {admission_growth!r}: expected a factor >= 1 or None")
         self.budget = budget
         self.admission_share = admission_share
         self.stream_deadline = stream_deadline
+        self.admission_growth = admission_growth
+        self._rate = 0.0  # admissions a second, a moving average over _RATE_SPAN
+        self._pressure = 0.0  # a stream turn's wait (_wait_ahead), a moving average over _RATE_SPAN
+        self._window_admits = 0  # admissions granted in the current window
         self._clock = clock  # for the streams' waits (the deadline)
         self._streams = _Queue(budget / 16)
         self._admissions = _Queue(budget / 16)
@@ -114,6 +133,7 @@ class Pacer:
         self.deferred = 0  # turns that waited for a later iteration
         self.admitted = 0  # admission turns granted (also counted in ``granted``)
         self.late = 0  # windows at the deadline (a stream waited, or will, that long): one admission
+        self.paced = 0  # windows whose admissions the pace (admission_growth) held back
 
     @property
     def waiting(self) -> tuple[int, int]:
@@ -129,6 +149,8 @@ class Pacer:
             "deferred": self.deferred,
             "admitted": self.admitted,
             "late_windows": self.late,
+            "paced_windows": self.paced,
+            "admission_rate": round(self._rate, 1),
             "waiting_streams": streams,
             "waiting_admissions": admissions,
             "stream_deadline_ms": None if self.stream_deadline is None else self.stream_deadline * 1e3,
@@ -144,22 +166,39 @@ class Pacer:
             # a callback scheduled now runs in the next loop iteration: one window per iteration
             self._loop.call_soon(self._tick)
 
+    def _wait_ahead(self, now: float) -> float:
+        """How long a stream turn has waited, or will have: the oldest waiter's wait, or what
+        the queue ahead of the newest one will take to drain at the windows' pace, whichever
+        is longer (requests just admitted lengthen the queue a step after their set-up, a
+        round before anyone has waited for them)."""
+        s = self._streams
+        if not s.since:
+            return 0.0
+        return max(s.waited(now), len(s.since) * s.avg / self.budget * self._window)
+
     def _share(self, now: float) -> float:
         """The admissions' share of this window while streams wait: ``admission_share`` until
-        a stream turn has waited half the deadline, then less, down to none (one admission a
-        window) at the deadline. The wait is the oldest waiter's, or what the queue ahead of
-        the newest one will take to drain at the windows' pace, whichever is longer: requests
-        just admitted lengthen the queue a step after their set-up, a round before anyone
-        has waited for them. A share that fell at once would swing: the admissions held back
-        pile up and flood in once the streams catch up."""
+        a stream turn has waited half the deadline (``_wait_ahead``), then less, down to none
+        (one admission a window) at the deadline. A share that fell at once would swing: the
+        admissions held back pile up and flood in once the streams catch up."""
         d = self.stream_deadline
-        s = self._streams
-        if d is None or not s.since:
+        if d is None:
             return self.admission_share
-        w = max(s.waited(now), len(s.since) * s.avg / self.budget * self._window)
+        w = self._wait_ahead(now)
         if w <= d / 2:
             return self.admission_share
         return self.admission_share * max(0.0, 2 * (d - w) / d)
+
+    def _pace(self) -> int | None:
+        """The most admissions this window takes while streams wait and their recent waits
+        (``_wait_ahead``'s moving average) are past half the deadline: ``admission_growth``
+        times the recent rate over a window, one at the least (None: no pace). The average,
+        not this window's wait: when a wave of requests ends, the queue of stream turns is
+        short for a moment, just as their replacements arrive."""
+        d, g = self.stream_deadline, self.admission_growth
+        if d is None or g is None or not self._streams.waiters or self._pressure <= d / 2:
+            return None
+        return max(1, int(g * self._rate * self._window))
 
     def _fresh(self) -> None:
         if not self._armed:  # first demand since the loop went quiet: a fresh window
@@ -178,17 +217,27 @@ class Pacer:
             limit *= self._share(self._clock()) if admission else 1 - self.admission_share
         if q.spent + other.spent >= self.budget or q.spent >= limit:
             return False
+        if admission:
+            pace = self._pace()
+            if pace is not None and self._window_admits >= pace:
+                return False
+            self.admitted += 1
+            self._window_admits += 1
         q.spent += q.avg
         self.granted += 1
-        if admission:
-            self.admitted += 1
         return True
 
     def _tick(self) -> None:
         self._armed = False
         now = self._clock()
         if self._last_tick is not None:  # (the loop was not idle in between)
-            self._window += (min(now - self._last_tick, 10 * self.budget) - self._window) * 0.1
+            dt = now - self._last_tick
+            self._window += (min(dt, 10 * self.budget) - self._window) * 0.1
+            if dt > 0:
+                k = min(1.0, dt / _RATE_SPAN)
+                self._rate += (self._window_admits / dt - self._rate) * k
+                self._pressure += (self._wait_ahead(now) - self._pressure) * k
+        self._window_admits = 0
         self._used = 0.0
         s, a = self._streams, self._admissions
         s.spent = a.spent = 0.0
@@ -199,16 +248,22 @@ class Pacer:
                 self.late += 1
             # one admission first, so that new requests always move (behind the streams'
             # pieces it could find the budget spent and queue again, every window), the
-            # streams up to their share, the admissions up to theirs, then whatever the
-            # budget has left for either
+            # streams up to their share, the admissions up to theirs (and their pace), then
+            # whatever the budget has left for either
+            pace = self._pace()
             n = a.release(0.0, at_least_one=True)
             released = s.release(self.budget * (1 - share))
-            n += a.release(self.budget - s.spent)
+            more = None if pace is None else max(0, pace - n)
+            n += a.release(self.budget - s.spent, most=more)
+            if pace is not None and n >= pace and a.waiters:
+                self.paced += 1
             released += n + s.release(self.budget - a.spent)
             self.admitted += n
+            self._window_admits += n
         elif a.waiters:
             released = n = a.release(self.budget)
             self.admitted += n
+            self._window_admits += n
         else:
             released = s.release(self.budget)
         self.granted += released
