@@ -120,7 +120,7 @@ class Pacer:
         self.admission_growth = admission_growth
         self._rate = 0.0  # admissions a second, a moving average over _RATE_SPAN
         self._pressure = 0.0  # a stream turn's wait (_wait_ahead), a moving average over _RATE_SPAN
-        self._window_admits = 0  # admissions granted in the current window
+        self._window_mark = 0  # ``admitted`` when the current window began
         self._clock = clock  # for the streams' waits (the deadline)
         self._streams = _Queue(budget / 16)
         self._admissions = _Queue(budget / 16)
@@ -219,10 +219,9 @@ class Pacer:
             return False
         if admission:
             pace = self._pace()
-            if pace is not None and self._window_admits >= pace:
+            if pace is not None and self.admitted - self._window_mark >= pace:
                 return False
             self.admitted += 1
-            self._window_admits += 1
         q.spent += q.avg
         self.granted += 1
         return True
@@ -235,9 +234,9 @@ class Pacer:
             self._window += (min(dt, 10 * self.budget) - self._window) * 0.1
             if dt > 0:
                 k = min(1.0, dt / _RATE_SPAN)
-                self._rate += (self._window_admits / dt - self._rate) * k
+                self._rate += ((self.admitted - self._window_mark) / dt - self._rate) * k
                 self._pressure += (self._wait_ahead(now) - self._pressure) * k
-        self._window_admits = 0
+        self._window_mark = self.admitted
         self._used = 0.0
         s, a = self._streams, self._admissions
         s.spent = a.spent = 0.0
@@ -259,11 +258,9 @@ class Pacer:
                 self.paced += 1
             released += n + s.release(self.budget - a.spent)
             self.admitted += n
-            self._window_admits += n
         elif a.waiters:
             released = n = a.release(self.budget)
             self.admitted += n
-            self._window_admits += n
         else:
             released = s.release(self.budget)
         self.granted += released
