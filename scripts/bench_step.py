@@ -258,20 +258,18 @@ def _median(xs: list[float]) -> float:
 
 
 def _captured_pairs(torch: Any, n: int, repeats: int, alone: list[Any], with_path: list[Any]) -> dict[str, Any]:
-    """Graphs of the step alone and of the step with something captured into it, several
-    captures of each: separately captured graphs of the same step differ by a few
-    microseconds (each capture's own memory pool), about what an emit costs, so one capture
-    of each would measure the two captures as much as the emit. Each round runs every capture
-    once, alone and with in turn; a capture's figure is its fastest run, and the path's is
-    the median over its captures (against the median over the captures of the step alone)."""
+    """Graphs of the step alone and of the step with something captured into it, as many
+    captures of each: separately captured graphs of the same step can differ by about what
+    an emit costs (by up to 13 us, each in a memory pool of its own), so one capture of each
+    would measure the two captures as much as the emit. Each round runs every pair once,
+    alone and with in turn; a capture's figure is its fastest run, and the path's is the
+    median over its captures (against the median over the captures of the step alone)."""
     runs_a: list[list[float]] = [[] for _ in alone]
     runs_w: list[list[float]] = [[] for _ in with_path]
     for _ in range(repeats):
-        for c in range(max(len(alone), len(with_path))):
-            if c < len(alone):
-                runs_a[c].append(_timed(torch, n, lambda i, g=alone[c]: g.replay()))
-            if c < len(with_path):
-                runs_w[c].append(_timed(torch, n, lambda i, g=with_path[c]: g.replay()))
+        for ga, gw, ra, rw in zip(alone, with_path, runs_a, runs_w, strict=True):
+            ra.append(_timed(torch, n, lambda i, g=ga: g.replay()))
+            rw.append(_timed(torch, n, lambda i, g=gw: g.replay()))
     mins_a = [min(r) for r in runs_a]
     mins_w = [min(r) for r in runs_w]
     return {
@@ -715,7 +713,7 @@ def main(argv: list[str] | None = None) -> int:
         params = sum(p.numel() for p in model.parameters())
         if pins["producer"] is not None:
             os.sched_setaffinity(0, {pins["producer"]})
-        steps_max = 10 + (3 + args.steps * args.repeats) * max(1, args.captures) + 8 + args.latency_steps
+        steps_max = 10 + (3 + args.steps * args.repeats) * args.captures + 8 + args.latency_steps
         with seen_array(steps_max + 16) as (seen_path, seen):
             fd = FdChannel(fd_info["transport"])
             readers: dict[str, Any] = {

@@ -137,14 +137,11 @@ def test_bench_e2e_sweeps_api_servers_side_by_side(tmp_path: Path) -> None:
                       "itl_p99_le_vllm", "ring_N2_over_N1"}  # fmt: skip
 
 
-def test_bench_step_sets_each_capture_against_the_median_of_the_others() -> None:
+def test_bench_step_sets_each_capture_against_the_median_of_the_others(monkeypatch: pytest.MonkeyPatch) -> None:
     # the GPU benchmark's estimator, with stand-in graphs whose replays take known times: each
     # capture's figure is its fastest run, the path's the median over captures
-    sys.path.insert(0, str(SCRIPTS))
-    try:
-        import bench_step
-    finally:
-        sys.path.remove(str(SCRIPTS))
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    import bench_step
 
     class Clock:
         def __init__(self) -> None:
@@ -167,14 +164,10 @@ def test_bench_step_sets_each_capture_against_the_median_of_the_others() -> None
     class Torch:
         cuda = Cuda
 
-    real = bench_step.time.perf_counter_ns
-    bench_step.time.perf_counter_ns = lambda: clock.ns  # type: ignore[assignment]
-    try:
-        alone = [Graph(t) for t in (100.0, 104.0, 101.0)]
-        with_path = [Graph(t) for t in (111.0, 130.0, 112.0)]
-        got = bench_step._captured_pairs(Torch, 10, 2, alone, with_path)
-    finally:
-        bench_step.time.perf_counter_ns = real  # type: ignore[assignment]
+    monkeypatch.setattr(bench_step.time, "perf_counter_ns", lambda: clock.ns)
+    alone = [Graph(t) for t in (100.0, 104.0, 101.0)]
+    with_path = [Graph(t) for t in (111.0, 130.0, 112.0)]
+    got = bench_step._captured_pairs(Torch, 10, 2, alone, with_path)
     assert got["alone_capture_min_us"] == [100.0, 104.0, 101.0]
     assert got["with_capture_min_us"] == [111.0, 130.0, 112.0]
     assert (got["alone_us"], got["with_us"]) == (101.0, 112.0)  # one slow capture does not count
