@@ -298,6 +298,7 @@ def test_client_disconnect_aborts_in_the_engine(server: ServerProcess) -> None:
     socks = [_open_stream(server.port, 8000) for _ in range(3)]
     st = _stats(server)
     assert st["streams_open"] >= 3 and sum(e["running"] for e in st["engines"]) >= 3
+    assert st["pacer"]["open_streams"] >= 3  # each counts in the pacer's rounds while it streams
     for s in socks:
         s.close()
     deadline = time.monotonic() + 60
@@ -308,6 +309,7 @@ def test_client_disconnect_aborts_in_the_engine(server: ServerProcess) -> None:
             sum(e["aborted"] for e in engines) >= aborted0 + 3
             and st["streams_open"] == 0
             and st["hub"]["streams_open"] == 0
+            and st["pacer"]["open_streams"] == 0
             and sum(e["running"] for e in engines) == 0
         ):
             break
@@ -351,6 +353,7 @@ def test_many_concurrent_streams(server: ServerProcess) -> None:
     # every request was set up in an admission turn; nothing waits once they are done
     assert pacer["admitted"] - before["admitted"] >= 48 and pacer["granted"] - before["granted"] >= 48 + 48
     assert pacer["waiting_streams"] == 0 and pacer["waiting_admissions"] == 0 and pacer["budget_ms"] == 2.0
+    assert pacer["open_streams"] == 0
 
 
 def test_version(server: ServerProcess) -> None:

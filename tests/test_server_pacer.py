@@ -514,18 +514,19 @@ async def test_a_long_queue_holds_admissions_back_before_anyone_has_waited() -> 
     assert sum(fixed) >= 14, fixed
 
 
-async def _wave(growth: float | None, streams_n: int) -> tuple[list[int], Pacer]:
+async def _wave(growth: float | None, streams_n: int, then: int | None = None) -> tuple[list[int], Pacer]:
     """``streams_n`` running streams of 1.1 ms pieces in 4 ms windows (a 20 ms deadline) for
-    1,200 iterations, then 100 requests of 0.2 ms set-up each arrive at once: the admissions
-    of each iteration until all are set up, and the pacer."""
+    1,200 iterations (``then``: then only that many of them for 1,200 more), then 100 requests
+    of 0.2 ms set-up each arrive at once: the admissions of each iteration until all are set
+    up, and the pacer."""
     clock = _Clock()
     p = Pacer(budget=0.004, admission_share=0.5, stream_deadline=0.02, clock=clock, admission_growth=growth)
     _costs(p, 0.0011, admission=0.0002)
     tick = _Ticker(clock)
     done = False
 
-    async def stream() -> None:
-        while not done:
+    async def stream(i: int) -> None:
+        while not done and (then is None or i < then or tick.iteration < 1200):
             await p.turn()
             p.charge(0.0011)
 
@@ -536,8 +537,8 @@ async def _wave(growth: float | None, streams_n: int) -> tuple[list[int], Pacer]
         admitted.append(tick.iteration)
         p.charge(0.0002, admission=True)
 
-    streams = [asyncio.ensure_future(stream()) for _ in range(streams_n)]
-    while tick.iteration < 1200:
+    streams = [asyncio.ensure_future(stream(i)) for i in range(streams_n)]
+    while tick.iteration < (1200 if then is None else 2400):
         await asyncio.sleep(0)
     start = tick.iteration
     await asyncio.wait_for(asyncio.gather(*(admission() for _ in range(100))), 60)
@@ -570,6 +571,68 @@ async def test_the_pace_leaves_a_server_with_short_waits_alone() -> None:
     paced, p = await _wave(1.1, 4)
     free, _ = await _wave(None, 4)
     assert p.paced == 0 and paced == free, (paced, free)
+
+
+@pytest.mark.asyncio
+async def test_the_pace_holds_until_the_waits_fall_under_a_quarter_of_the_deadline() -> None:
+    """After 60 streams (waits past half the deadline), 24 streams keep the waits between a
+    quarter and a half of it: the pace still holds the wave to one a window. 8 streams take
+    the waits under a quarter: the wave goes in as fast as without the pace."""
+    held, p = await _wave(1.1, 60, then=24)
+    free, _ = await _wave(None, 60, then=24)
+    assert max(held) == 1 and p.paced > 0, held
+    assert max(free) >= 3, free
+    released, q = await _wave(1.1, 60, then=8)
+    unpaced, _ = await _wave(None, 60, then=8)
+    assert q.paced == 0 and released == unpaced, (released, unpaced)
+
+
+async def _open_then_admit(opened: int) -> list[int]:
+    """5 streams take 1.1 ms turns in 4 ms windows (a 40 ms deadline; their queue is never
+    long) while ``opened`` more streams are open but have no turn queued yet (requests set up,
+    their first tokens not come) and 40 requests wait to be set up: the admissions of each of
+    the first 10 iterations."""
+    clock = _Clock()
+    p = Pacer(budget=0.004, admission_share=0.5, stream_deadline=0.04, clock=clock)
+    _costs(p, 0.0011, admission=0.0011)
+    for _ in range(opened):
+        p.opened()
+    tick = _Ticker(clock)
+    done = False
+    admitted: list[int] = []
+
+    async def stream() -> None:
+        while not done:
+            await p.turn()
+            p.charge(0.0011)
+
+    async def admission() -> None:
+        await p.admission()
+        admitted.append(tick.iteration)
+        p.charge(0.0011, admission=True)
+
+    streams = [asyncio.ensure_future(stream()) for _ in range(5)]
+    await asyncio.sleep(0)
+    start = tick.iteration
+    await asyncio.wait_for(asyncio.gather(*(admission() for _ in range(40))), 60)
+    done = True
+    await asyncio.wait_for(asyncio.gather(*streams), 60)
+    tick.stop()
+    for _ in range(opened):
+        p.closed()
+    assert p.open_streams == 0
+    return [sum(1 for it in admitted if it - start == i) for i in range(10)]
+
+
+@pytest.mark.asyncio
+async def test_open_streams_count_in_a_round_before_they_queue_a_turn() -> None:
+    """200 open streams without a turn queued make a round of 200 turns (55 ms at 1.1 ms a
+    turn, 4 ms windows), past the 40 ms deadline: the admissions are held to one an
+    iteration at once, where with none open they take their half of each window."""
+    held = await _open_then_admit(200)
+    free = await _open_then_admit(0)
+    assert max(held) <= 1 and sum(held) >= 5, held
+    assert sum(free) >= 12, free
 
 
 def test_admission_growth_is_validated() -> None:

@@ -329,7 +329,18 @@ class Generation(Response):
     async def _stream_choice(
         self, c: Choice, emit: Callable[[bytes, bool], Awaitable[None]], gone: Callable[[], bool]
     ) -> None:
-        """The SSE loop of one choice, to its end (``c.end``, ``c.engine_done``, ``c.error``)."""
+        """The SSE loop of one choice, to its end (``c.end``, ``c.engine_done``, ``c.error``),
+        counted in the pacer's rounds from its start (its first tokens are on their way)."""
+        pacer = self.state.pacer
+        pacer.opened()
+        try:
+            await self._choice_loop(c, emit, gone)
+        finally:
+            pacer.closed()
+
+    async def _choice_loop(
+        self, c: Choice, emit: Callable[[bytes, bool], Awaitable[None]], gone: Callable[[], bool]
+    ) -> None:
         pacer = self.state.pacer
         stream = c.stream
         chat = self.chat

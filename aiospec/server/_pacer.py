@@ -29,17 +29,22 @@ admitting: every request it sets up makes the round longer. So the admissions' s
 once a stream's turn has waited half of ``stream_deadline`` (or will have, by what the queue
 ahead of it takes to drain), to one admission per iteration (they still move) at the whole
 deadline, and grows back as the streams catch up (a share that fell and rose at once would
-swing: the admissions held back would flood in together). Under overload the inter-token
+swing: the admissions held back would flood in together). A round's length counts every open
+stream (``opened()`` .. ``closed()``), not only the turns queued now: a request just set up takes
+no turn until its first tokens come, so a queue alone shows the rounds it adds only a round
+after the admissions that made them. Under overload the inter-token
 tail stays near the deadline and new requests wait longer for their first token instead, as
 an engine's scheduler runs the decoding requests before it prefills new ones.
 
 Past half the deadline the admissions also keep a pace: at most ``admission_growth`` times
 their recent rate (a moving average over about half a second of the pacer's clock) a window,
-one at the least. A server that delivers at about the engine's pace sees requests started
-together end together, and a closed-loop client replace them together: admitted as fast as
-they arrive, each such wave comes back a request's lifetime later, and the rounds swing with
-it (docs/benchmarks.md, "Where the ring's inter-chunk tail comes from"). Held to the recent
-rate, a wave is admitted over a longer time than it arrived in, and its requests end apart.
+one at the least; the pace holds until the averaged wait falls under a quarter of the
+deadline (an average that swings about the half would turn it on and off with the waves it
+damps). A server that delivers at about the engine's pace sees requests started together end
+together, and a closed-loop client replace them together: admitted as fast as they arrive,
+each such wave comes back a request's lifetime later, and the rounds swing with it
+(docs/benchmarks.md, "Where the ring's inter-chunk tail comes from"). Held to the recent rate,
+a wave is admitted over a longer time than it arrived in, and its requests end apart.
 """
 
 from __future__ import annotations
@@ -120,6 +125,7 @@ class Pacer:
         self.admission_growth = admission_growth
         self._rate = 0.0  # admissions a second, a moving average over _RATE_SPAN
         self._pressure = 0.0  # a stream turn's wait (_wait_ahead), a moving average over _RATE_SPAN
+        self._pacing = False  # the pace holds: set past half the deadline, cleared under a quarter
         self._window_mark = 0  # ``admitted`` when the current window began
         self._clock = clock  # for the streams' waits (the deadline)
         self._streams = _Queue(budget / 16)
@@ -134,6 +140,7 @@ class Pacer:
         self.admitted = 0  # admission turns granted (also counted in ``granted``)
         self.late = 0  # windows at the deadline (a stream waited, or will, that long): one admission
         self.paced = 0  # windows whose admissions the pace (admission_growth) held back
+        self.open_streams = 0  # streams between ``opened()`` and ``closed()``: each takes a turn a round
 
     @property
     def waiting(self) -> tuple[int, int]:
@@ -152,6 +159,7 @@ class Pacer:
             "paced_windows": self.paced,
             "admission_rate": round(self._rate, 1),
             "waiting_streams": streams,
+            "open_streams": self.open_streams,
             "waiting_admissions": admissions,
             "stream_deadline_ms": None if self.stream_deadline is None else self.stream_deadline * 1e3,
             "oldest_stream_wait_ms": round(self._streams.waited(self._clock()) * 1e3, 3),
@@ -167,14 +175,17 @@ class Pacer:
             self._loop.call_soon(self._tick)
 
     def _wait_ahead(self, now: float) -> float:
-        """How long a stream turn has waited, or will have: the oldest waiter's wait, or what
-        the queue ahead of the newest one will take to drain at the windows' pace, whichever
-        is longer (requests just admitted lengthen the queue a step after their set-up, a
-        round before anyone has waited for them)."""
+        """How long a stream turn has waited, or will have: the oldest waiter's wait, what the
+        queue ahead of the newest one will take to drain at the windows' pace, or what a round
+        of every open stream takes at that pace, whichever is longest (requests just admitted
+        lengthen the rounds a step after their set-up, once their first tokens come, and the
+        queue only a round after that: counted when they open, the admissions they make
+        stop before the rounds grow past the deadline, not after)."""
         s = self._streams
         if not s.since:
             return 0.0
-        return max(s.waited(now), len(s.since) * s.avg / self.budget * self._window)
+        queued = max(len(s.since), self.open_streams)
+        return max(s.waited(now), queued * s.avg / self.budget * self._window)
 
     def _share(self, now: float) -> float:
         """The admissions' share of this window while streams wait: ``admission_share`` until
@@ -191,12 +202,13 @@ class Pacer:
 
     def _pace(self) -> int | None:
         """The most admissions this window takes while streams wait and their recent waits
-        (``_wait_ahead``'s moving average) are past half the deadline: ``admission_growth``
-        times the recent rate over a window, one at the least (None: no pace). The average,
-        not this window's wait: when a wave of requests ends, the queue of stream turns is
-        short for a moment, just as their replacements arrive."""
+        (``_wait_ahead``'s moving average) went past half the deadline and have not fallen
+        under a quarter of it since: ``admission_growth`` times the recent rate over a
+        window, one at the least (None: no pace). The average, not this window's wait: when
+        a wave of requests ends, the queue of stream turns is short for a moment, just as
+        their replacements arrive."""
         d, g = self.stream_deadline, self.admission_growth
-        if d is None or g is None or not self._streams.waiters or self._pressure <= d / 2:
+        if d is None or g is None or not self._pacing or not self._streams.waiters:
             return None
         return max(1, int(g * self._rate * self._window))
 
@@ -236,6 +248,11 @@ class Pacer:
                 k = min(1.0, dt / _RATE_SPAN)
                 self._rate += ((self.admitted - self._window_mark) / dt - self._rate) * k
                 self._pressure += (self._wait_ahead(now) - self._pressure) * k
+                if self.stream_deadline is not None:
+                    if self._pressure > self.stream_deadline / 2:
+                        self._pacing = True
+                    elif self._pressure < self.stream_deadline / 4:
+                        self._pacing = False
         self._window_mark = self.admitted
         self._used = 0.0
         s, a = self._streams, self._admissions
@@ -269,6 +286,15 @@ class Pacer:
             self._last_tick = now
         else:
             self._last_tick = None
+
+    def opened(self) -> None:
+        """A stream that will take turns began (its request admitted): it counts in a round's
+        length from now on, before its first turn."""
+        self.open_streams += 1
+
+    def closed(self) -> None:
+        """A stream that ``opened()`` takes no more turns."""
+        self.open_streams -= 1
 
     def charge(self, seconds: float, admission: bool = False) -> None:
         """Report the measured cost of a piece of work done after a turn (``admission``: after
