@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -190,6 +191,83 @@ async def test_paced_get_returns_promptly_when_idle() -> None:
             assert t_turn >= t0
             assert d.token_ids.tolist() == [5] and time.perf_counter() - t0 < 30
             stream.close()
+
+
+class _LongWait(Pacer):
+    """A pacer whose stream turns wait long (``long_wait``), as ``paced_get`` asks."""
+
+    @property
+    def long_wait(self) -> bool:
+        return True
+
+
+async def _turn_order(p: Pacer) -> list[int]:
+    """20 turns queue ahead (a window each: 2 ms pieces in 1 ms windows); then stream 1, its
+    tokens not yet come, and stream 2, its tokens there, ask for their next delta; stream
+    1's tokens come while the turns ahead drain. The order in which the two get theirs."""
+    with shm.Ring.create(capacity=1 << 16) as ring:
+        async with Hub([ring.name]) as hub:
+            s1, s2 = hub.open(1), hub.open(2)
+            for _ in range(100):
+                p.charge(0.002)
+            await p.turn()
+            p.charge(0.002)  # this window is spent
+
+            async def ahead() -> None:
+                await p.turn()
+                p.charge(0.002)
+
+            busy = [asyncio.ensure_future(ahead()) for _ in range(20)]
+            ring.write(_frame(2, [9]))
+            for _ in range(1000):
+                if s2.ready():
+                    break
+                await asyncio.sleep(0)
+            assert s2.ready()
+            order: list[int] = []
+
+            async def take(s: Any, h: int) -> None:
+                d, _ = await paced_get(s, p)
+                assert d is not None
+                order.append(h)
+                p.charge(0.0001)
+
+            tasks = [asyncio.ensure_future(take(s1, 1))]
+            await asyncio.sleep(0)
+            tasks.append(asyncio.ensure_future(take(s2, 2)))
+            await asyncio.sleep(0)
+            ring.write(_frame(1, [5]))
+            await asyncio.wait_for(asyncio.gather(*busy, *tasks), 60)
+            s1.close()
+            s2.close()
+            return order
+
+
+@pytest.mark.asyncio
+async def test_long_wait_says_when_a_turn_queued_now_waits_a_quarter_of_the_deadline() -> None:
+    """10 turns of 1.1 ms queued in 4 ms windows drain in about 3 windows: not long against a
+    40 ms deadline; 100 open streams make a round of about 28 windows, over its quarter. No
+    deadline: never long."""
+    for deadline, opened, long in ((0.04, 0, False), (0.04, 100, True), (None, 100, False)):
+        p = Pacer(budget=0.004, stream_deadline=deadline)
+        _costs(p, 0.0011)
+        await p.turn()
+        p.charge(0.004)  # the window is spent: the turns below queue
+        for _ in range(opened):
+            p.opened()
+        waiting = [asyncio.ensure_future(p.turn()) for _ in range(10)]
+        await asyncio.sleep(0)
+        assert p.long_wait is long, (deadline, opened)
+        await asyncio.wait_for(asyncio.gather(*waiting), 60)
+
+
+@pytest.mark.asyncio
+async def test_a_stream_whose_turn_waits_long_queues_it_before_its_tokens_come() -> None:
+    """A stream whose turn will come a long round from now queues it at once, as one with
+    tokens waiting does, and takes the tokens that came meanwhile at its turn; otherwise (no
+    deadline: never long) it queues once they come, behind the streams that queued since."""
+    assert await _turn_order(_LongWait(budget=0.001)) == [1, 2]
+    assert await _turn_order(Pacer(budget=0.001, stream_deadline=None)) == [2, 1]
 
 
 def test_admission_share_is_validated() -> None:

@@ -147,6 +147,17 @@ class Pacer:
         """Stream turns and admissions waiting now."""
         return len(self._streams.waiters), len(self._admissions.waiters)
 
+    @property
+    def long_wait(self) -> bool:
+        """Whether a stream turn queued now will wait a quarter of the deadline or more: the
+        queue ahead (or a round of the open streams) will take that long, or the pace holds
+        (sustained pressure). An engine step is shorter than that, so a stream whose tokens
+        have not come yet will have them by its turn."""
+        d = self.stream_deadline
+        if d is None:
+            return False
+        return self._pacing or self._wait_ahead(self._clock()) > d / 4
+
     def stats(self) -> dict[str, float | None]:
         """The counters and what waits now (``/stats``' ``pacer``)."""
         streams, admissions = self.waiting

@@ -7,6 +7,12 @@ does that with a task wake-up per arrival; ``paced_get`` instead chains the stre
 future (the slot ``get()`` itself uses) into the pacer, so a ready stream costs a callback
 until its turn comes, not a task wake-up. Other streams (the baselines) fall back to
 ``get()`` and then the pacer.
+
+A stream whose tokens have not come yet queues its turn at once when the pacer says a turn
+queued now waits long (``Pacer.long_wait``: longer than an engine step), and takes at its turn
+what came meanwhile. Queued only once the tokens come, every stream the same frame wakes would
+join the queue together, and each would wait a round plus its place in that burst: the rounds'
+tail comes from the burst, and the time to the next frame adds to every gap.
 """
 
 from __future__ import annotations
@@ -36,6 +42,15 @@ async def paced_get(stream: Any, pacer: Pacer) -> tuple[Any, float]:
         d = stream.get_nowait() or await stream.get()
         await pacer.turn()
         return d, time.perf_counter()
+    if not stream.ready() and pacer.long_wait:
+        # the turn comes after the engine's next step: queue it now, as a stream with tokens
+        # waiting does, rather than when the next frame's tokens come (streams that all queue
+        # as one frame arrives wait a round and part of one, by their place in that burst)
+        await pacer.turn()
+        t0 = time.perf_counter()
+        got = stream.get_nowait()
+        if got is not None:
+            return got, t0
     if not stream.ready():
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         c._waiter = fut
