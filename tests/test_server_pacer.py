@@ -151,11 +151,13 @@ def _frame(handle: int, tokens: list[int], flags: int = 0) -> bytes:
 
 
 @pytest.mark.asyncio
-async def test_paced_get_delivers_every_token_in_order_when_paced() -> None:
+@pytest.mark.parametrize("long_wait", [False, True], ids=["queued-on-tokens", "queued-early"])
+async def test_paced_get_delivers_every_token_in_order_when_paced(long_wait: bool) -> None:
+    # queued early (turns wait long), a turn may come before the tokens: nothing is lost or reordered
     with shm.Ring.create(capacity=1 << 16) as ring:
         async with Hub([ring.name]) as hub:
             stream = hub.open(7)
-            p = Pacer(budget=0.001)
+            p = _LongWait(budget=0.001) if long_wait else Pacer(budget=0.001, stream_deadline=None)
             for _ in range(100):
                 p.charge(0.002)
             await p.turn()  # the window is spent: the stream's turn comes in a later iteration
