@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -484,6 +485,55 @@ async def test_a_very_large_delta_takes_at_most_a_budget_a_turn() -> None:
     assert all(waited >= 8 for _, waited in new_turns), new_turns
 
 
+async def _streams_and_admissions(
+    p: Pacer,
+    tick: _Ticker,
+    streams_n: int,
+    requests: int,
+    setup: float,
+    *,
+    sleeps: int = 0,
+    until: int = 0,
+    running: Callable[[int], bool] | None = None,
+    served: dict[int, list[int]] | None = None,
+) -> tuple[list[int], int, int]:
+    """``streams_n`` streams take turns of 1.1 ms pieces (stream ``i`` while ``running(i)``,
+    its turns' iterations into ``served[i]``); after ``sleeps`` loop iterations and once
+    ``tick`` reaches ``until``, ``requests`` requests of ``setup`` seconds' set-up each arrive
+    at once. Returns the iterations they
+    were admitted at, the iteration they arrived at and the one the last was set up at; the
+    streams are stopped and ``tick`` too."""
+    done = False
+
+    async def stream(i: int) -> None:
+        while not done and (running is None or running(i)):
+            await p.turn()
+            if served is not None:
+                served[i].append(tick.iteration)
+            p.charge(0.0011)
+
+    admitted: list[int] = []
+
+    async def admission() -> None:
+        await p.admission()
+        admitted.append(tick.iteration)
+        p.charge(setup, admission=True)
+
+    streams = [asyncio.ensure_future(stream(i)) for i in range(streams_n)]
+    for _ in range(sleeps):
+        await asyncio.sleep(0)
+    while tick.iteration < until:
+        await asyncio.sleep(0)
+    start = tick.iteration
+    await asyncio.wait_for(asyncio.gather(*(admission() for _ in range(requests))), 60)
+    end = tick.iteration
+    done = True
+    await asyncio.wait_for(asyncio.gather(*streams), 60)
+    tick.stop()
+    assert len(admitted) == requests
+    return admitted, start, end
+
+
 async def _burst(deadline: float | None, streams_n: int = 40) -> tuple[list[list[int]], int, Pacer]:
     """``streams_n`` running streams of 1.1 ms pieces in 4 ms windows while 300 new requests
     are set up: each stream's waits for its turn during the burst, in iterations, the
@@ -493,33 +543,9 @@ async def _burst(deadline: float | None, streams_n: int = 40) -> tuple[list[list
     _costs(p, 0.0011, admission=0.0011)  # a stream's piece and a request's set-up: 1.1 ms each
     tick = _Ticker(clock)
     served: dict[int, list[int]] = {i: [] for i in range(streams_n)}
-    done = False
-
-    async def stream(i: int) -> None:
-        while not done:
-            await p.turn()
-            served[i].append(tick.iteration)
-            p.charge(0.0011)
-
-    admitted: list[int] = []
-
-    async def admission() -> None:
-        await p.admission()
-        admitted.append(tick.iteration)
-        p.charge(0.0011, admission=True)
-
-    streams = [asyncio.ensure_future(stream(i)) for i in range(streams_n)]
-    for _ in range(60):
-        await asyncio.sleep(0)
-    burst_at = tick.iteration
-    await asyncio.wait_for(asyncio.gather(*(admission() for _ in range(300))), 60)
-    burst = tick.iteration - burst_at
-    done = True
-    await asyncio.wait_for(asyncio.gather(*streams), 60)
-    tick.stop()
-    assert len(admitted) == 300
+    _, burst_at, end = await _streams_and_admissions(p, tick, streams_n, 300, 0.0011, sleeps=60, served=served)
     waits = [[b - a for a, b in itertools.pairwise(its) if a >= burst_at] for its in served.values()]
-    return waits, burst, p
+    return waits, end - burst_at, p
 
 
 @pytest.mark.asyncio
@@ -603,28 +629,10 @@ async def _wave(growth: float | None, streams_n: int, then: int | None = None) -
     p = Pacer(budget=0.004, admission_share=0.5, stream_deadline=0.02, clock=clock, admission_growth=growth)
     _costs(p, 0.0011, admission=0.0002)
     tick = _Ticker(clock)
-    done = False
-
-    async def stream(i: int) -> None:
-        while not done and (then is None or i < then or tick.iteration < 1200):
-            await p.turn()
-            p.charge(0.0011)
-
-    admitted: list[int] = []
-
-    async def admission() -> None:
-        await p.admission()
-        admitted.append(tick.iteration)
-        p.charge(0.0002, admission=True)
-
-    streams = [asyncio.ensure_future(stream(i)) for i in range(streams_n)]
-    while tick.iteration < (1200 if then is None else 2400):
-        await asyncio.sleep(0)
-    start = tick.iteration
-    await asyncio.wait_for(asyncio.gather(*(admission() for _ in range(100))), 60)
-    done = True
-    await asyncio.wait_for(asyncio.gather(*streams), 60)
-    tick.stop()
+    admitted, start, _ = await _streams_and_admissions(
+        p, tick, streams_n, 100, 0.0002, until=1200 if then is None else 2400,
+        running=None if then is None else lambda i: i < then or tick.iteration < 1200,
+    )  # fmt: skip
     per = [0] * (max(admitted) - start + 1)
     for it in admitted:
         per[it - start] += 1
@@ -678,26 +686,7 @@ async def _open_then_admit(opened: int) -> list[int]:
     for _ in range(opened):
         p.opened()
     tick = _Ticker(clock)
-    done = False
-    admitted: list[int] = []
-
-    async def stream() -> None:
-        while not done:
-            await p.turn()
-            p.charge(0.0011)
-
-    async def admission() -> None:
-        await p.admission()
-        admitted.append(tick.iteration)
-        p.charge(0.0011, admission=True)
-
-    streams = [asyncio.ensure_future(stream()) for _ in range(5)]
-    await asyncio.sleep(0)
-    start = tick.iteration
-    await asyncio.wait_for(asyncio.gather(*(admission() for _ in range(40))), 60)
-    done = True
-    await asyncio.wait_for(asyncio.gather(*streams), 60)
-    tick.stop()
+    admitted, start, _ = await _streams_and_admissions(p, tick, 5, 40, 0.0011, sleeps=1)
     for _ in range(opened):
         p.closed()
     assert p.open_streams == 0
