@@ -56,6 +56,7 @@ import contextlib
 import json
 import multiprocessing
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -251,12 +252,6 @@ def _paired(torch: Any, n: int, repeats: int, base: Any, one: Any) -> tuple[list
     return alone, with_path
 
 
-def _median(xs: list[float]) -> float:
-    ys = sorted(xs)
-    h = len(ys) // 2
-    return ys[h] if len(ys) % 2 else (ys[h - 1] + ys[h]) / 2.0
-
-
 def _captured_pairs(torch: Any, n: int, repeats: int, alone: list[Any], with_path: list[Any]) -> dict[str, Any]:
     """Graphs of the step alone and of the step with something captured into it, as many
     captures of each: separately captured graphs of the same step can differ by about what
@@ -273,8 +268,8 @@ def _captured_pairs(torch: Any, n: int, repeats: int, alone: list[Any], with_pat
     mins_a = [min(r) for r in runs_a]
     mins_w = [min(r) for r in runs_w]
     return {
-        "alone_us": round(_median(mins_a), 2),
-        "with_us": round(_median(mins_w), 2),
+        "alone_us": round(statistics.median(mins_a), 2),
+        "with_us": round(statistics.median(mins_w), 2),
         "alone_capture_min_us": [round(x, 2) for x in mins_a],
         "with_capture_min_us": [round(x, 2) for x in mins_w],
         "runs_alone": [[round(x, 2) for x in r] for r in runs_a],

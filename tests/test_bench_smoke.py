@@ -172,4 +172,6 @@ def test_bench_step_sets_each_capture_against_the_median_of_the_others(monkeypat
     assert got["with_capture_min_us"] == [111.0, 130.0, 112.0]
     assert (got["alone_us"], got["with_us"]) == (101.0, 112.0)  # one slow capture does not count
     assert [len(r) for r in got["runs_alone"] + got["runs_with"]] == [2] * 6
-    assert bench_step._median([3.0, 1.0, 2.0, 4.0]) == 2.5
+    # an even number of captures: the mean of the middle two
+    got = bench_step._captured_pairs(Torch, 10, 1, [Graph(t) for t in (3.0, 1.0, 2.0, 4.0)], [Graph(5.0)] * 4)
+    assert got["alone_us"] == 2.5
