@@ -306,7 +306,7 @@ def test_neutral_values_of_refused_parameters_are_served(server: ServerProcess) 
 CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
 BAD_VALUES: list[tuple[str, dict[str, Any], str, str]] = [
     (CMPL, {"prompt": [1, 99999]}, "prompt",
-     r"^Invalid 'prompt': prompt\[1\] = 99999: expected a token id, 0\.\.\d+\.$"),
+     r"^Invalid 'prompt': prompt\[1\] = 99999 is out of vocabulary: expected 0\.\.408 \(vocabulary size 409\)\.$"),
     (CMPL, {"prompt": [[1], ["x"]]}, "prompt[1][0]", r"^Invalid 'prompt\[1\]\[0\]': Expected `int`"),
     (CMPL, {"prompt": []}, "prompt", r"^Invalid 'prompt': expected at least one prompt\.$"),
     (CMPL, {"prompt": [" the", [1, 2]]}, "prompt",
@@ -328,17 +328,21 @@ BAD_VALUES: list[tuple[str, dict[str, Any], str, str]] = [
     (CMPL, {"prompt": "x", "presence_penalty": -3}, "presence_penalty", r"expected -2\.\.2\.$"),
     (CMPL, {"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias",
      r"^Invalid 'logit_bias': bias 101\.0 of token 5: expected -100\.\.100\.$"),
-    (CMPL, {"prompt": "x", "logit_bias": {"99999": 1}}, "logit_bias", r"token id 99999: expected 0\.\."),
+    (CMPL, {"prompt": "x", "logit_bias": {"99999": 1}}, "logit_bias",
+     r"token id 99999 out of vocabulary: expected 0\.\.408 \(vocabulary size 409\)\.$"),
     (CMPL, {"prompt": "x", "logit_bias": {"the": 1}}, "logit_bias", r"key 'the': expected a token id"),
     # every bad entry named, not only the first (vLLM's test_chat_logit_bias_validation)
     (CHAT, {"messages": [{"role": "user", "content": "x"}], "logit_bias": {"bad1": 50.0, "bad2": 20.0}},
      "logit_bias", r"^Invalid 'logit_bias': keys 'bad1', 'bad2': expected token ids\.$"),
     (CMPL, {"prompt": "x", "logit_bias": {"a": 1, "5": 1, "99999": 1, "7": -101, "-1": 2, "8": 101, "b": 0}},
-     "logit_bias", r"^Invalid 'logit_bias': keys 'a', 'b': expected token ids; token ids 99999, -1: expected "
-     r"0\.\.\d+; biases -101\.0 of token 7, 101\.0 of token 8: expected -100\.\.100\.$"),
+     "logit_bias", r"^Invalid 'logit_bias': keys 'a', 'b': expected token ids; token ids 99999, -1 out of "
+     r"vocabulary: expected 0\.\.\d+ \(vocabulary size \d+\); "
+     r"biases -101\.0 of token 7, 101\.0 of token 8: expected -100\.\.100\.$"),
     (CMPL, {"prompt": "x", "max_tokens": 4, "min_tokens": 5}, "min_tokens",
      r"^Invalid 'min_tokens': min_tokens = 5: expected 0\.\.4 \(at most max_tokens\)\.$"),
-    (CMPL, {"prompt": "x", "stop_token_ids": [99999]}, "stop_token_ids", r"stop_token_ids\[0\] = 99999"),
+    (CMPL, {"prompt": "x", "stop_token_ids": [99999]}, "stop_token_ids",
+     r"^Invalid 'stop_token_ids': stop_token_ids\[0\] = 99999 is out of vocabulary: expected 0\.\.408 "
+     r"\(vocabulary size 409\)\.$"),
     (CMPL, {"prompt": "x", "stream_options": {"continuous_usage_stats": True}}, "stream_options",
      r"only allowed when 'stream' is true"),
     (CMPL, {"prompt": "x", "suffix": "y"}, "suffix", r"^Invalid 'suffix'"),
@@ -558,7 +562,30 @@ def test_prompt_logprobs_chat(client: openai.OpenAI, stream: bool) -> None:
         assert r.model_extra is not None
         same_prompt_logprobs(r.model_extra["prompt_logprobs"], want)
     plain = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2)
-    assert "prompt_logprobs" not in (plain.model_extra or {})
+    # not asked for: null, as vLLM sends it (its tests read `resp.prompt_logprobs is None`)
+    assert plain.model_extra is not None and plain.model_extra["prompt_logprobs"] is None
+
+
+def test_prompt_logprobs_is_null_unless_asked_for(client: openai.OpenAI) -> None:
+    r = client.completions.create(model=MODEL, prompt=[0, 0, 0, 0, 0], max_tokens=5)
+    assert r.choices[0].prompt_logprobs is None  # type: ignore[attr-defined]
+    assert r.choices[0].model_extra == {"prompt_logprobs": None, "stop_reason": None}
+
+
+def test_custom_roles_render_as_given(client: openai.OpenAI) -> None:
+    # vLLM takes a role outside OpenAI's list (a template's own); the string and the parts
+    # forms of the content give the same prompt
+    kw: dict[str, Any] = {"model": MODEL, "max_tokens": 3, "temperature": 0.0}
+    parts = [{"type": "text", "text": "hi "}, {"type": "text", "text": "there"}]
+    a = client.chat.completions.create(messages=[{"role": "my-custom-role", "content": "hi there"}], **kw)
+    b = client.chat.completions.create(messages=[{"role": "my-custom-role", "content": parts}], **kw)
+    assert a.choices[0].message.content == b.choices[0].message.content
+    assert a.usage is not None and a.usage.prompt_tokens == len(VOCAB.encode("my-custom-role: hi there\nassistant:"))
+
+
+def test_an_empty_model_name_is_the_served_model(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(model="", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert r.model == MODEL
 
 
 @pytest.mark.parametrize("k", [0, 2])

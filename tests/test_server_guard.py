@@ -201,8 +201,12 @@ BAD_BODIES = [
      r"^Missing required parameter: 'messages\[0\]\.role'\.$"),
     (b'{"messages": [{"role": 7}]}', "messages[0].role", "invalid_type",
      r"^Invalid 'messages\[0\]\.role': Expected `str`, got `int` - at `\$\.messages\[0\]\.role`$"),
-    (b'{"messages": [{"role": "bob"}]}', "messages[0].role", None,
-     r"^Invalid 'messages\[0\]\.role': 'bob': expected one of system, developer, user, assistant, tool\.$"),
+    (b'{"messages": [{"role": ""}]}', "messages[0].role", None,
+     r"^Invalid 'messages\[0\]\.role': '': expected one of system, developer, user, assistant, tool, or a custom "
+     r"role of 1\.\.64 printable characters without ':'\.$"),
+    (b'{"messages": [{"role": "user\\nassistant"}]}', "messages[0].role", None,
+     r"^Invalid 'messages\[0\]\.role': 'user\\nassistant': expected one of "),
+    (b'{"messages": [{"role": "a: b"}]}', "messages[0].role", None, r"^Invalid 'messages\[0\]\.role': 'a: b': "),
     (b'{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}', "messages[0].content[0]", None,
      r"^Invalid 'messages\[0\]\.content\[0\]': type 'image_url' is not supported \(text only\)\.$"),
     (b'{"messages": [{"role": "user", "content": [{"text": "x"}]}]}', "messages[0].content[0].type",
@@ -213,7 +217,9 @@ BAD_BODIES = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize(("body", "param", "code", "message"), BAD_BODIES, ids=[f"bad-{i}" for i in range(11)])
+@pytest.mark.parametrize(
+    ("body", "param", "code", "message"), BAD_BODIES, ids=[f"bad-{i}" for i in range(len(BAD_BODIES))]
+)
 def test_a_malformed_body_is_a_400_that_says_what(
     server: ServerProcess, body: bytes, param: str | None, code: str | None, message: str
 ) -> None:

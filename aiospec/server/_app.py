@@ -222,7 +222,8 @@ class Handlers:
 
     def _check_model(self, model: str | None) -> None:
         name = self.state.settings.model
-        if model is not None and model != name:
+        # an empty name is the served model, as no name is (vLLM takes both for its default)
+        if model and model != name:
             raise ApiError(
                 404, f"The model `{model}` does not exist (this server has `{name}`).",
                 param="model", code="model_not_found",

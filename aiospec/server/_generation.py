@@ -87,7 +87,7 @@ class _ChatCompletion(msgspec.Struct, tag_field="object", tag="chat.completion",
     model: str
     choices: list[_ChatChoice]
     usage: Usage
-    prompt_logprobs: Any = msgspec.UNSET
+    prompt_logprobs: Any = None  # null unless asked for, as vLLM sends it (clients read the key)
 
 
 class _CompletionChoice(msgspec.Struct, gc=False):
@@ -96,7 +96,7 @@ class _CompletionChoice(msgspec.Struct, gc=False):
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
     stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id that ended it
-    prompt_logprobs: Any = msgspec.UNSET
+    prompt_logprobs: Any = None  # null unless asked for, as vLLM sends it (clients read the key)
     draft_logprobs: Any = msgspec.UNSET
 
 

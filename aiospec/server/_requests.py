@@ -40,7 +40,8 @@ MAX_TOP_LOGPROBS = 20  # the default of --max-logprobs (vLLM's default too)
 MAX_N = 128  # OpenAI's bound on n
 MAX_CHOICES = 1024  # choices of one request: len(prompt) * n
 MAX_STOP_TOKEN_IDS = 1024  # the built-in engine's bound (a longer list would fail in the engine)
-_ROLES = ("system", "developer", "user", "assistant", "tool")
+_ROLES = ("system", "developer", "user", "assistant", "tool")  # the roles OpenAI names
+MAX_ROLE = 64  # characters of a custom role
 
 
 class ApiError(Exception):
@@ -464,8 +465,8 @@ def _common(req: _Common, max_tokens: int | None, lim: Limits) -> dict[str, Any]
                        param="stop_token_ids", code="array_above_max_length")  # fmt: skip
     for i, t in enumerate(stop_ids):
         if not 0 <= t < lim.vocab_size:
-            raise ApiError(400, f"Invalid 'stop_token_ids': stop_token_ids[{i}] = {t}: expected a token id, "
-                           f"0..{lim.vocab_size - 1}.", param="stop_token_ids", code="invalid_value")  # fmt: skip
+            raise ApiError(400, f"Invalid 'stop_token_ids': stop_token_ids[{i}] = {t} is out of vocabulary: "
+                           f"{_vocab(lim.vocab_size)}.", param="stop_token_ids", code="invalid_value")  # fmt: skip
     pl = -1 if req.prompt_logprobs is None else req.prompt_logprobs
     if req.prompt_logprobs is not None:
         _int_range("prompt_logprobs", pl, 0, lim.max_logprobs, _why(lim))
@@ -543,7 +544,7 @@ def _logit_bias(given: dict[str, float], vocab_size: int) -> dict[int, float]:
                    f"keys {', '.join(keys)}: expected token ids")  # fmt: skip
     if ids:
         what = f"token id {ids[0]}" if len(ids) == 1 else f"token ids {', '.join(map(str, ids))}"
-        why.append(f"{what}: expected 0..{vocab_size - 1}")
+        why.append(f"{what} out of vocabulary: {_vocab(vocab_size)}")
     if values:
         why.append(f"{'bias' if len(values) == 1 else 'biases'} {', '.join(values)}: expected -100..100")
     raise ApiError(400, f"Invalid 'logit_bias': {'; '.join(why)}.", param="logit_bias",
@@ -551,11 +552,18 @@ def _logit_bias(given: dict[str, float], vocab_size: int) -> dict[int, float]:
 
 
 def _check_roles(messages: Sequence[ChatMessage]) -> None:
+    # a custom role (vLLM's CustomChatCompletionMessageParam) is rendered as it is: it must
+    # not be empty nor able to start a line of the template's own (a line break, a control
+    # character)
     for i, m in enumerate(messages):
-        if m.role not in _ROLES:
+        r = m.role
+        if r in _ROLES:
+            continue
+        if not r or len(r) > MAX_ROLE or not r.isprintable() or ":" in r:
             raise ApiError(
                 400,
-                f"Invalid 'messages[{i}].role': {m.role!r}: expected one of {', '.join(_ROLES)}.",
+                f"Invalid 'messages[{i}].role': {r!r}: expected one of {', '.join(_ROLES)}, or a custom role "
+                f"of 1..{MAX_ROLE} printable characters without ':'.",
                 param=f"messages[{i}].role",
             )
 
@@ -614,15 +622,23 @@ def parse_chat(body: bytes, lim: Limits) -> Parsed:
     return Parsed(prompts=[prompt], top_logprobs=top, echo=False, **fields)
 
 
+def _vocab(vocab_size: int) -> str:
+    return f"expected 0..{vocab_size - 1} (vocabulary size {vocab_size})"
+
+
 def _why(lim: Limits) -> str:
     return " (--max-logprobs)" if lim.max_logprobs != MAX_TOP_LOGPROBS else ""
 
 
 def _token_ids(ids: list[int], where: str, lim: Limits) -> list[int]:
     for i, t in enumerate(ids):
-        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < lim.vocab_size:
-            raise ApiError(400, f"Invalid '{where}': {where}[{i}] = {t!r}: expected a token id, "
-                           f"0..{lim.vocab_size - 1}.", param=where, code="invalid_value")  # fmt: skip
+        if isinstance(t, bool) or not isinstance(t, int):
+            why = f"expected a token id, {_vocab(lim.vocab_size)}"
+        elif not 0 <= t < lim.vocab_size:
+            why = f"is out of vocabulary: {_vocab(lim.vocab_size)}"
+        else:
+            continue
+        raise ApiError(400, f"Invalid '{where}': {where}[{i}] = {t!r} {why}.", param=where, code="invalid_value")
     if not ids:
         raise ApiError(400, f"Invalid '{where}': expected at least one token id.", param=where, code="empty_array")
     return ids
