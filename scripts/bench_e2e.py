@@ -88,6 +88,45 @@ def _cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / _TICK
 
 
+def _cpu_ticks(cpus: set[int]) -> tuple[int, int]:
+    """(steal, all) clock ticks of ``cpus`` from /proc/stat: a virtual machine's CPU that the
+    host gave to another guest meanwhile counts steal ticks, and what waited on it then shows
+    as loop lag (0, 0 where /proc/stat has no steal column)."""
+    steal = total = 0
+    try:
+        with open("/proc/stat") as f:
+            for line in f:
+                name, _, rest = line.partition(" ")
+                if not name.startswith("cpu") or name == "cpu" or int(name[3:]) not in cpus:
+                    continue
+                v = [int(x) for x in rest.split()]
+                if len(v) > 7:
+                    steal += v[7]
+                total += sum(v[:8])
+    except OSError:
+        pass
+    return steal, total
+
+
+def _involuntary(pid: int) -> int:
+    """Involuntary context switches of every live thread of a process: how often another task
+    took its CPU while it could run."""
+    n = 0
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/status") as f:
+                for line in f:
+                    if line.startswith("nonvoluntary_ctxt_switches:"):
+                        n += int(line.split()[1])
+        except OSError:
+            pass
+    return n
+
+
 def _pin(pid: int, cpus: set[int]) -> None:
     """Every thread of a process onto ``cpus`` (sched_setaffinity takes one thread at a time)."""
     for tid in os.listdir(f"/proc/{pid}/task"):
@@ -234,6 +273,9 @@ def run_one(path: str, concurrency: int, a: argparse.Namespace, servers: int = 1
         _http(srv.url + "/stats/reset", "POST")
         time.sleep(0.3)  # every server process sees the reset
         cpu0 = {p: _cpu(p) for p in server_pids}
+        server_cpus = set().union(*placement) if not a.no_pin else set(os.sched_getaffinity(0))
+        ticks0 = _cpu_ticks(server_cpus)
+        switches0 = {p: _involuntary(p) for p in server_pids}
         ecpu0 = sum(_cpu(p) for p in engine_pids)
         s0 = _http(srv.url + "/stats")
         e0 = _engine_counters(s0)
@@ -243,6 +285,8 @@ def run_one(path: str, concurrency: int, a: argparse.Namespace, servers: int = 1
                               cpus=others, detailed=detailed)  # fmt: skip
         wall = time.perf_counter() - t0
         per_server_cpu = {p: _cpu(p) - c for p, c in cpu0.items()}
+        ticks1 = _cpu_ticks(server_cpus)
+        switches = [_involuntary(p) - c for p, c in switches0.items()]
         cpu = sum(per_server_cpu.values())
         ecpu = sum(_cpu(p) for p in engine_pids) - ecpu0
         if servers > 1:
@@ -288,6 +332,10 @@ def run_one(path: str, concurrency: int, a: argparse.Namespace, servers: int = 1
         "client_cpu_us_per_token": round(client_cpu / tokens * 1e6, 2),
         "loop_lag_ms": {k: round(max(x[k] for x in lags), 3) for k in lags[0] if k != "n"},
         "loop_lag_p99_ms_per_server": [round(x["p99_ms"], 3) for x in lags],
+        # what took the servers' CPUs from them over the load: the host (steal, a VM's) and
+        # other tasks on the same CPU (involuntary switches, per second and server process)
+        "server_cpus_steal_share": round((ticks1[0] - ticks0[0]) / max(ticks1[1] - ticks0[1], 1), 4),
+        "server_involuntary_switches_per_s": [round(x / max(wall, 1e-9), 1) for x in switches],
         "pacer": pacer,  # the server's turns over the load (one server process only)
         # the engine's own counters over the load: the share of the wall time it spent on its
         # steps and emits (near 1: the engine was the bound), and its pace against 1 / step_ms

@@ -120,6 +120,10 @@ def test_bench_e2e_sweeps_api_servers_side_by_side(tmp_path: Path) -> None:
         assert len(r["server_cpu_s_per_process"]) == (1 if r["api_servers"] == 1 else 3), r  # the parent too
         assert len(r["loop_lag_p99_ms_per_server"]) == r["api_servers"], r
         assert r["loop_lag_ms"]["p99_ms"] == max(r["loop_lag_p99_ms_per_server"]), r
+        # what took the servers' CPUs: a share of their ticks, switches a second per process
+        assert 0.0 <= r["server_cpus_steal_share"] <= 1.0, r
+        switches = r["server_involuntary_switches_per_s"]
+        assert len(switches) == len(r["server_cpu_s_per_process"]) and min(switches) >= 0.0, r
         e = r["engine"]
         assert 0 < e["busy"] < 1 and e["steps_per_s"] > 0 and e["paced_steps_per_s"] == 100.0, e
         # each load generator's requests in a file of its own; the percentiles are over all of them
