@@ -587,9 +587,9 @@ def decode_frame(buffer: Any, *, validate_offsets: bool = True) -> Frame:
     canonical columns whatever the frame's encoding (see ``Frame``). ``validate_offsets=False``
     skips the checks that cost O(R) and are not needed to read the columns within bounds
     (the offset columns' monotonicity and canonical form, the flags' bits and their DRAFT /
-    PROMPT bits against the frame's kind, the zero padding after each column; the header,
-    the sizes and the ``sampled_pos`` values are still checked), for readers that trust
-    their producer.
+    PROMPT bits against the frame's kind, the positions' signs, the zero padding after each
+    column; the header, the sizes and the ``sampled_pos`` values are still checked), for
+    readers that trust their producer.
     """
     mv = memoryview(buffer)
     if mv.ndim != 1 or mv.itemsize != 1:
