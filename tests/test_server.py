@@ -388,7 +388,7 @@ def test_tokenize_and_detokenize(server: ServerProcess) -> None:
     for path, body, param, status_want in (
         ("/tokenize", {"prompt": "a", "messages": msgs}, "prompt", 400),
         ("/tokenize", {}, "messages", 400),
-        ("/tokenize", {"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role", 400),
+        ("/tokenize", {"messages": [{"role": "wiz: ard", "content": "x"}]}, "messages[0].role", 400),
         ("/tokenize", {"prompt": "a", "model": "other"}, "model", 404),
         ("/detokenize", {"tokens": [1, -1, 10**9]}, "tokens", 400),
         ("/detokenize", {"tokens": "abc"}, "tokens", 400),
