@@ -371,6 +371,29 @@ def test_metrics_share_sums_counters_over_every_process_and_gauges_over_live_one
     assert shares[1]._reset_epoch() != shares[1]._reset_seen
 
 
+def test_loop_lag_summary_is_numpys_percentile_to_the_bins_and_the_max_exact() -> None:
+    from aiospec.server._metrics import LoopLag
+
+    rng = np.random.default_rng(7)
+    lag = LoopLag()
+    assert lag.summary() == {"n": 0, "p50_ms": 0.0, "p99_ms": 0.0, "max_ms": 0.0}
+    # mostly short oversleeps, a tail past 100 ms (the coarse bins), one past the last bin
+    x = np.concatenate([rng.exponential(0.002, 5000), rng.uniform(0.05, 0.3, 60), [12.5]])
+    for v in x:
+        lag.observe(float(v))
+    s = lag.summary()
+    p50, p99 = np.percentile(x * 1e3, (50, 99))
+    assert s["n"] == len(x) and s["max_ms"] == pytest.approx(12_500.0)
+    assert abs(s["p50_ms"] - p50) <= 0.005  # half a 10 us bin
+    assert abs(s["p99_ms"] - p99) <= 0.5  # half a 1 ms bin (p99 falls in the tail)
+    assert lag.hist.count == len(x)  # the Prometheus histogram sees every tick too
+    lag.observe(0.0042)  # one tick more: the summary follows
+    assert lag.summary()["n"] == len(x) + 1
+    lag.reset(everywhere=False)
+    lag.observe(0.0042)
+    assert lag.summary() == {"n": 1, "p50_ms": 4.2, "p99_ms": 4.2, "max_ms": 4.2}  # at most the max
+
+
 def test_metrics_share_writes_its_file_off_the_event_loop(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """A file write that waits (a disk's write-back) does not hold the event loop: the
     periodic snapshot is written by a thread while a 5 ms ticker keeps its pace."""

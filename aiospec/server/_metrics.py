@@ -72,6 +72,16 @@ class Histogram:
 
 
 _LAG_BOUNDS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
+# the ticker's percentiles: 10 us bins up to 100 ms, then 1 ms bins up to 10 s (the last bin
+# takes anything longer); the max is kept exactly
+_FINE_US, _FINE_BINS = 10, 10_000
+_COARSE_US, _COARSE_BINS = 1000, 9_900
+_BIN_MID_MS = (
+    np.concatenate(
+        [(np.arange(_FINE_BINS) + 0.5) * _FINE_US, _FINE_US * _FINE_BINS + (np.arange(_COARSE_BINS) + 0.5) * _COARSE_US]
+    )
+    / 1e3
+)
 _TTFT_BOUNDS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 
 
@@ -90,22 +100,39 @@ class LoopLag:
     """
 
     def __init__(
-        self, interval: float = 0.01, keep: int = 1 << 16, *, manage_gc: bool = False,
-        gen1_every: float = 30.0, gen2_every: float = 300.0,
-    ) -> None:  # fmt: skip
+        self, interval: float = 0.01, *, manage_gc: bool = False, gen1_every: float = 30.0, gen2_every: float = 300.0
+    ) -> None:
         self.interval = interval
         self.manage_gc = manage_gc
         self.gen1_every = gen1_every
         self.gen2_every = gen2_every
         self.gc_pause = Histogram(_LAG_BOUNDS)
         self.hist = Histogram(_LAG_BOUNDS)
-        self._samples = np.zeros(keep, dtype=np.float64)
+        # every oversleep since the last reset, binned: the percentiles of a long run's ticks
+        # cost a cumulative sum over the bins (tens of microseconds), where a sort of the
+        # samples held the loop for about a millisecond each time /stats or the shared
+        # metrics asked
+        self._bins = np.zeros(_FINE_BINS + _COARSE_BINS, dtype=np.int64)
+        self._max = 0.0
         self._n = 0
         self._task: asyncio.Task[None] | None = None
         self._thresholds = (700, 10, 10)
         self.on_reset: Callable[[], None] | None = None  # tells the other server processes
         # called on every tick: a sign of life of the loop (--api-servers: the parent's watch)
         self.on_tick: Callable[[], None] | None = None
+
+    def observe(self, lag: float) -> None:
+        """One tick's oversleep, seconds."""
+        self.hist.observe(lag)
+        us = int(lag * 1e6)
+        if us < _FINE_US * _FINE_BINS:
+            b = us // _FINE_US
+        else:
+            b = min(_FINE_BINS + (us - _FINE_US * _FINE_BINS) // _COARSE_US, _FINE_BINS + _COARSE_BINS - 1)
+        self._bins[b] += 1
+        if lag > self._max:
+            self._max = lag
+        self._n += 1
 
     def start(self) -> None:
         if self.manage_gc:
@@ -124,18 +151,13 @@ class LoopLag:
 
     async def _run(self) -> None:
         iv = self.interval
-        samples = self._samples
-        keep = samples.shape[0]
         now = time.perf_counter()
         next1, next2 = now + self.gen1_every, now + self.gen2_every
         while True:
             t = time.perf_counter()
             await asyncio.sleep(iv)
             now = time.perf_counter()
-            lag = max(0.0, now - t - iv)
-            self.hist.observe(lag)
-            samples[self._n % keep] = lag
-            self._n += 1
+            self.observe(max(0.0, now - t - iv))
             if self.on_tick is not None:
                 self.on_tick()
             if self.manage_gc and now >= next1:
@@ -148,17 +170,35 @@ class LoopLag:
 
     def reset(self, *, everywhere: bool = True) -> None:
         """Start the percentiles afresh (in every server process, unless ``everywhere`` is off)."""
+        self._bins[:] = 0
+        self._max = 0.0
         self._n = 0
         if everywhere and self.on_reset is not None:
             self.on_reset()
 
     def summary(self) -> dict[str, float]:
-        n = min(self._n, self._samples.shape[0])
+        """p50, p99 and max of the oversleeps since the last reset, ms: the percentiles as
+        numpy's (linear between order statistics) to the order statistics' bins (10 us below
+        100 ms, 1 ms above; a bin's middle, at most the max), the max exact."""
+        n = self._n
         if n == 0:
             return {"n": 0, "p50_ms": 0.0, "p99_ms": 0.0, "max_ms": 0.0}
-        a = self._samples[:n] * 1e3
-        p50, p99 = np.percentile(a, (50, 99))
-        return {"n": int(n), "p50_ms": float(p50), "p99_ms": float(p99), "max_ms": float(a.max())}
+        cum = np.cumsum(self._bins)
+        out: dict[str, float] = {"n": n}
+
+        def order_ms(i: int) -> float:  # the i-th smallest oversleep, to its bin's middle
+            return min(float(_BIN_MID_MS[int(np.searchsorted(cum, i + 1))]), self._max * 1e3)
+
+        for q, name in ((0.50, "p50_ms"), (0.99, "p99_ms")):
+            # numpy's percentile: between the two order statistics around q * (n - 1)
+            k = q * (n - 1)
+            lo = int(k)
+            v = order_ms(lo)
+            if lo + 1 < n:
+                v += (k - lo) * (order_ms(lo + 1) - v)
+            out[name] = v
+        out["max_ms"] = self._max * 1e3
+        return out
 
 
 class Metrics:
@@ -189,7 +229,7 @@ class Metrics:
             await self.share.stop()
 
     def _lag_summary(self) -> dict[str, float]:
-        # percentiles over up to 65,536 samples take about a millisecond: once a second at most
+        # once a second at most (the shared snapshot asks four times a second)
         now = time.monotonic()
         if self._lag_cache is None or now - self._lag_cache[0] > 1.0 or self.loop_lag._n < self._lag_cache[2]:
             self._lag_cache = (now, self.loop_lag.summary(), self.loop_lag._n)
