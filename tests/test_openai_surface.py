@@ -221,6 +221,198 @@ def test_return_tokens_as_token_ids(server: ServerProcess, client: openai.OpenAI
         assert all(v["decoded_token"] == f"token_id:{k}" for k, v in pos.items())
 
 
+# -- the chat template's flags and chat echo (vLLM's) ----------------------------------------------
+
+SAYING = "An apple a day"
+CONVO: list[Any] = [{"role": "user", "content": "tell me a saying"}, {"role": "assistant", "content": SAYING}]
+GREEDY: dict[str, Any] = {"max_tokens": 6, "temperature": 0}
+
+
+def _reply(client: openai.OpenAI, messages: list[Any], stream: bool = False, **extra: Any) -> tuple[str, str]:
+    """A greedy chat reply's role and content (streamed: the deltas joined, the role in the first)."""
+    kw: dict[str, Any] = {"model": MODEL, "messages": messages, "extra_body": {"ignore_eos": True, **extra}, **GREEDY}
+    if not stream:
+        msg = client.chat.completions.create(**kw).choices[0].message
+        return msg.role, msg.content or ""
+    chunks = [c for c in client.chat.completions.create(stream=True, **kw) if c.choices]
+    assert all(c.choices[0].delta.role is None for c in chunks[1:])
+    content = "".join(c.choices[0].delta.content or "" for c in chunks)
+    if extra.get("echo") and content.startswith(SAYING):  # the echo comes whole in the first chunk
+        assert (chunks[0].choices[0].delta.content or "").startswith(SAYING)
+    return str(chunks[0].choices[0].delta.role), content
+
+
+def test_add_generation_prompt_and_continue_final_message(server: ServerProcess, client: openai.OpenAI) -> None:
+    # each renders its prompt: the reply is the completion of that text, and usage counts it
+    lines = f"user: tell me a saying\nassistant: {SAYING}"
+    for extra, prompt in (
+        ({}, lines + "\nassistant:"),
+        ({"add_generation_prompt": True, "continue_final_message": False}, lines + "\nassistant:"),
+        ({"add_generation_prompt": False}, lines + "\n"),
+        ({"add_generation_prompt": False, "continue_final_message": True}, lines),  # the final message left open
+    ):
+        r = client.chat.completions.create(model=MODEL, messages=CONVO, extra_body={"ignore_eos": True, **extra},
+                                           **GREEDY)  # fmt: skip
+        assert r.choices[0].message.content == _text(client, prompt, **GREEDY, **FIXED), extra
+        assert r.usage is not None and r.usage.prompt_tokens == len(VOCAB.encode(prompt)), extra
+    # any final message is left open (vLLM checks no role): the model continues a user's too
+    user = [{"role": "user", "content": "x y"}]
+    got = _reply(client, user, add_generation_prompt=False, continue_final_message=True)
+    assert got == ("user", _text(client, "user: x y", **GREEDY, **FIXED))
+    # vLLM's rule and message: not both (add_generation_prompt is true unless set to false)
+    for extra in ({"continue_final_message": True}, {"continue_final_message": True, "add_generation_prompt": True}):
+        status, err = post(server.url + CHAT, {"messages": CONVO, "max_tokens": 2, **extra})
+        assert status == 400 and err["error"]["param"] == "continue_final_message", err
+        assert ("Cannot set both `continue_final_message` and `add_generation_prompt` to True."
+                in err["error"]["message"])  # fmt: skip
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_chat_echo(client: openai.OpenAI, stream: bool) -> None:
+    # vLLM's test_chat_echo: the last message's content starts the reply when its role is the reply's
+    cont = {"continue_final_message": True, "add_generation_prompt": False}
+    role, plain = _reply(client, CONVO, stream, **cont)
+    assert role == "assistant" and SAYING not in plain
+    assert _reply(client, CONVO, stream, echo=True, **cont) == ("assistant", SAYING + plain)
+    assert _reply(client, CONVO, stream, echo=True) == ("assistant", SAYING + _reply(client, CONVO, stream)[1])
+    assert _reply(client, CONVO, stream, echo=False) == _reply(client, CONVO, stream)
+    # the generation prompt's reply is the assistant's: a final user message is not echoed
+    user = [{"role": "user", "content": "x y"}]
+    assert _reply(client, user, stream, echo=True) == _reply(client, user, stream)
+    # without it the reply takes the last message's role (vLLM's), and echoes that message
+    role, plain = _reply(client, user, stream, add_generation_prompt=False)
+    assert role == "user"
+    assert _reply(client, user, stream, echo=True, add_generation_prompt=False) == ("user", "x y" + plain)
+
+
+def test_chat_echo_every_choice(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(model=MODEL, messages=CONVO, n=2, max_tokens=6, seed=5,
+                                       extra_body={"echo": True, "ignore_eos": True})  # fmt: skip
+    assert [(c.message.content or "")[: len(SAYING)] for c in r.choices] == [SAYING, SAYING]
+    assert r.usage is not None and r.usage.completion_tokens == 12
+
+
+# -- token ids (vLLM's return_token_ids) -----------------------------------------------------------
+
+
+def _ids_of(entries: list[str]) -> list[int]:
+    return [_tid(t) for t in entries]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_return_token_ids_completions(server: ServerProcess, stream: bool) -> None:
+    body: dict[str, Any] = {"prompt": "The man", "max_tokens": 9, "seed": 3, "logprobs": 0, "ignore_eos": True,
+                            "return_tokens_as_token_ids": True, "stream": stream}  # fmt: skip
+    prompt_ids = VOCAB.encode("The man")
+    status, got = post(server.url + CMPL, {**body, "return_token_ids": True})
+    assert status == 200, got
+    status, plain = post(server.url + CMPL, body)
+    assert status == 200, plain
+    if not stream:
+        (ch,), (pch,) = got["choices"], plain["choices"]
+        assert ch["prompt_token_ids"] == prompt_ids
+        assert ch["token_ids"] == _ids_of(ch["logprobs"]["tokens"]) and len(ch["token_ids"]) == 9
+        assert VOCAB.decode(ch["token_ids"]) == ch["text"] == pch["text"]
+        # not asked for: null, as vLLM sends them
+        assert pch["prompt_token_ids"] is None and pch["token_ids"] is None
+        return
+    chunks = [e["choices"][0] for e in got if e["choices"]]
+    # vLLM's: the prompt's ids in the first chunk, each chunk's own tokens in it
+    assert chunks[0]["prompt_token_ids"] == prompt_ids
+    assert all("prompt_token_ids" not in c for c in chunks[1:])
+    for c in chunks:
+        assert c["token_ids"] == _ids_of(c["logprobs"]["tokens"]), c
+    ids = [t for c in chunks for t in c["token_ids"]]
+    assert len(ids) == 9 and VOCAB.decode(ids) == "".join(c["text"] for c in chunks)
+    pchunks = [e["choices"][0] for e in plain if e["choices"]]
+    assert all("token_ids" not in c and "prompt_token_ids" not in c for c in pchunks)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_return_token_ids_with_echo(server: ServerProcess, stream: bool) -> None:
+    # vLLM's test_comparison_with_prompt_logprobs_and_logprobs: the prompt is its ids, the
+    # logprobs hold the prompt's tokens then the completion's, whose ids end them
+    body: dict[str, Any] = {"prompt": "Hello, world! How are you today?", "max_tokens": 6, "seed": 2, "echo": True,
+                            "logprobs": 1, "ignore_eos": True, "return_tokens_as_token_ids": True}  # fmt: skip
+    prompt_ids = VOCAB.encode(body["prompt"])
+    status, plain = post(server.url + CMPL, {**body, "echo": False})
+    assert status == 200, plain
+    status, got = post(server.url + CMPL, {**body, "return_token_ids": True, "stream": stream})
+    assert status == 200, got
+    if stream:
+        chunks = [e["choices"][0] for e in got if e["choices"]]
+        assert chunks[0]["prompt_token_ids"] == prompt_ids
+        text = "".join(c["text"] for c in chunks)
+        tokens = [t for c in chunks for t in c["logprobs"]["tokens"]]
+        ids = [t for c in chunks for t in c["token_ids"]]
+    else:
+        (ch,) = got["choices"]
+        assert ch["prompt_token_ids"] == prompt_ids
+        text, tokens, ids = ch["text"], ch["logprobs"]["tokens"], ch["token_ids"]
+    assert text == plain["choices"][0]["text"] == VOCAB.decode(ids)
+    assert _ids_of(tokens) == prompt_ids + ids
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_return_token_ids_are_what_usage_counts(server: ServerProcess, stream: bool) -> None:
+    # vLLM's token_ids: completion_tokens of them, the end token and a stop string's last token in
+    def run(body: dict[str, Any]) -> tuple[str, list[int], int, str]:
+        body = {"prompt": "x", "max_tokens": 80, "return_token_ids": True, "stream": stream, **body}
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+        status, got = post(server.url + CMPL, body)
+        assert status == 200, got
+        events = got if stream else [got]
+        chs = [e["choices"][0] for e in events if e["choices"]]
+        ids = [t for c in chs for t in c["token_ids"]]
+        return "".join(c["text"] for c in chs), ids, events[-1]["usage"]["completion_tokens"], chs[-1]["finish_reason"]
+
+    for seed in range(60):
+        text, ids, count, reason = run({"seed": seed})
+        if reason == "stop" and count < 60:
+            break
+    else:
+        raise AssertionError("no text ended at the end token")
+    assert ids[-1] == VOCAB.eos_id and len(ids) == count and VOCAB.decode(ids[:-1]) == text
+    stop = VOCAB.token(ids[2])[-2:]
+    cut, cut_ids, cut_count, reason = run({"seed": seed, "stop": [stop]})
+    assert reason == "stop" and cut == text[: text.index(stop)] and len(cut_ids) == cut_count
+    assert cut_ids == ids[:cut_count] and stop in VOCAB.decode(cut_ids)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_return_token_ids_chat(client: openai.OpenAI, stream: bool) -> None:
+    # vLLM's test_chat_completion_with_emoji_and_token_ids: prompt_token_ids at the top level
+    # (streamed: in the first chunk only), each choice's token_ids
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "The man"}]
+    prompt_ids = VOCAB.encode("system: Be brief.\nuser: The man\nassistant:")
+    kw: dict[str, Any] = {"model": MODEL, "messages": msgs, "max_tokens": 7, "seed": 8, "n": 2}
+    whole = client.chat.completions.create(extra_body={"ignore_eos": True, "return_token_ids": True}, **kw)
+    assert whole.model_extra is not None and whole.model_extra["prompt_token_ids"] == prompt_ids
+    for c in whole.choices:
+        assert c.model_extra is not None and len(c.model_extra["token_ids"]) == 7
+        assert VOCAB.decode(c.model_extra["token_ids"]) == c.message.content
+    if not stream:
+        plain = client.chat.completions.create(extra_body={"ignore_eos": True}, **kw)
+        # not asked for: null, as vLLM sends them (its tests read `resp.prompt_token_ids is None`)
+        assert plain.model_extra is not None and plain.model_extra["prompt_token_ids"] is None
+        assert all(c.model_extra is not None and c.model_extra["token_ids"] is None for c in plain.choices)
+        return
+    chunks = list(client.chat.completions.create(stream=True, extra_body={"ignore_eos": True, "return_token_ids": True},
+                                                 **kw))  # fmt: skip
+    for i, c in enumerate(whole.choices):
+        mine = [x for x in chunks if x.choices and x.choices[0].index == i]
+        assert mine[0].model_extra is not None and mine[0].model_extra["prompt_token_ids"] == prompt_ids
+        assert all("prompt_token_ids" not in (x.model_extra or {}) for x in mine[1:])
+        ids = [t for x in mine for t in (x.choices[0].model_extra or {})["token_ids"]]
+        assert ids == (c.model_extra or {})["token_ids"]
+        assert "".join(x.choices[0].delta.content or "" for x in mine) == c.message.content
+    plain = client.chat.completions.create(stream=True, extra_body={"ignore_eos": True}, **kw)
+    for x in plain:
+        assert "prompt_token_ids" not in (x.model_extra or {})
+        assert all("token_ids" not in (ch.model_extra or {}) for ch in x.choices)
+
+
 # -- the model card --------------------------------------------------------------------------------
 
 
@@ -259,8 +451,6 @@ CHAT_REFUSALS: list[tuple[str, Any, str]] = [
     ("tools", [{"type": "function", "function": {"name": "f"}}], r"tools \(function calling\) are not supported"),
     ("tool_choice", "auto", r"tool_choice is not supported"),
     ("chat_template", "{{ x }}", r"custom chat templates are not supported"),
-    ("continue_final_message", True, r"continue_final_message is not supported"),
-    ("echo", True, r"echo is not supported in chat completions"),
     ("reasoning_effort", "low", r"reasoning_effort is not supported"),
     ("modalities", ["text", "audio"], r"only the text modality is supported"),
 ]
@@ -569,7 +759,8 @@ def test_prompt_logprobs_chat(client: openai.OpenAI, stream: bool) -> None:
 def test_prompt_logprobs_is_null_unless_asked_for(client: openai.OpenAI) -> None:
     r = client.completions.create(model=MODEL, prompt=[0, 0, 0, 0, 0], max_tokens=5)
     assert r.choices[0].prompt_logprobs is None  # type: ignore[attr-defined]
-    assert r.choices[0].model_extra == {"prompt_logprobs": None, "stop_reason": None}
+    assert r.choices[0].model_extra == {"prompt_logprobs": None, "stop_reason": None, "prompt_token_ids": None,
+                                        "token_ids": None}  # fmt: skip
 
 
 def test_custom_roles_render_as_given(client: openai.OpenAI) -> None:

@@ -69,7 +69,9 @@ class CompletionChoice(msgspec.Struct, gc=False):
     """One choice of a ``text_completion`` chunk. The extensions are left out unless set:
     ``stop_reason`` (vLLM's: the stop string or stop token id that ended the choice, or
     ``None``, in its last chunk), ``prompt_logprobs`` (vLLM's shape, in the choice's first
-    chunk) and ``draft_logprobs`` (the draft model's tokens, in the shape of ``logprobs``)."""
+    chunk), ``prompt_token_ids`` (vLLM's, in the choice's first chunk), ``token_ids`` (vLLM's:
+    the chunk's tokens) and ``draft_logprobs`` (the draft model's tokens, in the shape of
+    ``logprobs``)."""
 
     index: int
     text: str
@@ -77,6 +79,8 @@ class CompletionChoice(msgspec.Struct, gc=False):
     finish_reason: str | None = None
     stop_reason: Any = msgspec.UNSET
     prompt_logprobs: Any = msgspec.UNSET
+    prompt_token_ids: Any = msgspec.UNSET
+    token_ids: Any = msgspec.UNSET
     draft_logprobs: Any = msgspec.UNSET
 
 

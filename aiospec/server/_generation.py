@@ -78,6 +78,7 @@ class _ChatChoice(msgspec.Struct, gc=False):
     logprobs: ChatLogprobs | None
     finish_reason: str | None
     stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id that ended it
+    token_ids: list[int] | None = None  # vLLM's return_token_ids: null unless asked for, as vLLM sends it
     draft_logprobs: Any = msgspec.UNSET
 
 
@@ -88,6 +89,7 @@ class _ChatCompletion(msgspec.Struct, tag_field="object", tag="chat.completion",
     choices: list[_ChatChoice]
     usage: Usage
     prompt_logprobs: Any = None  # null unless asked for, as vLLM sends it (clients read the key)
+    prompt_token_ids: list[int] | None = None  # likewise (return_token_ids)
 
 
 class _CompletionChoice(msgspec.Struct, gc=False):
@@ -97,6 +99,8 @@ class _CompletionChoice(msgspec.Struct, gc=False):
     finish_reason: str | None
     stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id that ended it
     prompt_logprobs: Any = None  # null unless asked for, as vLLM sends it (clients read the key)
+    prompt_token_ids: list[int] | None = None  # likewise, both of return_token_ids
+    token_ids: list[int] | None = None
     draft_logprobs: Any = msgspec.UNSET
 
 
@@ -403,26 +407,43 @@ class Generation(Response):
         n = len(c.prompt_ids)
         return b',"usage":' + _encoder.encode(Usage(n, c.out.ntok, n + c.out.ntok))
 
+    def _token_ids(self, d: Delta, counted: int) -> list[int]:
+        """vLLM's ``token_ids`` of a delta: its ``counted`` tokens (usage's, to a stop
+        sequence's cut), and the end token, which the engine never emits, where it ended the
+        choice (vLLM's token_ids hold it, as its completion_tokens count it)."""
+        ids: list[int] = d.token_ids[:counted].tolist()
+        if counted > d.num_tokens:
+            ids.append(self.vocab.eos_id)
+        return ids
+
     def _chat_chunk(self, c: Choice, d: Delta, enc: ChatChunkEncoder) -> bytes | None:
         out = c.out
         n0 = out.ntok
         text, lp = out.consume_chat(d)
-        self._observe(d.num_tokens, out.ntok - n0)
+        counted = out.ntok - n0
+        self._observe(d.num_tokens, counted)
         fr = out.finish_reason
-        if not text and lp is None and fr is None:
-            return None
         p = self.parsed
+        # with return_token_ids every counted token is in a chunk, text or not (vLLM's)
+        if not text and lp is None and fr is None and not (counted and p.return_token_ids):
+            return None
+        if c.first and p.chat_echo:
+            text = p.chat_echo + text
         extra = b""
         if c.first and c.prompt_lp is not None and p.prompt_logprobs >= 0:
             extra += b',"prompt_logprobs":' + c.prompt_lp.vllm_json(self.display, p.prompt_logprobs)
+        if c.first and p.return_token_ids:  # vLLM's: in the first chunk only
+            extra += b',"prompt_token_ids":' + _encoder.encode(c.prompt_ids)
         if p.continuous_usage:
             extra += self._usage_json(c)
         choice_extra = b""
         if fr is not None:  # the choice's last chunk: vLLM's stop_reason beside finish_reason
             choice_extra = b',"stop_reason":' + _encoder.encode(out.stop_reason)
+        if p.return_token_ids:
+            choice_extra += b',"token_ids":' + _encoder.encode(self._token_ids(d, counted))
         if p.draft_logprobs and c.drafts:
             choice_extra += b',"draft_logprobs":' + _encoder.encode(self._drafts(c))
-        body = enc.chunk(content=text, role="assistant" if c.first else None, logprobs=lp, finish_reason=fr,
+        body = enc.chunk(content=text, role=p.role if c.first else None, logprobs=lp, finish_reason=fr,
                          choice_extra=choice_extra, extra=extra)  # fmt: skip
         c.first = False
         return body
@@ -431,20 +452,27 @@ class Generation(Response):
         out = c.out
         n0 = out.ntok
         text, lp = out.consume(d)
-        self._observe(d.num_tokens, out.ntok - n0)
+        counted = out.ntok - n0
+        self._observe(d.num_tokens, counted)
         fr = out.finish_reason
         p = self.parsed
         if c.first and p.echo:
-            text = c.prompt_text + text
+            if not p.return_token_ids:  # vLLM's: with return_token_ids the prompt is its ids, not text
+                text = c.prompt_text + text
             if p.top_logprobs >= 0:
                 lp = _join(self._echo_logprobs(c), lp)
-        if not text and lp is None and fr is None:
+        # with return_token_ids every counted token is in a chunk, text or not (vLLM's)
+        if not text and lp is None and fr is None and not (counted and p.return_token_ids):
             return None
         choice = CompletionChoice(c.index, text, lp, fr)
         if fr is not None:  # the choice's last chunk: vLLM's stop_reason beside finish_reason
             choice.stop_reason = out.stop_reason
         if c.first and c.prompt_lp is not None and p.prompt_logprobs >= 0:
             choice.prompt_logprobs = msgspec.Raw(c.prompt_lp.vllm_json(self.display, p.prompt_logprobs))
+        if p.return_token_ids:
+            choice.token_ids = self._token_ids(d, counted)
+            if c.first:  # vLLM's: in the choice's first chunk only
+                choice.prompt_token_ids = c.prompt_ids
         if p.draft_logprobs and c.drafts:
             choice.draft_logprobs = self._drafts(c)
         chunk = CompletionChunk(self.rid, self.created, self.model, [choice])
@@ -479,17 +507,23 @@ class Generation(Response):
 
     # -- whole ---------------------------------------------------------------------------------
 
-    async def _collect(self, c: Choice) -> tuple[str, list[Any]]:
-        """One choice's text and logprobs objects, to its end; raises what its stream raises."""
+    async def _collect(self, c: Choice) -> tuple[str, list[Any], list[int]]:
+        """One choice's text, logprobs objects and token ids (``return_token_ids``: vLLM's
+        ``token_ids``), to its end; raises what its stream raises."""
         out = c.out
         texts: list[str] = []
         lps: list[Any] = []
+        ids: list[int] = []
+        want_ids = self.parsed.return_token_ids
         async for d in c.stream:
             if c.take_side(d):
                 continue
             n0 = out.ntok
             text, lp = out.consume(d)
-            self._observe(d.num_tokens, out.ntok - n0)
+            counted = out.ntok - n0
+            self._observe(d.num_tokens, counted)
+            if want_ids:
+                ids += self._token_ids(d, counted)
             texts.append(text)
             if lp is not None:
                 lps.append(lp)
@@ -497,7 +531,7 @@ class Generation(Response):
                 c.engine_done = not out.stopped
                 c.end = out.finish_reason
                 break
-        return "".join(texts), lps
+        return "".join(texts), lps, ids
 
     async def _full(self, send: Send) -> int:
         choices = self.choices
@@ -526,14 +560,17 @@ class Generation(Response):
             out = []
             for c, r in zip(choices, results, strict=True):
                 assert not isinstance(r, BaseException)
-                text, lps = r
+                text, lps, ids = r
                 clp = None
                 if p.top_logprobs >= 0:
                     content: list[ChatTokenLogprob] = []
                     for x in lps:
                         content.extend(x.content or ())
                     clp = ChatLogprobs(content)
-                ch = _ChatChoice(c.index, _Message("assistant", text), clp, c.out.finish_reason, c.out.stop_reason)
+                msg = _Message(p.role, p.chat_echo + text)
+                ch = _ChatChoice(c.index, msg, clp, c.out.finish_reason, c.out.stop_reason)
+                if p.return_token_ids:
+                    ch.token_ids = ids
                 if p.draft_logprobs:
                     ch.draft_logprobs = self._drafts(c)
                 out.append(ch)
@@ -541,15 +578,18 @@ class Generation(Response):
             c0 = choices[0]
             if p.prompt_logprobs >= 0 and c0.prompt_lp is not None:
                 chat.prompt_logprobs = msgspec.Raw(c0.prompt_lp.vllm_json(self.display, p.prompt_logprobs))
+            if p.return_token_ids:  # the choices share the prompt: at the top level (vLLM's)
+                chat.prompt_token_ids = c0.prompt_ids
             body = chat
         else:
             cout = []
             for c, r in zip(choices, results, strict=True):
                 assert not isinstance(r, BaseException)
-                text, lps = r
+                text, lps, ids = r
                 plp: CompletionLogprobs | None = None
                 if p.echo:
-                    text = c.prompt_text + text
+                    if not p.return_token_ids:  # vLLM's: with return_token_ids the prompt is its ids, not text
+                        text = c.prompt_text + text
                     if p.top_logprobs >= 0:
                         plp = self._echo_logprobs(c)
                 if p.top_logprobs >= 0:
@@ -559,6 +599,8 @@ class Generation(Response):
                 cc = _CompletionChoice(c.index, text, plp, c.out.finish_reason, c.out.stop_reason)
                 if p.prompt_logprobs >= 0 and c.prompt_lp is not None:
                     cc.prompt_logprobs = msgspec.Raw(c.prompt_lp.vllm_json(self.display, p.prompt_logprobs))
+                if p.return_token_ids:
+                    cc.prompt_token_ids, cc.token_ids = c.prompt_ids, ids
                 if p.draft_logprobs:
                     cc.draft_logprobs = self._drafts(c)
                 cout.append(cc)

@@ -100,6 +100,7 @@ class _Common(msgspec.Struct, kw_only=True, gc=False):
     prompt_logprobs: int | None = None
     return_tokens_as_token_ids: bool | None = False
     include_stop_str_in_output: bool | None = False
+    return_token_ids: bool | None = False  # prompt_token_ids and each choice's token_ids
     skip_special_tokens: bool | None = True  # no special token is ever output: nothing to skip
     spaces_between_special_tokens: bool | None = True
     # FastDeploy's extension: the draft model's logprobs, apart from the output's
@@ -129,7 +130,6 @@ class _Common(msgspec.Struct, kw_only=True, gc=False):
     prompt_embeds: Any = None
     truncate_prompt_tokens: Any = None
     min_characters: Any = None
-    return_token_ids: Any = None
     priority: Any = None
     kv_transfer_params: Any = None
     lora_path: Any = None
@@ -154,10 +154,11 @@ class ChatRequest(_Common, kw_only=True, gc=False):
     reasoning_effort: Any = None
     chat_template: Any = None
     chat_template_kwargs: Any = None
-    continue_final_message: Any = None
-    add_generation_prompt: Any = None
-    echo: Any = None
     documents: Any = None
+    # vLLM's extensions: the chat template's flags, and the last message echoed
+    add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
+    echo: bool | None = False
 
 
 class CompletionRequest(_Common, kw_only=True, gc=False):
@@ -192,7 +193,6 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "prompt_embeds": ((None,), "prompt embeddings are not supported (text or token ids only)"),
     "truncate_prompt_tokens": ((None,), "prompt truncation is not supported"),
     "min_characters": ((None,), "min_characters is not supported (min_tokens is)"),
-    "return_token_ids": ((None, False), "return_token_ids is not supported (return_tokens_as_token_ids is)"),
     "priority": ((None, 0), "request priorities are not supported (only 0)"),
     "kv_transfer_params": ((None,), "KV transfer parameters are not supported (--pd hands requests over itself)"),
     "lora_path": ((None,), "LoRA adapters are not supported"),
@@ -210,9 +210,6 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "reasoning_effort": ((None,), "reasoning_effort is not supported (the model does not reason)"),
     "chat_template": ((None,), "custom chat templates are not supported"),
     "chat_template_kwargs": ((None, {}), "chat template arguments are not supported"),
-    "continue_final_message": ((None, False), "continue_final_message is not supported"),
-    "add_generation_prompt": ((None, True), "add_generation_prompt = false is not supported"),
-    "echo": ((None, False), "echo is not supported in chat completions (it is in completions)"),
     "documents": ((None,), "documents are not supported"),
 }  # fmt: skip
 
@@ -362,6 +359,11 @@ class Parsed(msgspec.Struct, kw_only=True, gc=False):
     stream: bool
     include_usage: bool
     continuous_usage: bool
+    return_token_ids: bool
+    # chat: the response message's role (vLLM's: the last message's without the generation
+    # prompt) and the text that starts every choice's message (echo), "" for none
+    role: str = "assistant"
+    chat_echo: str = ""
 
     def sampling(self, choice: int) -> dict[str, Any]:
         """The engine request's sampling fields (``Admit``'s) for choice ``choice`` of a
@@ -395,9 +397,9 @@ class Parsed(msgspec.Struct, kw_only=True, gc=False):
 
 
 def _refusable(cls: type[_Common]) -> tuple[tuple[str, ...], Callable[[Any], tuple[Any, ...]]]:
-    """The ``REFUSED`` fields a request class has (completions echo the prompt: not refused),
-    in ``REFUSED``'s order, and one getter of all of them (a tuple in one C call)."""
-    names = tuple(n for n in REFUSED if n in cls.__struct_fields__ and not (n == "echo" and cls is CompletionRequest))
+    """The ``REFUSED`` fields a request class has, in ``REFUSED``'s order, and one getter of
+    all of them (a tuple in one C call)."""
+    names = tuple(n for n in REFUSED if n in cls.__struct_fields__)
     return names, operator.attrgetter(*names)
 
 
@@ -492,6 +494,7 @@ def _common(req: _Common, max_tokens: int | None, lim: Limits) -> dict[str, Any]
         "include_usage": include_usage,
         # vLLM's rule: usage in every chunk only with include_usage
         "continuous_usage": include_usage and bool(so and so.continuous_usage_stats),
+        "return_token_ids": bool(req.return_token_ids),
     }
 
 
@@ -513,9 +516,16 @@ def _message_text(i: int, m: ChatMessage) -> str:
 _GENERATION_PROMPT = "assistant:"  # the built-in chat template's start of the assistant's turn
 
 
-def chat_prompt(messages: Sequence[ChatMessage]) -> str:
-    """The prompt text of a conversation: the built-in model's chat template."""
-    return "".join(f"{m.role}: {_message_text(i, m)}\n" for i, m in enumerate(messages)) + _GENERATION_PROMPT
+def chat_prompt(
+    messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True, continue_final_message: bool = False
+) -> str:
+    """The prompt text of a conversation: the built-in model's chat template, with the start of
+    the assistant's turn (``add_generation_prompt``) or the final message left open for the
+    model to continue (``continue_final_message``: no line break after it)."""
+    text = "".join(f"{m.role}: {_message_text(i, m)}\n" for i, m in enumerate(messages))
+    if continue_final_message:
+        return text[:-1]
+    return text + _GENERATION_PROMPT if add_generation_prompt else text
 
 
 def _logit_bias(given: dict[str, float], vocab_size: int) -> dict[int, float]:
@@ -581,8 +591,7 @@ def parse_tokenize(body: bytes) -> tuple[TokenizeRequest, str]:
     if not req.messages:
         raise ApiError(400, "Invalid 'messages': expected at least one message.", param="messages", code="empty_array")
     _check_roles(req.messages)
-    text = chat_prompt(req.messages)
-    return req, text if req.add_generation_prompt else text[: -len(_GENERATION_PROMPT)]
+    return req, chat_prompt(req.messages, add_generation_prompt=req.add_generation_prompt)
 
 
 def parse_detokenize(body: bytes, vocab_size: int) -> DetokenizeRequest:
@@ -618,8 +627,20 @@ def parse_chat(body: bytes, lim: Limits) -> Parsed:
             )
     elif req.logprobs:
         top = 0
-    prompt = Prompt(chat_prompt(req.messages), None)
-    return Parsed(prompts=[prompt], top_logprobs=top, echo=False, **fields)
+    gen = req.add_generation_prompt is not False  # null: the default, true
+    cont = bool(req.continue_final_message)
+    if cont and gen:
+        # vLLM's rule and message (with add_generation_prompt left out, its template refuses)
+        raise ApiError(400, "Invalid 'continue_final_message': Cannot set both `continue_final_message` and "
+                       "`add_generation_prompt` to True. add_generation_prompt is true unless set to false.",
+                       param="continue_final_message")  # fmt: skip
+    prompt = Prompt(chat_prompt(req.messages, add_generation_prompt=gen, continue_final_message=cont), None)
+    last = req.messages[-1]
+    # vLLM's: without the generation prompt the reply continues the last message's role, and
+    # echo starts it with that message's content when its role is the reply's
+    role = "assistant" if gen else last.role
+    echo = _message_text(len(req.messages) - 1, last) if req.echo and last.role == role else ""
+    return Parsed(prompts=[prompt], top_logprobs=top, echo=False, role=role, chat_echo=echo, **fields)
 
 
 def _vocab(vocab_size: int) -> str:
