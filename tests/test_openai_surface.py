@@ -1018,3 +1018,23 @@ def test_stop_reason(server: ServerProcess, path: str) -> None:
         # only the choice's last chunk carries it, beside finish_reason
         assert [("stop_reason" in x) for x in chunks] == [False] * (len(chunks) - 1) + [True]
         assert (chunks[-1]["finish_reason"], chunks[-1]["stop_reason"]) == ("stop", reason)
+
+
+def test_invocations_is_chat_or_completions_by_the_body(server: ServerProcess) -> None:
+    # vLLM's SageMaker route (its test_invocations): the same answer as the request's own route
+    greedy = {"max_tokens": 5, "temperature": 0.0}
+    for path, body in (
+        ("/v1/completions", {"prompt": "Hello, my name is", **greedy}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], **greedy}),
+    ):
+        status, want = post(server.url + path, body)
+        assert status == 200, want
+        status, got = post(server.url + "/invocations", body)
+        assert status == 200, got
+        assert got.keys() == want.keys() and got["object"] == want["object"]
+        assert got["choices"][0].get("text", got["choices"][0].get("message")) == want["choices"][0].get(
+            "text", want["choices"][0].get("message")
+        )
+    status, got = post(server.url + "/invocations", {"max_tokens": 5})
+    assert status == 400 and got["error"]["param"] == "messages", got
+    assert re.search(r"expected 'messages' \(a chat completion\) or 'prompt'", got["error"]["message"]), got

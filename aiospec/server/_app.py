@@ -99,15 +99,19 @@ class Handlers:
 
     # -- the generate routes (raw ASGI) -------------------------------------------------------
 
-    async def generate(self, scope: Scope, receive: Receive, send: Send, chat: bool) -> None:
-        """POST /v1/chat/completions (``chat``) and /v1/completions: check and admit the
-        request, then run it as a ``Generation``; errors before that answer with JSON."""
+    async def generate(self, scope: Scope, receive: Receive, send: Send, chat: bool | None) -> None:
+        """POST /v1/chat/completions (``chat``), /v1/completions and /invocations (``chat``
+        None: either, by the body): check and admit the request, then run it as a
+        ``Generation``; errors before that answer with JSON."""
         st = self.state
         t_start = time.perf_counter()
-        endpoint = "chat" if chat else "completions"
+        endpoint = "chat" if chat else "completions" if chat is not None else "invocations"
         try:
             check_json_content_type(scope["headers"])
             body = await self._read_body(scope, receive)
+            if chat is None:
+                chat = _invocation_is_chat(body)
+                endpoint = "chat" if chat else "completions"
             # a burst of new requests is set up a few per loop iteration, within the share of
             # the budget that leaves the running streams their turns
             await st.pacer.admission()
@@ -455,12 +459,36 @@ class Handlers:
                 beats.close()
 
 
+class _Kind(msgspec.Struct, gc=False):
+    messages: Any = msgspec.UNSET
+    prompt: Any = msgspec.UNSET
+
+
+_kind_decoder = msgspec.json.Decoder(_Kind)
+
+
+def _invocation_is_chat(body: bytes) -> bool:
+    """Which request an /invocations body is (vLLM's SageMaker route): a chat completion with
+    ``messages``, a completion with ``prompt``; a 400 otherwise (a body that is not a JSON
+    object is left to the completions parser, which says what is wrong)."""
+    try:
+        kind = _kind_decoder.decode(body)
+    except msgspec.DecodeError:
+        return False
+    if kind.messages is not msgspec.UNSET:
+        return True
+    if kind.prompt is msgspec.UNSET:
+        raise ApiError(400, "Invalid request: /invocations expected 'messages' (a chat completion) or 'prompt' "
+                       "(a completion).", param="messages", code="missing_required_parameter")  # fmt: skip
+    return False
+
+
 class _Generate:
     """The ASGI endpoint of one generate route (a class, so Starlette passes it raw ASGI)."""
 
     __slots__ = ("_chat", "_handlers")
 
-    def __init__(self, handlers: Handlers, *, chat: bool) -> None:
+    def __init__(self, handlers: Handlers, *, chat: bool | None) -> None:
         self._handlers = handlers
         self._chat = chat
 
@@ -477,11 +505,13 @@ class _App:
     def __init__(self, handlers: Handlers) -> None:
         self.handlers = handlers
         chat, completions = _Generate(handlers, chat=True), _Generate(handlers, chat=False)
-        self._generate = {"/v1/chat/completions": chat, "/v1/completions": completions}
+        either = _Generate(handlers, chat=None)
+        self._generate = {"/v1/chat/completions": chat, "/v1/completions": completions, "/invocations": either}
         self.starlette = Starlette(
             routes=[
                 Route("/v1/chat/completions", chat, methods=["POST"]),
                 Route("/v1/completions", completions, methods=["POST"]),
+                Route("/invocations", either, methods=["POST"]),
                 Route("/v1/models", handlers.models, methods=["GET"]),
                 Route("/v1/models/{model:path}", handlers.model, methods=["GET"]),
                 Route("/health", handlers.health, methods=["GET"]),
