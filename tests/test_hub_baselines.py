@@ -247,6 +247,8 @@ async def test_fastdeploy_struct_round_trip(k: int | None) -> None:
             got: list[tuple[int, Any, int]] = []
             msgs = em.encode(g)
             assert [len(m) for _, m in msgs][-1] == (530_448 if k is not None else 7_176)
+            if k is not None:  # meta[1]: message_flag | max_num_logprobs << 8, the sampled column and the top-k
+                assert int(np.frombuffer(msgs[-1][1][4:8], np.int32)[0]) == 3 | ((k + 1) << 8)
             for mtype, msg in msgs:
                 got += hub.process(msg, mtype) or []
             offs = g.token_offsets.tolist()

@@ -368,8 +368,9 @@ def test_draft_send_in_the_proposers_own_form(ring: shm.Ring) -> None:
     assert producer.speculate_save_output_topk(*args, 4, 0, False)
     (events,) = list(reader.events(wait=False))
     assert [(e.slot, e.token_ids, e.draft) for e in events] == [(0, [101], True), (2, [301], True)]
-    assert not producer.speculate_save_output_topk(*args, 4, 1, False)  # rank 1 without use_ep: silent
-    assert producer.speculate_save_output_topk(*args, 4, 1, True)
+    # rank 1: silent, with use_ep too (the op returns for rank_id > 0, save_each_rank unused)
+    assert not producer.speculate_save_output_topk(*args, 4, 1, False)
+    assert not producer.speculate_save_output_topk(*args, 4, 1, True)
     with pytest.raises(EmitError, match="message_flag = 0"):
         producer.speculate_save_output_topk(*args, 0, 0, False)
     with pytest.raises(EmitError, match="preempted_idx = 4"):
@@ -671,8 +672,9 @@ def test_rank_above_zero_is_silent_unless_save_each_rank(ring: shm.Ring) -> None
 
 
 def test_save_output_ops_write_on_rank_zero_only_whatever_save_each_rank() -> None:
-    # FastDeploy's save_output and save_output_topk return for rank_id > 0 (save_each_rank is
-    # taken and not used); the speculative and first-token ops honour save_each_rank
+    # FastDeploy's save_output, save_output_topk and speculate_save_output_topk return for
+    # rank_id > 0 (save_each_rank is taken and not used); speculate_save_output and the
+    # first-token ops honour save_each_rank
     with shm.Ring.create(capacity=1 << 16) as own:
         each = FastDeployProducer(own, max_num_seqs=2, rank_id=1, save_each_rank=True)
         _OPEN.append(each)
@@ -681,6 +683,11 @@ def test_save_output_ops_write_on_rank_zero_only_whatever_save_each_rank() -> No
         ids, scores = np.array([[1, 3], [0, 0]], np.int64), np.zeros((2, 2), np.float32)
         assert each.save_output(x, np.array([True]), None, 1, True) is False
         assert each.save_output_topk(x, ids, scores, np.zeros(2, np.int64), np.array([True]), None, 1) is False
+        spec = each.speculate_save_output_topk(
+            np.array([[1, 0], [0, 0]], np.int64), ids, scores, np.zeros(2, np.int64), np.array([1, 0], np.int32),
+            np.array([0, 1], np.int32), np.array([True]), None, None, None, 3, 1, True,
+        )  # fmt: skip
+        assert spec is False
         assert own.stats().frames_written == 0
         assert each.save_output(x, np.array([True]), None, 0, True) is True  # rank 0 given per call
         first = np.array([[7, 8], [0, 0]], np.int64)

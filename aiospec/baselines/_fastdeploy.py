@@ -3,7 +3,8 @@
 Modelled on FastDeploy's speculative-decoding ops (our own code; research-notes A.2.4-A.2.5):
 
 - with logprobs, ``speculate_save_output_topk``'s struct: ``int meta[3 + 512]`` (stop flag,
-  ``message_flag | k << 8``, bsz, then one accept count per batch slot) and 512 slots of
+  ``message_flag | (k + 1) << 8``, FastDeploy's packed ``max_num_logprobs``: the sampled column
+  and the top-k; bsz, then one accept count per batch slot) and 512 slots of
   ``{int tokens[6][21]; float scores[6][21]; int ranks[6]}``: ``msgsz`` = 530,448 bytes
   whatever the live batch. Column 0 is the sampled token, columns 1..k the top-k.
 - without logprobs, ``speculate_save_output``'s ``int mtext[256 * 6 + 256 + 2]`` (7,176 bytes):
@@ -136,7 +137,7 @@ class FastDeployStyleEmitter:
             m = self._topk[0]
             m["meta"][:] = 0
             m["meta"][0] = 1
-            m["meta"][1] = (4 if g.kind == L.KIND_DRAFT else 3) | (g.k << 8)
+            m["meta"][1] = (4 if g.kind == L.KIND_DRAFT else 3) | ((g.k + 1) << 8)
             m["meta"][2] = bsz
             m["meta"][3 + slot] = acc
             tx = m["mtext"]
@@ -300,7 +301,7 @@ class FastDeployStyleHub:
         if mtype == _MT_TOPK:
             m = np.frombuffer(msg, _TOPK)[0]
             meta = m["meta"]
-            k = int(meta[1]) >> 8
+            k = (int(meta[1]) >> 8) - 1  # max_num_logprobs: the sampled column and the top-k
             bsz = int(meta[2])
             accept = meta[3 : 3 + bsz].tolist()
             tx = m["mtext"]

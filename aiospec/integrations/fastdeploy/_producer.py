@@ -19,8 +19,9 @@ would otherwise write by hand:
   ``accept_tokens``, ``base_model_draft_tokens``), or token-packed (``speculate_save_output_topk``'s
   ``sampled_token_ids``: slot ``i``'s token ``j`` at ``cu_batch_token_offset[i] + j``);
 - the counts and offsets are validated against the token tensor before anything is written;
-- ranks as FastDeploy's ops: ``save_output(_topk)`` write on rank 0 only, the speculative and
-  first-token ops on rank 0 and, with ``save_each_rank``, on every rank.
+- ranks as FastDeploy's ops: ``save_output(_topk)`` and ``speculate_save_output_topk`` write on
+  rank 0 only, ``speculate_save_output`` and the first-token ops on rank 0 and, with
+  ``save_each_rank``, on every rank.
 
 Tensors: numpy, PyTorch or Paddle, on the host or a GPU. Paddle tensors go through the Paddle
 custom op (``aiospec.ops._paddle``), everything else through ``aiospec.ops.Producer`` (the C++
@@ -387,9 +388,10 @@ class FastDeployProducer:
             preempted_idx, message_flag, rank_id, save_each_rank
         )
         lp = (logprob_token_ids, logprob_scores, logprob_ranks, cu_batch_token_offset, k)
+        # rank 0 only, whatever save_each_rank says: FastDeploy's op returns for rank_id > 0
         return self._speculative(
             sampled_token_ids, token_num_per_batch, lp, seq_lens_decoder, prompt_lens, preempted_idx, message_flag,
-            rank_id, save_each_rank, (stop_flags, is_block_step, pending_preempted_idx), "token_num_per_batch", layout,
+            rank_id, False, (stop_flags, is_block_step, pending_preempted_idx), "token_num_per_batch", layout,
         )  # fmt: skip
 
     def mtp_save_first_token(
