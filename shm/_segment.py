@@ -41,7 +41,9 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}$")
 
 def check_name(name: str) -> None:
     if not isinstance(name, str) or not _NAME_RE.match(name) or ".bell" in name:
-        raise ValueError(f"name = {name!r}: expected 1..200 characters of [A-Za-z0-9._-], not starting with '.'")
+        raise ValueError(
+            f"name = {name!r}: expected 1..200 characters of [A-Za-z0-9._-], not starting with '.', without '.bell'"
+        )
 
 
 def check_geometry(capacity: int, max_readers: int, max_record: int | None) -> int:
@@ -90,7 +92,7 @@ def open_own_bell(path: str) -> int:
         try:
             fd = os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW)
         except OSError as exc:
-            if exc.errno not in (errno.ELOOP, errno.ENOENT, errno.ENXIO, errno.EACCES, errno.EPERM):
+            if exc.errno not in (errno.ELOOP, errno.ENOENT, errno.ENXIO, errno.EACCES, errno.EPERM, errno.EISDIR):
                 raise
             st = _lstat(path)
             if exc.errno == errno.ENOENT:
@@ -212,6 +214,8 @@ def attach(name: str) -> tuple[int, mmap.mmap]:
             raise BadSegment(f"segment {name}: {path} is a symlink; refusing it") from None
         if exc.errno == errno.EISDIR:
             raise BadSegment(f"segment {name}: {path} is a directory, not a ring") from None
+        if exc.errno == errno.ENXIO:  # a UNIX socket (anyone may bind one there)
+            raise BadSegment(f"segment {name}: {path} is a socket, not a ring") from None
         raise
     try:
         _check_private(fd, name)
@@ -237,9 +241,18 @@ def _check_private(fd: int, name: str) -> None:
 
 
 def unlink(name: str) -> None:
-    """Remove the segment's name and every bell it may have (missing ones are fine)."""
-    for path in [os.path.join(SHM_DIR, name)] + [bell_path(name, i) for i in range(L.MAX_READERS)]:
-        with suppress(FileNotFoundError):
+    """Remove the segment's name and every bell it may have (missing ones are fine). Only
+    FIFOs are removed at the bells' paths, and one this uid may not remove is left: anyone can
+    plant something at a bell's name (a directory, another uid's file in the sticky
+    ``SHM_DIR``), and that must not make closing the ring fail."""
+    with suppress(FileNotFoundError):
+        os.unlink(os.path.join(SHM_DIR, name))
+    for i in range(L.MAX_READERS):
+        path = bell_path(name, i)
+        st = _lstat(path)
+        if st is None or not stat.S_ISFIFO(st.st_mode):
+            continue
+        with suppress(FileNotFoundError, PermissionError):
             os.unlink(path)
 
 

@@ -7,6 +7,7 @@ each rule is checked through it too (``Producer(name, device="cpu")``)."""
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -61,6 +62,18 @@ def test_the_writer_refuses_what_is_not_a_file_at_once(shm_tracker: object) -> N
         assert time.monotonic() - t0 < 5.0
     finally:
         os.unlink(path)
+
+
+def test_the_writer_refuses_a_socket_at_the_rings_name(shm_tracker: object) -> None:
+    name = shm_tracker.new_name()  # type: ignore[attr-defined]
+    path = os.path.join(shm.SHM_DIR, name)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.bind(path)  # any uid may bind one there
+        try:
+            with pytest.raises(shm.BadSegment, match=rf"^segment {name}: {path} is a socket, not a ring$"):
+                Producer(name, device="cpu")
+        finally:
+            os.unlink(path)
 
 
 @pytest.mark.parametrize("mode", [0o666, 0o640, 0o602])

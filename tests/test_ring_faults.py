@@ -3,6 +3,7 @@ planted bells. Every one is a typed error, on the C and the Python paths alike."
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 import time
@@ -354,6 +355,42 @@ def test_a_bell_planted_by_another_uid_is_refused(kind: str, tmp_path: object) -
         with open(victim, "rb") as f:
             assert f.read() == b"keep"  # nothing went through the symlink
         os.unlink(path)
+
+
+def test_a_directory_at_a_bell_is_refused_and_closing_the_ring_leaves_it() -> None:
+    # anyone can make a directory at a bell's name (the ring's name is listed in SHM_DIR)
+    ring = shm.Ring.create(capacity=CAP)
+    path = f"{shm.SHM_DIR}/{ring.name}.bell0"
+    os.mkdir(path, 0o700)
+    try:
+        with pytest.raises(shm.UnsafeBell, match=rf"^bell {path}: Is a directory; refusing it$"):
+            ring.reader()
+        assert [r.slot for r in ring.stats().readers] == []  # the slot was not taken
+        ring.close()  # the creator removes its name and the bells it may remove, not this
+        assert not os.path.exists(ring.path) and os.path.isdir(path)
+    finally:
+        ring.close()
+        os.rmdir(path)
+
+
+@needs_root
+def test_closing_a_ring_leaves_what_another_uid_planted_at_its_bells() -> None:
+    ring = shm.Ring.create(capacity=CAP)
+    planted = [f"{shm.SHM_DIR}/{ring.name}.bell{i}" for i in (3, 5)]
+    fifo = f"{shm.SHM_DIR}/{ring.name}.bell7"  # a FIFO may be a reader's bell, whoever's: removed
+    try:
+        assert _as_other_uid(_plant_file, planted[0]) == 0
+        assert _as_other_uid(os.mkdir, planted[1]) == 0
+        assert _as_other_uid(_plant_fifo, fifo) == 0
+        ring.close()  # no error out of close, and nothing but the FIFOs removed
+        assert not os.path.exists(ring.path) and not os.path.lexists(fifo)
+        assert all(os.lstat(p).st_uid == NOBODY for p in planted)
+    finally:
+        ring.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(planted[0])
+        with contextlib.suppress(FileNotFoundError):
+            os.rmdir(planted[1])
 
 
 @needs_root

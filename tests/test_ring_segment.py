@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import stat
 
 import pytest
@@ -89,7 +90,9 @@ def test_create_refuses_an_existing_name(shm_tracker: ShmTracker) -> None:
 
 @pytest.mark.parametrize("name", ["", "a/b", "../etc", ".hidden", "x" * 201, "ring.bell0", "a b", "ä"])
 def test_name_validation(name: str) -> None:
-    msg = re.escape(f"name = {name!r}: expected 1..200 characters of [A-Za-z0-9._-], not starting with '.'")
+    msg = re.escape(
+        f"name = {name!r}: expected 1..200 characters of [A-Za-z0-9._-], not starting with '.', without '.bell'"
+    )
     with pytest.raises(ValueError, match=f"^{msg}$"):
         shm.Ring.create(name, capacity=CAP)
     with pytest.raises(ValueError, match=f"^{msg}$"):
@@ -322,19 +325,25 @@ def test_attach_never_follows_a_symlink_at_the_rings_path(shm_tracker: ShmTracke
             os.unlink(link)
 
 
-@pytest.mark.parametrize("kind", ["fifo", "directory"])
+@pytest.mark.parametrize("kind", ["fifo", "directory", "socket"])
 def test_attach_refuses_what_is_not_a_file_at_once(shm_tracker: ShmTracker, kind: str) -> None:
     name = shm_tracker.new_name()
     path = os.path.join(shm.SHM_DIR, name)
+    sock = None
     if kind == "fifo":
         os.mkfifo(path, 0o600)
+    elif kind == "socket":  # any uid may bind one under a ring's name
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind(path)
     else:
         os.mkdir(path, 0o700)
     try:
         with pytest.raises(shm.BadSegment, match=rf"^segment {name}: .*not a ring$"):
             shm.Ring.attach(name)
     finally:
-        (os.unlink if kind == "fifo" else os.rmdir)(path)
+        if sock is not None:
+            sock.close()
+        (os.rmdir if kind == "directory" else os.unlink)(path)
 
 
 @pytest.mark.parametrize("mode", [0o666, 0o640, 0o604])

@@ -234,7 +234,7 @@ class RingMap {
   static RingMap open(const std::string& name) {
     if (!valid_ring_name(name)) {
       throw RingError(RingErrc::invalid, "name = '" + name +
-                                             "': expected 1..200 characters of [A-Za-z0-9._-], not starting with '.'");
+                                             "': expected 1..200 characters of [A-Za-z0-9._-], not starting with '.', without '.bell'");
     }
     RingMap m;
     m.name = name;
@@ -246,6 +246,7 @@ class RingMap {
       int err = errno;
       if (err == ELOOP) throw bad(segment_path(name) + " is a symlink; refusing it");
       if (err == EISDIR) throw bad(segment_path(name) + " is a directory, not a ring");
+      if (err == ENXIO) throw bad(segment_path(name) + " is a socket, not a ring");  // anyone may bind one there
       throw RingError(RingErrc::os, "segment " + name + ": cannot open " + segment_path(name) + ": " + strerror(err),
                       err);
     }
