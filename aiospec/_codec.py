@@ -346,6 +346,10 @@ def prepare_frame(
     offs = _column(token_offsets, "token_offsets", np.int32, (r + 1,))
     _check_offsets(offs, "token_offsets", t)
     tok = _column(tok, "token_ids", np.int32, (t,))
+    for name, value in (("step", step), ("kind", kind), ("producer", producer)):
+        # an integer, not a float, a string or a bool that int() would take and truncate
+        if not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_)):
+            raise FrameError(f"{name}: expected an integer, got {value!r} ({type(value).__name__})")
     kind = int(kind)
     if kind not in (L.KIND_TARGET, L.KIND_DRAFT, L.KIND_PROMPT):
         raise FrameError(f"kind: expected 0 (target), 1 (draft) or 2 (prompt), got {kind}")

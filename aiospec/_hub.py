@@ -114,7 +114,7 @@ class Hub:
         await_first: bool = False,
     ) -> None:
         names = [rings] if isinstance(rings, str) else list(rings)
-        if not isinstance(yield_every, int) or yield_every < 1:
+        if not isinstance(yield_every, int) or isinstance(yield_every, bool) or yield_every < 1:
             raise ValueError(f"yield_every = {yield_every!r}: expected an int >= 1")
         if not isinstance(max_frames, int) or isinstance(max_frames, bool) or not 1 <= max_frames < 1 << 32:
             raise ValueError(f"max_frames = {max_frames!r}: expected an int in 1..{(1 << 32) - 1}")

@@ -792,6 +792,16 @@ def test_encoder_values() -> None:
     encoder_rejects(r"producer: expected 0\.\.4294967295, got -1", [1], [0, 1], [5], producer=-1)
     encoder_rejects(r"step: expected 0\.\.2\*\*64-1, got -1", [1], [0, 1], [5], step=-1)
     encoder_rejects(r"step: expected 0\.\.2\*\*64-1, got 18446744073709551616", [1], [0, 1], [5], step=2**64)
+    # an integer, never a float, a string or a bool that int() would truncate or take
+    for name, bad, shown in (
+        ("step", 1.5, "1.5 (float)"),
+        ("step", "7", "'7' (str)"),
+        ("step", None, "None (NoneType)"),
+        ("kind", True, "True (bool)"),
+        ("kind", 1.5, "1.5 (float)"),
+        ("producer", 2.0, "2.0 (float)"),
+    ):
+        encoder_rejects(rf"{name}: expected an integer, got {re.escape(shown)}", [1], [0, 1], [5], **{name: bad})
 
 
 def test_encoder_offsets() -> None:

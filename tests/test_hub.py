@@ -52,6 +52,8 @@ async def test_open_errors(ring: shm.Ring) -> None:
             hub.attach(ring.name)
     with pytest.raises(ValueError, match=r"^yield_every = 0: expected an int >= 1$"):
         Hub(yield_every=0)
+    with pytest.raises(ValueError, match=r"^yield_every = True: expected an int >= 1$"):
+        Hub(yield_every=True)
     with pytest.raises(ValueError, match=r"^recheck = 0: expected a finite positive number of seconds$"):
         Hub(recheck=0)
     for kw, msg in (

@@ -308,6 +308,11 @@ def test_producer_arguments(ring: shm.Ring) -> None:
         Producer(ring, producer=-1)
     with pytest.raises(ValueError, match=r"^max_rows = 0: expected an integer in 1\.\.2147483647$"):
         Producer(ring, max_rows=0)
+    for bad in ("5", -1, True, [1]):
+        with pytest.raises(ValueError, match=rf"^timeout = {re.escape(repr(bad))}: expected seconds >= 0 or None"):
+            Producer(ring, timeout=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"^reader_timeout = '5': expected seconds > 0 or None$"):
+        Producer(ring, reader_timeout="5")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"^ring: expected a shm.Ring or a ring name, got int$"):
         Producer(3)  # type: ignore[arg-type]
     with (

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import numbers
 import os
 import threading
 import warnings
@@ -17,6 +18,11 @@ from aiospec.ops._step import EmitStep, as_step, check_positions
 from shm import Ring, RingError
 
 __all__ = ("PreparedEmit", "Producer", "emit", "available_backends")
+
+
+def _seconds(v: Any) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
 
 _DEVICES = (None, "cpu", "cuda", "python")
 _U64_MAX = (1 << 64) - 1
@@ -110,11 +116,11 @@ class Producer:
             raise ValueError(f"device = {device!r}: expected None, 'cpu', 'cuda' or 'python'")
         if isinstance(producer, bool) or not isinstance(producer, int) or not 0 <= producer <= 0xFFFFFFFF:
             raise ValueError(f"producer = {producer!r}: expected an integer in 0..4294967295")
-        if timeout is not None and not timeout >= 0:
+        if timeout is not None and not (_seconds(timeout) and timeout >= 0):
             raise ValueError(f"timeout = {timeout!r}: expected seconds >= 0 or None (wait forever)")
         if isinstance(max_rows, bool) or not isinstance(max_rows, int) or not 1 <= max_rows <= 0x7FFFFFFF:
             raise ValueError(f"max_rows = {max_rows!r}: expected an integer in 1..2147483647")
-        if reader_timeout is not None and not reader_timeout > 0:
+        if reader_timeout is not None and not (_seconds(reader_timeout) and reader_timeout > 0):
             raise ValueError(f"reader_timeout = {reader_timeout!r}: expected seconds > 0 or None")
         self._device = device
         self._producer = producer
