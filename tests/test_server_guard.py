@@ -513,14 +513,19 @@ def test_connections_past_the_bound_are_refused(server: ServerProcess) -> None:
 # -- start-up --------------------------------------------------------------------------------------
 
 
-def test_a_busy_port_is_one_line() -> None:
-    with socket.create_server(("127.0.0.1", 0)) as busy:
+@pytest.mark.parametrize("held_by", ["a listener", "an --api-servers group"])
+@pytest.mark.parametrize("servers", [1, 2])
+def test_a_busy_port_is_one_line(held_by: str, servers: int) -> None:
+    # a port held by an --api-servers group (SO_REUSEPORT) too: a second server with
+    # --api-servers would otherwise join the group and share its connections
+    reuse = held_by != "a listener"
+    with socket.create_server(("127.0.0.1", 0), reuse_port=reuse) as busy:
         port = busy.getsockname()[1]
         env = dict(os.environ)
         root = os.path.dirname(os.path.dirname(os.path.abspath(aiospec.__file__)))
         env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-        r = subprocess.run([sys.executable, "-m", "aiospec.cli", "serve", "--port", str(port)],
-                           env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
+        cmd = [sys.executable, "-m", "aiospec.cli", "serve", "--port", str(port), "--api-servers", str(servers)]
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 1
     assert r.stderr == f"aiospec serve: cannot listen on 127.0.0.1:{port}: Address already in use\n"
     assert r.stdout == ""

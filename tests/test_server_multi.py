@@ -303,6 +303,28 @@ def test_engine_restart_reaches_every_server_and_sigterm_stops_all() -> None:
         srv.stop()
 
 
+def test_a_killed_parent_leaves_no_directory_behind() -> None:
+    # SIGKILL of the parent: no clean-up of its own, so its servers (which stop when it is
+    # gone) remove its directory of heartbeats, shared metrics and engine sockets
+    srv = ServerProcess(["--api-servers", "2", "--max-batch", "16"])
+    srv.start(timeout=180)
+    try:
+        stats = _get(srv.url + "/stats")
+        servers = [s["pid"] for s in stats["servers"]]
+        with open(f"/proc/{servers[0]}/cmdline", "rb") as f:
+            argv = f.read().decode().split("\0")
+        run_dir = os.path.dirname(argv[argv.index("--heartbeat-file") + 1])
+        assert os.path.basename(run_dir).startswith("aiospec-serve-") and os.path.isdir(run_dir)
+        assert srv.proc is not None
+        srv.proc.send_signal(signal.SIGKILL)
+        srv.proc.wait(30)
+        for pid in [*servers, *stats["engine_pids"]]:
+            _wait(lambda pid=pid: not _alive(pid), 30, f"pid {pid} gone")
+        _wait(lambda: not os.path.exists(run_dir), 10, f"{run_dir} removed")
+    finally:
+        srv.stop()
+
+
 def test_api_servers_argument_is_checked() -> None:
     import subprocess
     import sys

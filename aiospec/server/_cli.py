@@ -255,9 +255,13 @@ def _exposure_warning(host: str, keys: tuple[str, ...]) -> str | None:
 
 def _bind(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
     """The listening socket, bound before anything says the server is there (``reuse_port``:
-    the first of the ``SO_REUSEPORT`` group of ``--api-servers``)."""
+    the first of the ``SO_REUSEPORT`` group of ``--api-servers``, on a port no one holds)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    return socket.create_server((host, port), family=family, backlog=4096, reuse_port=reuse_port)
+    if reuse_port:
+        from aiospec.server._multi import listen_first
+
+        return listen_first(host, port, family=family)
+    return socket.create_server((host, port), family=family, backlog=4096)
 
 
 def _serve(a: argparse.Namespace) -> int:

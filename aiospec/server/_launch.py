@@ -75,7 +75,12 @@ class ServerProcess:
     def start(self, timeout: float = 120.0) -> str:
         """Start the server and wait until it serves; returns its base URL."""
         # --api-servers N: the parent adds N - 1 sockets to this one's SO_REUSEPORT group
-        sock = socket.create_server((self.host, self.port), backlog=4096, reuse_port=_api_servers(self.args) > 1)
+        if _api_servers(self.args) > 1:
+            from aiospec.server._multi import listen_first
+
+            sock = listen_first(self.host, self.port)
+        else:
+            sock = socket.create_server((self.host, self.port), backlog=4096)
         self.port = sock.getsockname()[1]
         ready_r, ready_w = os.pipe()
         watch_r, watch_w = os.pipe()

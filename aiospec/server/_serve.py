@@ -15,6 +15,7 @@ import contextlib
 import functools
 import logging
 import os
+import shutil
 import signal
 import socket
 import threading
@@ -44,6 +45,7 @@ class _Server(uvicorn.Server):
     watch_fd: int = -1
     drain: Drain | None = None
     grace: float = 5.0
+    parent_gone = False  # the watch's end of file stopped it
     _loop: asyncio.AbstractEventLoop | None = None
     _hurried = False  # a second SIGINT ended the running requests
 
@@ -88,6 +90,7 @@ class _Server(uvicorn.Server):
                     if os.read(self.watch_fd, 4096):
                         return
                 loop.remove_reader(self.watch_fd)
+                self.parent_gone = True
                 self.should_exit = True
 
             loop.add_reader(self.watch_fd, on_eof)
@@ -140,6 +143,12 @@ def serve(
     server.drain = drain
     server.grace = graceful_timeout
     server.run(sockets=[sock] if sock is not None else None)
+    run_dir = os.path.dirname(settings.heartbeat_file)
+    if server.parent_gone and os.path.basename(run_dir).startswith("aiospec-serve-"):
+        # one of --api-servers whose parent died without its own clean-up (SIGKILL): the
+        # parent's directory (heartbeats, shared metrics, engine sockets) goes with the last
+        # of its servers (each tries; a sibling still stopping finds its files gone)
+        shutil.rmtree(run_dir, ignore_errors=True)
     if fatal:
         return 3  # the engine is down for good: a supervisor should restart the server
     return 0 if server.started else 1
