@@ -348,7 +348,7 @@ def prepare_frame(
     tok = _column(tok, "token_ids", np.int32, (t,))
     for name, value in (("step", step), ("kind", kind), ("producer", producer)):
         # an integer, not a float, a string or a bool that int() would take and truncate
-        if not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_)):
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
             raise FrameError(f"{name}: expected an integer, got {value!r} ({type(value).__name__})")
     kind = int(kind)
     if kind not in (L.KIND_TARGET, L.KIND_DRAFT, L.KIND_PROMPT):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import numbers
 import os
 import threading
 import warnings
@@ -15,13 +14,9 @@ from aiospec.ops._build import BuildError, find_nvcc, force_cpu
 from aiospec.ops._errors import EmitError
 from aiospec.ops._inputs import Inputs, check_scalars, collect
 from aiospec.ops._step import EmitStep, as_step, check_positions
-from shm import Ring, RingError
+from shm import Ring, RingError, check_seconds
 
 __all__ = ("PreparedEmit", "Producer", "emit", "available_backends")
-
-
-def _seconds(v: Any) -> bool:
-    return isinstance(v, numbers.Real) and not isinstance(v, bool)
 
 
 _DEVICES = (None, "cpu", "cuda", "python")
@@ -116,12 +111,10 @@ class Producer:
             raise ValueError(f"device = {device!r}: expected None, 'cpu', 'cuda' or 'python'")
         if isinstance(producer, bool) or not isinstance(producer, int) or not 0 <= producer <= 0xFFFFFFFF:
             raise ValueError(f"producer = {producer!r}: expected an integer in 0..4294967295")
-        if timeout is not None and not (_seconds(timeout) and timeout >= 0):
-            raise ValueError(f"timeout = {timeout!r}: expected seconds >= 0 or None (wait forever)")
+        check_seconds("timeout", timeout, "seconds >= 0 or None (wait forever)", none=True, zero=True, inf=True)
         if isinstance(max_rows, bool) or not isinstance(max_rows, int) or not 1 <= max_rows <= 0x7FFFFFFF:
             raise ValueError(f"max_rows = {max_rows!r}: expected an integer in 1..2147483647")
-        if reader_timeout is not None and not (_seconds(reader_timeout) and reader_timeout > 0):
-            raise ValueError(f"reader_timeout = {reader_timeout!r}: expected seconds > 0 or None")
+        check_seconds("reader_timeout", reader_timeout, "seconds > 0 or None", none=True, inf=True)
         self._device = device
         self._producer = producer
         self._timeout = timeout

@@ -253,17 +253,6 @@ def _exposure_warning(host: str, keys: tuple[str, ...]) -> str | None:
     )
 
 
-def _bind(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:
-    """The listening socket, bound before anything says the server is there (``reuse_port``:
-    the first of the ``SO_REUSEPORT`` group of ``--api-servers``, on a port no one holds)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    if reuse_port:
-        from aiospec.server._multi import listen_first
-
-        return listen_first(host, port, family=family)
-    return socket.create_server((host, port), family=family, backlog=4096)
-
-
 def _serve(a: argparse.Namespace) -> int:
     try:
         _require(a, "server")
@@ -306,7 +295,10 @@ def _serve(a: argparse.Namespace) -> int:
         sock = socket.socket(fileno=a.fd)
     else:
         try:
-            sock = _bind(a.host, a.port, reuse_port=parent)
+            # bound before anything says the server is there
+            from aiospec.server._multi import listen
+
+            sock = listen(a.host, a.port, group=parent)
         except OSError as exc:
             print(
                 f"aiospec serve: cannot listen on {a.host}:{a.port}: {os.strerror(exc.errno) if exc.errno else exc}",

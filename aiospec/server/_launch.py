@@ -13,7 +13,6 @@ import contextlib
 import os
 import select
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -75,12 +74,9 @@ class ServerProcess:
     def start(self, timeout: float = 120.0) -> str:
         """Start the server and wait until it serves; returns its base URL."""
         # --api-servers N: the parent adds N - 1 sockets to this one's SO_REUSEPORT group
-        if _api_servers(self.args) > 1:
-            from aiospec.server._multi import listen_first
+        from aiospec.server._multi import listen
 
-            sock = listen_first(self.host, self.port)
-        else:
-            sock = socket.create_server((self.host, self.port), backlog=4096)
+        sock = listen(self.host, self.port, group=_api_servers(self.args) > 1)
         self.port = sock.getsockname()[1]
         ready_r, ready_w = os.pipe()
         watch_r, watch_w = os.pipe()

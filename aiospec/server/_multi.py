@@ -46,20 +46,23 @@ import msgspec
 from aiospec.engine import EngineGroup
 from aiospec.server._engine_link import ServerSettings
 
-__all__ = ("Heartbeats", "listen_first", "run_servers", "sibling_sockets")
+__all__ = ("Heartbeats", "listen", "run_servers", "sibling_sockets")
 
 log = logging.getLogger("aiospec.server")
 
 
-def listen_first(host: str, port: int, *, family: int = socket.AF_INET) -> socket.socket:
-    """The first listening socket of an ``SO_REUSEPORT`` group on ``host:port`` (port 0: a free
-    one). Linux lets any socket of the same user with ``SO_REUSEPORT`` join a group: a second
-    server started on a port a running ``--api-servers`` server holds would share its
-    connections without a word. So the address is first bound without ``SO_REUSEPORT``, which
-    fails with ``EADDRINUSE`` (an ``OSError``) where any listener holds it."""
-    with socket.create_server((host, port), family=family) as probe:
-        port = probe.getsockname()[1]
-    return socket.create_server((host, port), family=family, backlog=4096, reuse_port=True)
+def listen(host: str, port: int, *, group: bool = False) -> socket.socket:
+    """The server's listening socket on ``host:port`` (port 0: a free one); with ``group`` the
+    first of the ``SO_REUSEPORT`` group of ``--api-servers``, on a port no one holds. Linux
+    lets any socket of the same user with ``SO_REUSEPORT`` join a group: a second server
+    started on a port a running ``--api-servers`` server holds would share its connections
+    without a word. So the address is first bound without ``SO_REUSEPORT``, which fails with
+    ``EADDRINUSE`` (an ``OSError``) where any listener holds it."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    if group:
+        with socket.create_server((host, port), family=family) as probe:
+            port = probe.getsockname()[1]
+    return socket.create_server((host, port), family=family, backlog=4096, reuse_port=group)
 
 
 def sibling_sockets(first: socket.socket, n: int) -> list[socket.socket]:
