@@ -193,6 +193,7 @@ struct State {
   unsigned int blocks_done;  // threadfence reduction
   unsigned int full;  // a block ran out of time waiting for space
   unsigned int pad_done;  // block 0 committed a PAD frame
+  unsigned int pos_written;  // block 0 stored the frame's position word (cleared if no commit)
   unsigned int arrived;  // blocks that published their partial counts (the exchange)
 };
 
@@ -734,7 +735,7 @@ __global__ void __launch_bounds__(kThreads)
   const bool exchange = Exchange == kAtRunTime ? exchange_rt != 0 : Exchange != 0;
   extern __shared__ long long sh[];
   __shared__ unsigned long long s_key, s_idkey, s_needed;
-  __shared__ int s_write, s_last, s_full, s_pad;
+  __shared__ int s_write, s_last, s_full, s_pad, s_posw;
   __shared__ int s_nt_min, s_nt_max, s_nd_min, s_nd_max;  // counts of the records (uniform?)
   __shared__ alignas(8) uint8_t s_header[AIOSPEC_HEADER_SPACE];
   __shared__ uint8_t s_p[kPosCache];  // the exchange path: sampled_pos of this block's tokens
@@ -788,6 +789,7 @@ __global__ void __launch_bounds__(kThreads)
     s_idkey = kNoError;
     s_full = 0;
     s_pad = 0;
+    s_posw = 0;
     s_nt_min = s_nd_min = INT32_MAX;
     s_nt_max = s_nd_max = -1;
   }
@@ -1077,6 +1079,13 @@ __global__ void __launch_bounds__(kThreads)
   //    warps go on with the rows: nothing waits for it before the commit's barrier.
   if (write && blockIdx.x == 0) {
     block0::write_frame_words(tid, lay, frame, pos);
+    if (tid == block0::kPositionWord) {
+      if (solo) {
+        s_posw = 1;
+      } else {
+        st->pos_written = 1;
+      }
+    }
     if ((tid >> 5) == kThreads / 32 - 1) {
       const int lane = tid & 31;
 #if AIOSPEC_HEADER_WARP
@@ -1215,7 +1224,7 @@ __global__ void __launch_bounds__(kThreads)
   __syncthreads();
   AIOSPEC_PHASE(6);
   unsigned long long idkey;
-  unsigned int full, pad_done;
+  unsigned int full, pad_done, pos_written;
   uint64_t needed_tail;
   if (solo) {
     if (tid != 0) return;
@@ -1225,6 +1234,7 @@ __global__ void __launch_bounds__(kThreads)
     idkey = s_idkey;
     full = s_full;
     pad_done = s_pad;
+    pos_written = s_posw;
     needed_tail = s_needed;
   } else {
     if (tid == 0) {
@@ -1245,19 +1255,26 @@ __global__ void __launch_bounds__(kThreads)
     idkey = vs->key;
     full = vs->full;
     pad_done = vs->pad_done;
+    pos_written = vs->pos_written;
     needed_tail = vs->needed_tail;
     vs->key = kNoError;
     vs->full = 0;
     vs->pad_done = 0;
+    vs->pos_written = 0;
     vs->blocks_done = 0;
     vs->arrived = 0;  // every block passed the exchange: the next launch starts from 0
   }
+  uint64_t first = skey == kNoError && size > ring.max_record ? kFrameSizeKey : skey;
+  first = idkey < first ? idkey : first;
+  // No commit (an invalid id, found while copying, or a ring that stayed full for a block):
+  // the position word block 0 stored goes back to 0, so the 16 header bytes at the head are
+  // zero again, as every writer leaves them (another writer of this ring checks them there);
+  // before a PAD's head is released, so that no reader sees that head with the word still set.
+  if ((first != kNoError || full) && pos_written) st_u64(frame, 0);
   if (pad_done) {
     st->head = pos;
     st_head(ring, pos);
   }
-  uint64_t first = skey == kNoError && size > ring.max_record ? kFrameSizeKey : skey;
-  first = idkey < first ? idkey : first;
   if (first != kNoError) {
     aiospec_error e;
     if (first == kFrameSizeKey) {

@@ -10,6 +10,8 @@
 //   errors   random corruptions of valid inputs: the device reports exactly the error the
 //            CPU writer reports first (code, argument, row, column, value, bounds), commits
 //            nothing, counts a lost frame;
+//   pad_error an invalid id found after a PAD was committed: the PAD stands, the header at the
+//            new head is zero;
 //   full     a reader that does not read: a bounded wait, then "ring full" and a lost frame;
 //            once the reader catches up, frames flow again;
 //   graph    one emit captured in a CUDA graph (the step read from device memory) replayed;
@@ -110,6 +112,7 @@ struct Segment {
   uint64_t& slot64(size_t off) { return u64(AIOSPEC_READERS_BASE + off); }
   uint32_t& slot32(size_t off) { return u32(AIOSPEC_READERS_BASE + off); }
   uint8_t* at(uint64_t pos) { return base + AIOSPEC_CONTROL_SIZE + (pos & (capacity - 1)); }
+  uint64_t u64_at(uint64_t pos) { return __atomic_load_n(reinterpret_cast<uint64_t*>(at(pos)), __ATOMIC_ACQUIRE); }
   uint64_t commit_at(uint64_t pos) { return __atomic_load_n(reinterpret_cast<uint64_t*>(at(pos) + 8), __ATOMIC_ACQUIRE); }
 
   // Reads the next DATA frame at our tail (skipping PAD), advances the tail. Empty if none.
@@ -405,6 +408,15 @@ void scenario_errors(std::mt19937_64& rng, int iters) {
   aiospec_cuda_producer* p = make_producer(seg, 5.0);
   cudaStream_t s;
   CUDA_OK(cudaStreamCreate(&s));
+  {
+    // one valid frame first: a frame's position word at a head past 0 is not 0, so a position
+    // word left behind by an invalid frame shows below
+    Inputs in = random_inputs(rng, 8, 2, 5, 1);
+    aiospec_emit_args da = in.device_args(0);
+    CUDA_OK(aiospec_cuda_emit(p, &da, s));
+    CUDA_OK(cudaStreamSynchronize(s));
+    CHECK(!seg.read_frame().empty(), "no frame for the valid first emit");
+  }
   int matched = 0;
   for (int it = 0; it < iters; ++it) {
     const int64_t rows = std::uniform_int_distribution<int64_t>(1, 200)(rng);
@@ -437,6 +449,10 @@ void scenario_errors(std::mt19937_64& rng, int iters) {
     CHECK(step == uint64_t(it), "error step %" PRIu64 ", expected %d", step, it);
     CHECK(seg.u64(AIOSPEC_OFF_HEAD) == head0, "head moved on an invalid frame");
     CHECK(seg.commit_at(head0) == 0, "a frame was committed for invalid input");
+    // every writer leaves the 16 header bytes at the head zero (docs/wire-format.md, section 3;
+    // another writer of the ring refuses to write past a header that is not)
+    CHECK(seg.u64_at(head0) == 0, "iteration %d: the position word at the head %" PRIu64 " is %" PRIu64
+          " after an invalid frame", it, head0, seg.u64_at(head0));
     CHECK(lost(seg) == lost0 + 1, "frames_lost did not rise");
     matched += same;
   }
@@ -482,6 +498,83 @@ void scenario_errors(std::mt19937_64& rng, int iters) {
   std::printf("errors: %d corrupted batches reported exactly as the CPU writer reports them\n", matched);
   aiospec_cuda_producer_destroy(p);
   CUDA_OK(cudaStreamDestroy(s));
+}
+
+// An invalid token id (found while the kernel copies the ids, after block 0 committed a PAD
+// frame and stored the frame's position word at the next lap's start): the PAD stands, the
+// frame is not committed, and the 16 header bytes at the new head are zero again. One
+// block (a small frame) and an exchange of several blocks (top-20).
+void scenario_pad_error(std::mt19937_64& rng) {
+  const int64_t shapes[][3] = {{8, 1, 5}, {64, 6, 20}};
+  int checked = 0;
+  for (const auto& sh : shapes) {
+    Segment seg(1u << 20, 256u << 10, "paderr");
+    aiospec_cuda_producer* p = make_producer(seg, 5.0);
+    cudaStream_t s;
+    CUDA_OK(cudaStreamCreate(&s));
+    Inputs bad;
+    int64_t row = -1;
+    while (row < 0) {  // i64 inputs with a token to corrupt
+      bad = random_inputs(rng, sh[0], sh[1], int(sh[2]), true);
+      bad.k = -1;  // every top-k column: the second shape takes the exchange of several blocks
+      for (int64_t i = 0; i < bad.rows && row < 0; ++i) {
+        if (bad.nt[size_t(i)] > 0) row = i;
+      }
+    }
+    aiospec_frame_layout lay;
+    aiospec_error want;
+    CHECK(aiospec::emit_validate(bad.host_args(0), 256u << 10, &lay, &want) == AIOSPEC_E_OK, "pad_error inputs");
+    bad.tok64[size_t(row * bad.W)] = int64_t(1) << 40;  // its first token
+    aiospec_frame_layout unused;
+    CHECK(aiospec::emit_validate(bad.host_args(0), 256u << 10, &unused, &want) == AIOSPEC_E_ID,
+          "pad_error: no id error");
+    // valid frames until the rest of the data area is too short for the invalid one (the
+    // corrupt token is an exception more, so its frame is no smaller than `lay`): each the
+    // largest of four fillers that fits without a PAD, so that a few dozen emits fill the
+    // ring (the sanitizers run this too); the smallest is no larger than the invalid frame
+    const int64_t tiers[][3] = {{64, 6, 20}, {16, 4, 5}, {4, 2, 5}, {1, 1, -1}};
+    Inputs fill[4];
+    uint64_t fill_size[4] = {UINT64_MAX, UINT64_MAX, UINT64_MAX, UINT64_MAX};
+    for (int t = 0; t < 4; ++t) {
+      for (int tries = 0; tries < 1000; ++tries) {
+        fill[t] = random_inputs(rng, tiers[t][0], tiers[t][1], int(tiers[t][2]), false);
+        aiospec_frame_layout fl;
+        aiospec_error fe;
+        if (aiospec::emit_validate(fill[t].host_args(0), 256u << 10, &fl, &fe) != AIOSPEC_E_OK) continue;
+        fill_size[t] = fl.frame_size;
+        if (t < 3 || fill_size[t] <= lay.frame_size) break;
+      }
+    }
+    CHECK(fill_size[3] <= lay.frame_size, "pad_error: no filler smaller than the invalid frame");
+    for (int it = 0; it < 10000; ++it) {
+      const uint64_t rest = seg.capacity - (seg.u64(AIOSPEC_OFF_HEAD) & (seg.capacity - 1));
+      if (rest < lay.frame_size) break;
+      int t = 0;
+      while (t < 4 && fill_size[t] > rest) ++t;
+      if (t == 4) break;
+      aiospec_emit_args da = fill[t].device_args(uint64_t(it));
+      CUDA_OK(aiospec_cuda_emit(p, &da, s));
+      CUDA_OK(cudaStreamSynchronize(s));
+      CHECK(!seg.read_frame().empty(), "pad_error: no frame for a valid emit");
+    }
+    const uint64_t head0 = seg.u64(AIOSPEC_OFF_HEAD), lost0 = lost(seg);
+    const uint64_t lap = (head0 | (seg.capacity - 1)) + 1;  // the next lap's start
+    aiospec_emit_args da = bad.device_args(1);
+    CUDA_OK(aiospec_cuda_emit(p, &da, s));
+    CUDA_OK(cudaStreamSynchronize(s));
+    aiospec_error got;
+    CHECK(aiospec_cuda_check(p, &got, nullptr) == 1 && got.code == AIOSPEC_E_ID, "pad_error: device error %d, expected E_ID",
+          got.code);
+    CHECK(seg.u64(AIOSPEC_OFF_HEAD) == lap, "pad_error: head %" PRIu64 ", expected %" PRIu64 " past the PAD",
+          seg.u64(AIOSPEC_OFF_HEAD), lap);
+    CHECK(seg.commit_at(lap) == 0 && seg.u64_at(lap) == 0, "pad_error (%" PRId64 " rows): the header at the head %" PRIu64
+          " is %" PRIu64 " / %" PRIu64 ", expected zero", sh[0], lap, seg.u64_at(lap), seg.commit_at(lap));
+    CHECK(lost(seg) == lost0 + 1, "pad_error: frames_lost did not rise");
+    checked += seg.u64(AIOSPEC_OFF_HEAD) == lap;
+    aiospec_cuda_producer_destroy(p);
+    CUDA_OK(cudaStreamDestroy(s));
+  }
+  std::printf("pad_error: %d invalid frame(s) after a PAD, the header at the head zero\n", checked);
 }
 
 void scenario_full(std::mt19937_64& rng) {
@@ -969,6 +1062,7 @@ int main(int argc, char** argv) {
   }
   scenario_frames(rng, iters);
   scenario_errors(rng, iters);
+  scenario_pad_error(rng);
   scenario_full(rng);
   scenario_graph(rng);
   scenario_order(rng, iters >= 100 ? 12 : 1);  // fewer under the sanitizers
