@@ -34,6 +34,8 @@ using aiospec::cuda::State;
 
 constexpr int kDefaultRowsPerBlock = 8;
 constexpr int kMaxRowsPerBlock = aiospec::cuda::kThreads / 2;
+// emit_kernel's dynamic shared memory: this many int64 arrays of rows_per_block + 1
+constexpr size_t kSharedRows = 4;
 // Every block reads every row's counts, so past this many blocks the rows per block grow.
 constexpr long long kMaxBlocks = 264;
 // The exchange of several blocks (the sampled_pos encoding) takes at least this many blocks
@@ -356,7 +358,7 @@ int aiospec_cuda_producer_create(const char* ring_name, const aiospec_cuda_optio
     int coop = 0, sms = 0, per_sm = 0;
     cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, o.device);
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, o.device);
-    const size_t shmem_max = sizeof(long long) * 4 * size_t(kMaxRowsPerBlock + 1);
+    const size_t shmem_max = sizeof(long long) * kSharedRows * size_t(kMaxRowsPerBlock + 1);
     // (the kernel launched cooperatively with several blocks: the exchange with sampled_pos)
     if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, emit_kernel_for(true, true), aiospec::cuda::kThreads,
                                                       shmem_max) != cudaSuccess) {
@@ -452,7 +454,7 @@ cudaError_t aiospec_cuda_emit_ex(aiospec_cuda_producer* p, const aiospec_emit_ar
   if (solo_frame) rpb = args->rows > 0 ? args->rows : 1;
   if (rpb > kMaxRowsPerBlock) rpb = kMaxRowsPerBlock;
   const long long blocks = args->rows > 0 ? (args->rows + rpb - 1) / rpb : 1;
-  const size_t shmem = sizeof(long long) * 4 * size_t(rpb + 1);
+  const size_t shmem = sizeof(long long) * kSharedRows * size_t(rpb + 1);
   // One block always takes the exchange path (with nothing to exchange). Several take it for
   // the sampled_pos encoding, where each block counting every token's exceptions (or the
   // pre-pass) costs more than the exchange's wait; without it every block checking every row
