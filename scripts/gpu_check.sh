@@ -187,9 +187,8 @@ if has variants; then
     [wc0]=-DAIOSPEC_WARP_COUNTS=0 [hw0]=-DAIOSPEC_HEADER_WARP=0
     [empty]=-DAIOSPEC_EMPTY=1 [empty_pdl0]="-DAIOSPEC_EMPTY=1 -DAIOSPEC_PDL=0"
     [spec0]=-DAIOSPEC_SPECIALIZE=0 [spec2]=-DAIOSPEC_SPECIALIZE=2
-    [pos8]=-DAIOSPEC_POS_LANES=8 [pos2]=-DAIOSPEC_POS_LANES=2 [minx1]=-DAIOSPEC_MIN_EXCHANGE_BLOCKS=1
-    [quick0]=-DAIOSPEC_QUICK_CHECKS=0)
-  VARIANTS="${VARIANTS:-f0 f1 t128 t512 solo0 solo64k inline0 inline8k pdl0 pdl2 wc0 hw0 spec0 spec2 pos8 pos2 minx1 quick0 f3 empty empty_pdl0}"
+    [pos8]=-DAIOSPEC_POS_LANES=8 [pos2]=-DAIOSPEC_POS_LANES=2 [minx1]=-DAIOSPEC_MIN_EXCHANGE_BLOCKS=1)
+  VARIANTS="${VARIANTS:-f0 f1 t128 t512 solo0 solo64k inline0 inline8k pdl0 pdl2 wc0 hw0 spec0 spec2 pos8 pos2 minx1 f3 empty empty_pdl0}"
   # shellcheck disable=SC2086
   for v in $VARIANTS; do build_variant "$v" ${flags[$v]} & done
   wait
@@ -206,8 +205,6 @@ if has variants; then
             "$DRIVER.$v" coldone $c 41 && "$DRIVER" coldone $c 41
           done ;;
         pdl*) "$DRIVER.$v" time 8 && "$DRIVER.$v" cold 41 ;;  # without PDL / the trigger at entry
-        quick0)  # each row's check loads one behind the other, against the default, twice
-          for r in 1 2; do "$DRIVER.$v" time 8 && "$DRIVER" time 8 && "$DRIVER.$v" cold 41 && "$DRIVER" cold 41; done ;;
         f3) "$DRIVER.$v" time 8; continue ;;  # no fences: a lower bound, not a correct protocol
         empty*) "$DRIVER.$v" time 8; continue ;;  # nothing after the wait: the launch's floor
         *) "$DRIVER.$v" time 8 ;;

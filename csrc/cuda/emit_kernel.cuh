@@ -118,13 +118,6 @@
 #ifndef AIOSPEC_POS_LANES
 #define AIOSPEC_POS_LANES 0
 #endif
-// AIOSPEC_QUICK_CHECKS, how a row's structural checks load its words (check_row_quick below):
-// 1 (default) all at once, then emit.h's aiospec_check_row only for a row that fails; 0
-// through aiospec_check_row, each load behind the branch on the one before (docs/benchmarks.md:
-// 1 saves 0.2 us at 64 rows and 1.5 us at 1,024, gpu_check.sh variants quick0).
-#ifndef AIOSPEC_QUICK_CHECKS
-#define AIOSPEC_QUICK_CHECKS 1
-#endif
 // AIOSPEC_EMPTY=1: the kernel returns right after its wait, writing nothing: the floor of this
 // kernel's own launch (its arguments, block size and launch attributes), not an emit.
 #ifndef AIOSPEC_EMPTY
@@ -349,32 +342,6 @@ __device__ uint64_t scan_min_tail(const RingRef& ring, uint64_t head) {
     }
   }
   return warp_min_u64(t);
-}
-
-// emit.h's aiospec_check_row for the structural checks (`sa`: the id checks switched off):
-// each check there loads its word behind the branch on the one before, so a row's checks make
-// several dependent round trips to memory (about 5,000 cycles for a block of rows, measured
-// by the phase clocks). Here every word the checks read is loaded first, side by side (each
-// in bounds whatever the others hold: handles, flags, counts and positions have a row each,
-// lp_offsets B + 1), then tested; a row that fails any test is checked again by
-// aiospec_check_row, which names the first failing check exactly as the CPU writer does.
-__device__ __forceinline__ int check_row_quick(const aiospec_emit_args& sa, int64_t i, aiospec_error* e) {
-#if AIOSPEC_QUICK_CHECKS
-  const int64_t nt = sa.num_tokens[i];
-  const int64_t nd = sa.num_draft != nullptr ? sa.num_draft[i] : 0;
-  const int64_t fl = sa.flags != nullptr ? sa.flags[i] : 0;
-  const int64_t h = sa.handles[i];
-  const bool lp = sa.lp_ids != nullptr;
-  const int64_t lp0 = lp ? sa.lp_offsets[i] : 0, lp1 = lp ? sa.lp_offsets[i + 1] : 0;
-  const int64_t p = sa.positions != nullptr ? aiospec_load_int(sa.positions, sa.positions_i64, i) : 0;
-  const bool record = nt > 0 || fl != 0 || nd > 0;
-  const bool ok = nt >= 0 && nt <= sa.max_tokens && (sa.num_draft == nullptr || (nd >= 0 && nd <= sa.max_draft)) &&
-                  (fl & ~(int64_t)AIOSPEC_FLAG_MASK) == 0 && !(record && h < 0) &&
-                  (!lp || (lp0 >= 0 && lp0 <= sa.lp_rows && lp1 >= lp0 && lp1 <= sa.lp_rows && lp1 - lp0 >= nt)) &&
-                  !(record && sa.positions != nullptr && (p < 0 || p > INT32_MAX));
-  if (ok) return AIOSPEC_E_OK;
-#endif
-  return aiospec_check_row(&sa, i, e);
 }
 
 // Records / tokens / draft ids / exceptions of one row (zero for rows past the first failing
@@ -850,7 +817,7 @@ __global__ void __launch_bounds__(kThreads, 2)  // 2 blocks an SM: the cooperati
     if (tid < n) {
       const int64_t i = row0 + tid;
       aiospec_error e;
-      if (check_row_quick(sa, i, &e) != AIOSPEC_E_OK) {
+      if (aiospec_check_row(&sa, i, &e) != AIOSPEC_E_OK) {
         rkey = aiospec_error_order(&e);
       } else {
         v = row_counts(a, i);  // a failing row counts nothing: its counts are not safe to follow
@@ -989,7 +956,7 @@ __global__ void __launch_bounds__(kThreads, 2)  // 2 blocks an SM: the cooperati
     // exceptions_kernel's count, issued before the checks (or counted here, below)
     const int xpre = sampled && !inline_x ? xcnt[i] : 0;
     aiospec_error e;
-    if (check_row_quick(sa, i, &e) != AIOSPEC_E_OK) {
+    if (aiospec_check_row(&sa, i, &e) != AIOSPEC_E_OK) {
       atomicMin(&s_key, (unsigned long long)aiospec_error_order(&e));
       continue;
     }

@@ -379,55 +379,62 @@ AIOSPEC_HD int aiospec_check_args(const aiospec_emit_args* a, aiospec_error* e) 
 }
 
 /* Every check of batch row i (after aiospec_check_args passed). Touches only row i's
- * elements and the logprob rows row i owns, so rows can be checked in parallel. */
+ * elements and the logprob rows row i owns, so rows can be checked in parallel.
+ *
+ * The structural checks' words are loaded first, side by side, then tested: on a GPU each
+ * load behind the branch on the one before is a round trip to memory of its own. Every load
+ * is in bounds whatever the others hold (num_tokens, num_draft, flags, handles and positions
+ * have a row per batch row, lp_offsets rows + 1). The tests combine without short-circuits, so
+ * no load waits for a branch; only a row that fails one runs them again in order, to name the
+ * first failing check. */
 AIOSPEC_HD int aiospec_check_row(const aiospec_emit_args* a, int64_t i, aiospec_error* e) {
+  const int has_lp = a->lp_ids != NULL;
   const int64_t nt = a->num_tokens[i];
-  if (nt < 0 || nt > a->max_tokens)
-    return aiospec_set_error(e, AIOSPEC_E_COUNT, AIOSPEC_ARG_NUM_TOKENS, i, -1, nt, 0, a->max_tokens,
-                             AIOSPEC_CHECK_NUM_TOKENS);
-  int64_t nd = 0;
-  if (a->num_draft != NULL) {
-    nd = a->num_draft[i];
-    if (nd < 0 || nd > a->max_draft)
+  const int64_t nd = a->num_draft != NULL ? a->num_draft[i] : 0;
+  const int64_t fl = a->flags != NULL ? a->flags[i] : 0;
+  const int64_t h = a->handles[i];
+  const int64_t lp0 = has_lp ? a->lp_offsets[i] : 0;
+  const int64_t lp1 = has_lp ? a->lp_offsets[i + 1] : 0;
+  const int64_t p = a->positions != NULL ? aiospec_load_int(a->positions, a->positions_i64, i) : 0;
+  const int record = nt > 0 || fl != 0 || nd > 0;
+  const int64_t n = a->lp_rows;
+  const int ok = (nt >= 0) & (nt <= a->max_tokens) &
+                 ((a->num_draft == NULL) | ((nd >= 0) & (nd <= a->max_draft))) &
+                 ((fl & ~(int64_t)AIOSPEC_FLAG_MASK) == 0) & !(record & (h < 0)) &
+                 (!has_lp | ((lp0 >= 0) & (lp0 <= n) & (lp1 >= lp0) & (lp1 <= n) & (lp1 - lp0 >= nt))) &
+                 !(record & (a->positions != NULL) & ((p < 0) | (p > INT32_MAX)));
+  if (!ok) {
+    if (nt < 0 || nt > a->max_tokens)
+      return aiospec_set_error(e, AIOSPEC_E_COUNT, AIOSPEC_ARG_NUM_TOKENS, i, -1, nt, 0, a->max_tokens,
+                               AIOSPEC_CHECK_NUM_TOKENS);
+    if (a->num_draft != NULL && (nd < 0 || nd > a->max_draft))
       return aiospec_set_error(e, AIOSPEC_E_COUNT, AIOSPEC_ARG_NUM_DRAFT, i, -1, nd, 0, a->max_draft,
                                AIOSPEC_CHECK_NUM_DRAFT);
-  }
-  int64_t fl = 0;
-  if (a->flags != NULL) {
-    fl = a->flags[i];
     if (fl & ~(int64_t)AIOSPEC_FLAG_MASK)
       return aiospec_set_error(e, AIOSPEC_E_FLAGS, AIOSPEC_ARG_FLAGS, i, -1, fl, 0, AIOSPEC_FLAG_MASK,
                                AIOSPEC_CHECK_FLAGS);
-  }
-  const int record = nt > 0 || fl != 0 || nd > 0;
-  if (record && a->handles[i] < 0)
-    return aiospec_set_error(e, AIOSPEC_E_HANDLE, AIOSPEC_ARG_HANDLES, i, -1, a->handles[i], 0, INT64_MAX,
-                             AIOSPEC_CHECK_HANDLE);
-  int64_t lp0 = 0;
-  if (a->lp_ids != NULL) {
-    const int64_t n = a->lp_rows;
-    lp0 = a->lp_offsets[i];
-    const int64_t lp1 = a->lp_offsets[i + 1];
-    /* For i > 0 row i - 1 already reports a bad lp_offsets[i] (with its own lower bound,
-     * and first in the order); checking it again here keeps a parallel checker in bounds. */
-    if (lp0 < 0 || lp0 > n) {
-      aiospec_set_error(e, AIOSPEC_E_OFFSET, AIOSPEC_ARG_LP_OFFSETS, i, -1, lp0, 0, n, AIOSPEC_CHECK_LP_OFFSETS);
-      e->brow = (int32_t)i;
-      return e->code;
+    if (record && h < 0)
+      return aiospec_set_error(e, AIOSPEC_E_HANDLE, AIOSPEC_ARG_HANDLES, i, -1, h, 0, INT64_MAX,
+                               AIOSPEC_CHECK_HANDLE);
+    if (has_lp) {
+      /* For i > 0 row i - 1 already reports a bad lp_offsets[i] (with its own lower bound,
+       * and first in the order); checking it again here keeps a parallel checker in bounds. */
+      if (lp0 < 0 || lp0 > n) {
+        aiospec_set_error(e, AIOSPEC_E_OFFSET, AIOSPEC_ARG_LP_OFFSETS, i, -1, lp0, 0, n, AIOSPEC_CHECK_LP_OFFSETS);
+        e->brow = (int32_t)i;
+        return e->code;
+      }
+      if (lp1 < lp0 || lp1 > n) {
+        aiospec_set_error(e, AIOSPEC_E_OFFSET, AIOSPEC_ARG_LP_OFFSETS, i + 1, -1, lp1, lp0, n,
+                          AIOSPEC_CHECK_LP_OFFSETS);
+        e->brow = (int32_t)i;
+        return e->code;
+      }
+      if (lp1 - lp0 < nt)
+        return aiospec_set_error(e, AIOSPEC_E_SPAN, AIOSPEC_ARG_LP_OFFSETS, i, -1, lp1 - lp0, nt, INT64_MAX,
+                                 AIOSPEC_CHECK_LP_SPAN);
     }
-    if (lp1 < lp0 || lp1 > n) {
-      aiospec_set_error(e, AIOSPEC_E_OFFSET, AIOSPEC_ARG_LP_OFFSETS, i + 1, -1, lp1, lp0, n,
-                        AIOSPEC_CHECK_LP_OFFSETS);
-      e->brow = (int32_t)i;
-      return e->code;
-    }
-    if (lp1 - lp0 < nt)
-      return aiospec_set_error(e, AIOSPEC_E_SPAN, AIOSPEC_ARG_LP_OFFSETS, i, -1, lp1 - lp0, nt, INT64_MAX,
-                               AIOSPEC_CHECK_LP_SPAN);
-  }
-  if (record && a->positions != NULL) {
-    const int64_t p = aiospec_load_int(a->positions, a->positions_i64, i);
-    if (p < 0 || p > INT32_MAX)
+    if (record && a->positions != NULL && (p < 0 || p > INT32_MAX))
       return aiospec_set_error(e, AIOSPEC_E_POSITION, AIOSPEC_ARG_POSITIONS, i, -1, p, 0, INT32_MAX,
                                AIOSPEC_CHECK_POSITIONS);
   }
