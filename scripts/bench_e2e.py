@@ -66,6 +66,7 @@ from typing import Any
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, _ROOT)
 
+from aiospec._cpaths import c_paths, missing_c_paths  # noqa: E402
 from aiospec.loadtest import latencies, load_detailed  # noqa: E402
 from aiospec.server import ServerProcess  # noqa: E402
 
@@ -439,6 +440,8 @@ def _summary(
             "cpus": os.cpu_count(),
             "python": platform.python_version(),
             "platform": platform.platform(),
+            # the servers' C paths (the same tree and interpreter as this script's)
+            "c_paths": c_paths(),
             # other work on the machine competes with the three processes measured here
             "loadavg_before": [round(x, 2) for x in load_before],
             "loadavg_after": [round(x, 2) for x in os.getloadavg()],
@@ -500,6 +503,8 @@ def main() -> int:
     p.add_argument("--save-detailed", metavar="DIR", help="every request's chunk times, per run and load "
                    "generator, as JSON lines in DIR (aiospec loadtest --save-detailed)")  # fmt: skip
     a = p.parse_args()
+    for why in missing_c_paths():  # the figures then include the Python twins' CPU
+        print(f"# {why}", file=sys.stderr)
     if a.prompt_tokens is not None:
         a.prompt_words = _words_for(a.prompt_tokens)
     a.prompt_tokens_mean = round(_prompt_tokens(a.prompt_words), 1)

@@ -398,12 +398,15 @@ def make_batch(rng: np.random.Generator, rows: int, tokens: str, k: int) -> dict
 
 
 def machine_info(device: str) -> dict[str, Any]:
+    from aiospec._cpaths import c_paths
+
     info: dict[str, Any] = {
         "python": platform.python_version(),
         "numpy": np.__version__,
         "cpu": platform.processor() or platform.machine(),
         "cpus": os.cpu_count(),
         "kernel": platform.release(),
+        "c_paths": c_paths(),  # the ring's C commit (shm._native) or its Python twin
     }
     if device == "cuda":
         import torch

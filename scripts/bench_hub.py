@@ -493,6 +493,8 @@ def _targets(results: list[dict[str, Any]]) -> dict[str, Any]:
 def _machine() -> dict[str, Any]:
     from importlib.metadata import version
 
+    from aiospec._cpaths import c_paths
+
     return {
         "cpus": os.cpu_count(),
         "platform": platform.platform(),
@@ -501,6 +503,7 @@ def _machine() -> dict[str, Any]:
         "msgspec": version("msgspec"),
         "uvloop": version("uvloop"),
         "pyzmq": version("pyzmq"),
+        "c_paths": c_paths(),
     }
 
 

@@ -450,6 +450,8 @@ def sysv_limits(need_msgmax: int, need_msgmnb: int, raise_them: bool) -> Iterato
 
 
 def machine_info() -> dict[str, Any]:
+    from aiospec._cpaths import c_paths
+
     model = ""
     with suppress(OSError), open("/proc/cpuinfo") as f:
         for line in f:
@@ -466,6 +468,7 @@ def machine_info() -> dict[str, Any]:
         "kernel": platform.release(),
         "machine": platform.machine(),
         "clock": "time.perf_counter_ns (CLOCK_MONOTONIC, system-wide)",
+        "c_paths": c_paths(),  # the ring's C commit, poll and sleep (shm._native) or their Python twins
     }
 
 

@@ -143,3 +143,35 @@ def test_ids_of_other_integer_types_take_the_python_join() -> None:
             topk_logprobs=np.array([[-0.5, -3], [-0.25, -4]], np.float32),
         )
         assert fmt.format_json(d) == msgspec.json.encode(fmt.format(d))
+
+
+@pytest.mark.parametrize(
+    ("env", "missing"),
+    [
+        ({"AIOSPEC_PURE_PYTHON": "1"}, "aiospec._speedups: the Python path (AIOSPEC_PURE_PYTHON is set)"),
+        ({"SHM_PURE_PYTHON": "1"}, "shm._native: the Python path (SHM_PURE_PYTHON is set)"),
+    ],
+)
+def test_c_paths_say_which_module_is_left_out(env: dict[str, str], missing: str) -> None:
+    """What the server warns about at start and the benchmarks record: a module asked off at
+    run time reads as not in use, with the variable that asked."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import json; from aiospec._cpaths import c_paths, missing_c_paths; "
+        "print(json.dumps([c_paths(), missing_c_paths()]))"
+    )
+    clean = {k: v for k, v in os.environ.items() if k not in ("AIOSPEC_PURE_PYTHON", "SHM_PURE_PYTHON")}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env={**clean, **env}, capture_output=True, text=True, timeout=60, check=True
+    )
+    paths, why = json.loads(out.stdout)
+    mod = missing.split(":")[0]
+    assert paths[mod] is False
+    assert missing in why
+    # the other module is reported only when it is not in use either
+    other = next(m for m in paths if m != mod)
+    assert (other in " ".join(why)) == (not paths[other])

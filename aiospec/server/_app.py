@@ -443,6 +443,10 @@ class Handlers:
             raise
         log.info("serving %s (token path %s, engines %s)", st.settings.model, st.link.token_path,
                  st.link.engines.pids if st.link.engines else [])  # fmt: skip
+        from aiospec._cpaths import missing_c_paths
+
+        for why in missing_c_paths():  # the same bytes, at a higher CPU cost per token
+            log.warning("%s", why)
         # what startup allocated lives as long as the server: keep it out of every collection
         gc.collect()
         gc.freeze()
