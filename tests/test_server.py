@@ -449,3 +449,18 @@ def test_no_cors_headers_unless_configured(server: ServerProcess) -> None:
         raise AssertionError("a text/plain body was accepted")
     except urllib.error.HTTPError as e:
         assert e.code == 415
+
+
+def test_a_c_module_left_out_is_a_warning_at_start(tmp_path: Any) -> None:
+    """The server says which of its C modules it runs without: the same bytes, more CPU a token."""
+    log = tmp_path / "stderr.log"
+    with open(log, "wb") as err:
+        srv = ServerProcess(["--step-ms", "5", "--max-batch", "8"], stderr=err, env={"AIOSPEC_PURE_PYTHON": "1"})
+        srv.start()
+        try:
+            with urllib.request.urlopen(srv.url + "/health", timeout=30) as r:
+                assert r.status == 200
+        finally:
+            srv.stop()
+    text = log.read_text()
+    assert "aiospec._speedups: the Python path (AIOSPEC_PURE_PYTHON is set)" in text, text[-2000:]
