@@ -22,6 +22,9 @@
 #      kernel that evicts the L2, as in a decoding step, and two batches of small exchange
 #      grids (64 and 100 rows x 6 tokens x top-5, every token an exception);
 #      "ncu": Nsight Compute on the small and the 256 x 6 x 20 emit (the clocks left alone);
+#      "roofline": scripts/bench_roofline.py with the driver and the probe built above, the
+#      emit's GB/s per frame size (about 2 KB to 1 MB) against the probe's at the same sizes
+#      and the link, the JSON into $OUT/roofline.json;
 #   8. "step": scripts/bench_step.py, a decoding loop with a transformers Llama (random
 #      weights) and six output paths (four in the step's stream, two on a side stream), the
 #      JSON into $OUT/bench_step.json.
@@ -40,7 +43,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 export AIOSPEC_CACHE_DIR="${AIOSPEC_CACHE_DIR:-/tmp/aiospec-cache}"
 export AIOSPEC_CUDA_ARCH="${AIOSPEC_CUDA_ARCH:-90}"
-STAGES="${*:-build driver tests timing probe ncu sanitize bench step multi}"
+STAGES="${*:-build driver tests timing probe roofline ncu sanitize bench step multi}"
 DRIVER=/tmp/aiospec_emit_check
 PROBE=/tmp/aiospec_emit_probe
 failed=0
@@ -104,7 +107,7 @@ fi
 
 if has tests; then
   stage tests 420 python3 -m pytest -p no:cacheprovider -v -rs -m gpu --junitxml="$LOGS/tests.xml" tests/test_ops_cuda.py \
-    tests/test_integrations_fastdeploy.py
+    tests/test_integrations_fastdeploy.py tests/test_bench_roofline.py
 fi
 
 if has timing; then
@@ -127,6 +130,10 @@ fi
 if has probe; then
   stage probe 180 "$PROBE"
   grep '^probe' "$LOGS/probe.log" > "$OUT/probe.txt"
+fi
+
+if has roofline; then
+  stage roofline 300 python3 scripts/bench_roofline.py --driver "$DRIVER" --probe "$PROBE" --json "$OUT/roofline.json"
 fi
 
 if has ncu; then
@@ -261,6 +268,14 @@ if b.exists():
     say("host time per prepared emit, p50 (worst batch)", v, "<= 10", v is not None and v <= 10.0)
     sync = all(r["no_host_sync"]["stream_still_busy"] for r in res)
     lines.append(f"target zero host syncs: {'met' if sync else 'not met'}")
+r = out / "roofline.json"
+if r.exists():
+    doc = json.loads(r.read_text())
+    for f in doc["frames"]:
+        lines.append(f"roofline {f['batch']} ({f['frame_bytes']:,} B): emit {f['emit_us']['b2b']} us b2b, "
+                     f"{f['emit_gbps']} GB/s ({f['emit_of_link']:.0%} of {doc['link_gbps']}); probe "
+                     f"{f['probe_us']['b2b']} us, {f['probe_gbps']} GB/s ({f['probe_bound']}); "
+                     f"emit / probe {f['emit_over_probe']}x")
 s = out / "bench_step.json"
 if s.exists():
     for tg in json.loads(s.read_text())["targets"]:

@@ -21,12 +21,15 @@
 // Build: nvcc -arch=sm_90 -std=c++17 -Icsrc/include csrc/cuda/tools/emit_check.cu
 //        csrc/cuda/emit_cuda.cu csrc/cpu/emit_cpu.cc -o emit_check
 // Exit status 0 when every check passed; prints one line per scenario.
+// Timing modes (no checks against the CPU writer): `time [RPB...]`, `roofline [RPB]` (frames of
+// about 2 KB to 1 MB, for scripts/bench_roofline.py), `cold`, `coldone`, `one` (see main).
 #include <cuda_runtime.h>
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <cinttypes>
 #include <cstdio>
 #include <cstdlib>
@@ -791,10 +794,19 @@ void one_config(int64_t rows, int64_t tokens, int64_t k, int n) {
   aiospec_cuda_producer_destroy(p);
 }
 
+// The batches of `time` (k < 0: no logprobs) and of `roofline`: frames from about 2 KB to
+// 1 MB, every token with its top-20 (about 160 bytes a token), as the roofline's sizes.
+using Batch = std::array<int64_t, 3>;
+const std::vector<Batch> kTimeBatches = {{64, 1, -1}, {64, 6, 0},   {256, 1, 0},   {256, 6, 0},
+                                         {256, 6, 5}, {256, 6, 20}, {1024, 1, -1}, {1024, 6, 20}};
+const std::vector<Batch> kRooflineBatches = {{64, 1, -1}, {12, 1, 20},  {48, 1, 20},  {200, 1, 20}, {400, 1, 20},
+                                             {800, 1, 20}, {256, 6, 20}, {512, 6, 20}, {1024, 6, 20}};
+
 // GPU time per emit with CUDA events (the stream held by a spinning kernel while the launches
 // queue, so host launch time stays out), and per replay of a graph of one captured emit.
-// No reader: nothing waits for space.
-void time_emits(std::mt19937_64& rng, int rpb) {
+// No reader: nothing waits for space. Each line starts with `tag`.
+void time_emits(std::mt19937_64& rng, int rpb, const std::vector<Batch>& configs = kTimeBatches,
+                const char* tag = "time") {
   Segment seg(64u << 20, 8u << 20, "time");
   seg.slot32(AIOSPEC_RD_STATE) = AIOSPEC_READER_FREE;
   aiospec_cuda_producer* p = timing_producer(seg, 1024, rpb);
@@ -825,11 +837,8 @@ void time_emits(std::mt19937_64& rng, int rpb) {
     CUDA_OK(cudaStreamSynchronize(s));
     float ms;
     CUDA_OK(cudaEventElapsedTime(&ms, ev[0], ev[1]));
-    std::printf("time two-empty-kernels gpu_us=%.2f empty_b2b_us=%.2f\n", median(t), ms * 1000.0 / 2000);
+    std::printf("%s two-empty-kernels gpu_us=%.2f empty_b2b_us=%.2f\n", tag, median(t), ms * 1000.0 / 2000);
   }
-  // k < 0: no logprobs
-  const int64_t configs[][3] = {{64, 1, -1}, {64, 6, 0},   {256, 1, 0},   {256, 6, 0},
-                                {256, 6, 5}, {256, 6, 20}, {1024, 1, -1}, {1024, 6, 20}};
   for (const auto& c : configs) {
     Inputs in = timing_inputs(rng, c[0], c[1], c[2]);
     aiospec_emit_args da = in.device_args(0);
@@ -876,7 +885,7 @@ void time_emits(std::mt19937_64& rng, int rpb) {
     CUDA_OK(cudaGraphExecDestroy(ge));
     CUDA_OK(cudaGraphDestroy(g));
     CHECK(aiospec_cuda_check(p, &e, nullptr) == 0, "device error while timing: %d", e.code);
-    std::printf("time rows=%lld tokens=%lld k=%lld rpb=%d frame_bytes=%llu gpu_us=%.2f b2b_us=%.2f graph_us=%.2f\n",
+    std::printf("%s rows=%lld tokens=%lld k=%lld rpb=%d frame_bytes=%llu gpu_us=%.2f b2b_us=%.2f graph_us=%.2f\n", tag,
                 (long long)c[0], (long long)c[1], (long long)c[2], rpb, (unsigned long long)lay.frame_size, median(t),
                 b2b_ms * 1000.0 / 200, ms * 1000.0 / 200);
   }
@@ -1044,6 +1053,14 @@ int main(int argc, char** argv) {
   if (argc == 6 && std::strcmp(argv[1], "one") == 0) {
     // one R T K N: N emits of one timing batch, nothing timed (for Nsight Compute)
     one_config(std::atoll(argv[2]), std::atoll(argv[3]), std::atoll(argv[4]), std::atoi(argv[5]));
+    return g_failures ? 1 : 0;
+  }
+  if (argc > 1 && std::strcmp(argv[1], "roofline") == 0) {
+    // roofline [RPB]: the GPU time of frames from about 2 KB to 1 MB (scripts/bench_roofline.py
+    // sets each against the bare probe at the same size and the link)
+    std::mt19937_64 rng(7);
+    time_emits(rng, argc > 2 ? std::atoi(argv[2]) : 0, kRooflineBatches, "roofline");
+    std::fflush(stdout);
     return g_failures ? 1 : 0;
   }
   if (argc > 1 && std::strcmp(argv[1], "time") == 0) {

@@ -13,6 +13,9 @@
 // Times: b2b = CUDA events around 500 launches back to back / 500 (what the case adds to a busy
 // stream); bracket = events around one launch, the stream held by a spinning kernel while the
 // launches queue (median of 200), as bench_emit.py times the op. GB/s = N / b2b.
+// `emit_probe` runs every case at 2 KB .. 1 MiB; `emit_probe last BYTES...` runs the empty
+// kernel, then `last` and `memcpy` only, at the sizes given (scripts/bench_roofline.py passes
+// the emit's frame sizes).
 // Build: nvcc -arch=sm_90 -O2 -std=c++17 csrc/cuda/tools/emit_probe.cu -o emit_probe
 #include <cuda_runtime.h>
 #include <sys/mman.h>
@@ -134,7 +137,28 @@ void line(const char* mode, uint64_t bytes, unsigned blocks, std::pair<double, d
 
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
+  std::vector<uint64_t> sizes = {2048, 8192, 32768, 65536, 131072, 268480, 524288, 1u << 20};
+  std::vector<int> modes = {0, 1, 2, 3};
+  bool chain_loads = true;
+  if (argc > 1) {
+    if (std::strcmp(argv[1], "last") != 0 || argc < 3) {
+      std::fprintf(stderr, "usage: %s [last BYTES...]\n", argv[0]);
+      return 2;
+    }
+    sizes.clear();
+    for (int i = 2; i < argc; ++i) {
+      char* end = nullptr;
+      const unsigned long long b = std::strtoull(argv[i], &end, 10);
+      if (end == argv[i] || *end != '\0' || b < 16 || b > (1u << 20)) {
+        std::fprintf(stderr, "BYTES = %s: expected an integer in 16..1048576\n", argv[i]);
+        return 2;
+      }
+      sizes.push_back(b);
+    }
+    modes = {2};
+    chain_loads = false;
+  }
   const uint64_t max_bytes = 1u << 20;
   const size_t region = 64u << 20;  // writes rotate over 64 MiB, as a ring's data area does
   void* host = mmap(nullptr, region, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
@@ -167,10 +191,10 @@ int main() {
   };
   line("empty", 0, 1, tm.time([](cudaStream_t s) { empty_kernel<<<1, 32, 0, s>>>(); }));
   for (int n : {1, 4, 16}) {
+    if (!chain_loads) break;
     const auto us = tm.time([&](cudaStream_t s) { loads_kernel<<<1, 32, 0, s>>>(chain, n, reinterpret_cast<uint64_t*>(done) + 4); });
     line("loads", 0, unsigned(n), us);
   }
-  const uint64_t sizes[] = {2048, 8192, 32768, 65536, 131072, 268480, 524288, 1u << 20};
   const char* names[] = {"write", "fence", "last", "write4"};
   for (uint64_t bytes : sizes) {
     const unsigned natural = unsigned(std::min<uint64_t>(264, std::max<uint64_t>(1, bytes / 4096)));
@@ -179,7 +203,7 @@ int main() {
     if (natural != 132 && bytes >= 262144) grids.push_back(132);
     std::sort(grids.begin(), grids.end());
     grids.erase(std::unique(grids.begin(), grids.end()), grids.end());
-    for (int mode : {0, 1, 2, 3}) {
+    for (int mode : modes) {
       for (unsigned g : grids) {
         const auto us = tm.time([&](cudaStream_t s) {
           write_kernel<<<g, 256, 0, s>>>(next_dst(bytes), bytes, mode, commit, done, ++seq);
