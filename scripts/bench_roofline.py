@@ -213,6 +213,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--link-gbps = {args.link_gbps!r}: expected a positive number")
     if args.rows_per_block < 0:
         ap.error(f"--rows-per-block = {args.rows_per_block!r}: expected 0 or more")
+    for name in ("driver", "probe"):
+        path = getattr(args, name)
+        if path is not None and not os.access(path, os.X_OK):
+            ap.error(f"--{name} = {str(path)!r}: expected an executable build (or leave it out to build one)")
     arch = os.environ.get("AIOSPEC_CUDA_ARCH", "90")
     with tempfile.TemporaryDirectory(prefix="aiospec-roofline-") as tmp:
         driver = args.driver or _build("driver", Path(tmp), arch)

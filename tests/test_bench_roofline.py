@@ -92,6 +92,14 @@ def test_missing_lines_and_a_bad_link_are_clear_errors() -> None:
         timeout=60,
     )
     assert r.returncode == 2 and "--link-gbps = -1.0: expected a positive number" in r.stderr
+    missing = str(ROOT / "no-such-build")
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_roofline.py"), "--driver", missing],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 2 and f"--driver = {missing!r}: expected an executable build" in r.stderr, r.stderr
 
 
 @pytest.fixture(scope="module")
@@ -121,6 +129,22 @@ def probe(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_the_probe_refuses_bad_sizes_before_touching_a_gpu(probe: Path, args: list[str], message: str) -> None:
     r = subprocess.run([str(probe), *args], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and message in r.stderr, r.stderr
+
+
+def test_without_a_gpu_it_builds_both_tools_and_says_why_the_driver_failed() -> None:
+    """The default path builds the driver and the probe with nvcc; on a machine without a GPU the
+    driver cannot make its producer, and the script ends with the driver's own reason."""
+    from aiospec.ops import _cuda
+
+    if NVCC is None:
+        pytest.skip("nvcc is not on PATH")
+    if _cuda._driver_devices() > 0:
+        pytest.skip("a CUDA device is here: test_a_whole_run_on_a_gpu runs the script instead")
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_roofline.py")], capture_output=True, text=True, timeout=600
+    )
+    assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "aiospec_driver roofline 0 exited 2" in r.stderr and "producer_create:" in r.stderr, r.stderr[-2000:]
 
 
 @pytest.mark.gpu
