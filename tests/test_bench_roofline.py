@@ -106,13 +106,7 @@ def test_missing_lines_and_a_bad_link_are_clear_errors() -> None:
 def probe(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if NVCC is None:
         pytest.skip("nvcc is not on PATH")
-    exe = tmp_path_factory.mktemp("emit_probe") / "emit_probe"
-    subprocess.run(
-        [NVCC, "-arch=sm_90", "-O2", "-std=c++17", str(ROOT / "csrc/cuda/tools/emit_probe.cu"), "-o", str(exe)],
-        check=True,
-        capture_output=True,
-        text=True,
-    )
+    exe: Path = _script()._build("probe", tmp_path_factory.mktemp("emit_probe"), "90")  # the script's own build
     return exe
 
 

@@ -139,9 +139,8 @@ void line(const char* mode, uint64_t bytes, unsigned blocks, std::pair<double, d
 
 int main(int argc, char** argv) {
   std::vector<uint64_t> sizes = {2048, 8192, 32768, 65536, 131072, 268480, 524288, 1u << 20};
-  std::vector<int> modes = {0, 1, 2, 3};
-  bool chain_loads = true;
-  if (argc > 1) {
+  const bool last_only = argc > 1;
+  if (last_only) {
     if (std::strcmp(argv[1], "last") != 0 || argc < 3) {
       std::fprintf(stderr, "usage: %s [last BYTES...]\n", argv[0]);
       return 2;
@@ -156,9 +155,8 @@ int main(int argc, char** argv) {
       }
       sizes.push_back(b);
     }
-    modes = {2};
-    chain_loads = false;
   }
+  const std::vector<int> modes = last_only ? std::vector<int>{2} : std::vector<int>{0, 1, 2, 3};
   const uint64_t max_bytes = 1u << 20;
   const size_t region = 64u << 20;  // writes rotate over 64 MiB, as a ring's data area does
   void* host = mmap(nullptr, region, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
@@ -191,7 +189,7 @@ int main(int argc, char** argv) {
   };
   line("empty", 0, 1, tm.time([](cudaStream_t s) { empty_kernel<<<1, 32, 0, s>>>(); }));
   for (int n : {1, 4, 16}) {
-    if (!chain_loads) break;
+    if (last_only) break;
     const auto us = tm.time([&](cudaStream_t s) { loads_kernel<<<1, 32, 0, s>>>(chain, n, reinterpret_cast<uint64_t*>(done) + 4); });
     line("loads", 0, unsigned(n), us);
   }
