@@ -194,8 +194,10 @@ if has variants; then
     [wc0]=-DAIOSPEC_WARP_COUNTS=0 [hw0]=-DAIOSPEC_HEADER_WARP=0
     [empty]=-DAIOSPEC_EMPTY=1 [empty_pdl0]="-DAIOSPEC_EMPTY=1 -DAIOSPEC_PDL=0"
     [spec0]=-DAIOSPEC_SPECIALIZE=0 [spec2]=-DAIOSPEC_SPECIALIZE=2
-    [pos8]=-DAIOSPEC_POS_LANES=8 [pos2]=-DAIOSPEC_POS_LANES=2 [minx1]=-DAIOSPEC_MIN_EXCHANGE_BLOCKS=1)
-  VARIANTS="${VARIANTS:-f0 f1 t128 t512 solo0 solo64k inline0 inline8k pdl0 pdl2 wc0 hw0 spec0 spec2 pos8 pos2 minx1 f3 empty empty_pdl0}"
+    [pos8]=-DAIOSPEC_POS_LANES=8 [pos2]=-DAIOSPEC_POS_LANES=2 [minx1]=-DAIOSPEC_MIN_EXCHANGE_BLOCKS=1
+    [wg0]=-DAIOSPEC_WARP_GATHER=0 [nc1]=-DAIOSPEC_NO_COLUMNS=1 [nc2]=-DAIOSPEC_NO_COLUMNS=2 [co0]=-DAIOSPEC_COOP=0
+    [dr]=-DAIOSPEC_DEVICE_RING=1)
+  VARIANTS="${VARIANTS:-f0 f1 t128 t512 solo0 solo64k inline0 inline8k pdl0 pdl2 wc0 hw0 spec0 spec2 pos8 pos2 minx1 wg0 f3 nc1 nc2 co0 dr empty empty_pdl0}"
   # shellcheck disable=SC2086
   for v in $VARIANTS; do build_variant "$v" ${flags[$v]} & done
   wait
@@ -212,7 +214,13 @@ if has variants; then
             "$DRIVER.$v" coldone $c 41 && "$DRIVER" coldone $c 41
           done ;;
         pdl*) "$DRIVER.$v" time 8 && "$DRIVER.$v" cold 41 ;;  # without PDL / the trigger at entry
+        wg0)  # the exchange's counts gathered by every thread: its slow mode at 34, 50, 100 blocks
+          "$DRIVER.$v" shapes 0 200 1 20 256 1 20 400 1 20 512 1 20 100 6 5 96 6 5
+          "$DRIVER" shapes 0 200 1 20 256 1 20 400 1 20 512 1 20 100 6 5 96 6 5 ;;
         f3) "$DRIVER.$v" time 8; continue ;;  # no fences: a lower bound, not a correct protocol
+        nc* | dr)  # measurement only (frames not the CPU writer's): stores left out, or to device memory
+          "$DRIVER.$v" shapes 0 200 1 20 256 1 20 256 6 20 64 1 -1; continue ;;
+        co0) "$DRIVER.$v" shapes 0 200 1 20 256 1 20 256 6 20; continue ;;  # correct only on an idle device
         empty*) "$DRIVER.$v" time 8; continue ;;  # nothing after the wait: the launch's floor
         *) "$DRIVER.$v" time 8 ;;
       esac

@@ -70,6 +70,16 @@ constexpr long long kInlineMaxTokens = 8;
 #define AIOSPEC_EXCHANGE 1
 #endif
 constexpr bool kExchange = AIOSPEC_EXCHANGE != 0;
+// AIOSPEC_COOP=0 (measurement only): the exchange launched without the cooperative attribute,
+// correct only while the grid fits the idle device at once.
+#ifndef AIOSPEC_COOP
+#define AIOSPEC_COOP 1
+#endif
+// AIOSPEC_DEVICE_RING=1 (measurement only): the frames' bytes go to device memory instead of
+// the ring's host memory, the stores' cost without the link.
+#ifndef AIOSPEC_DEVICE_RING
+#define AIOSPEC_DEVICE_RING 0
+#endif
 constexpr bool kPdl = AIOSPEC_PDL != 0;  // emit_kernel.cuh
 
 // The emit kernel of a frame's path (emit_kernel.cuh, AIOSPEC_SPECIALIZE).
@@ -337,6 +347,12 @@ int aiospec_cuda_producer_create(const char* ring_name, const aiospec_cuda_optio
   if (e != cudaSuccess) return fail("cudaHostGetDevicePointer(ring segment)", e);
   p->ref.ctl = static_cast<uint8_t*>(dev);
   p->ref.data = p->ref.ctl + AIOSPEC_CONTROL_SIZE;
+#if AIOSPEC_DEVICE_RING
+  // measurement only: the frames go to device memory that no reader sees (the control page,
+  // the head among it, stays in host memory); never freed
+  e = cudaMalloc(reinterpret_cast<void**>(&p->ref.data), m.capacity);
+  if (e != cudaSuccess) return fail("cudaMalloc(AIOSPEC_DEVICE_RING)", e);
+#endif
   p->ref.capacity = m.capacity;
   p->ref.mask = m.mask;
   p->ref.max_record = m.max_record;
@@ -472,7 +488,7 @@ cudaError_t aiospec_cuda_emit_ex(aiospec_cuda_producer* p, const aiospec_emit_ar
     cudaLaunchAttribute attr[2];
     for (;;) {
       unsigned n = 0;
-      if (cooperative) {
+      if (cooperative && AIOSPEC_COOP) {
         attr[n].id = cudaLaunchAttributeCooperative;
         attr[n++].val.cooperative = 1;
       }

@@ -123,6 +123,16 @@
 #ifndef AIOSPEC_EMPTY
 #define AIOSPEC_EMPTY 0
 #endif
+// AIOSPEC_WARP_GATHER, who reads the exchange's counts of every block: 1 (default) warp 0,
+// folding them with shuffles; 0 every thread a block, with shared atomics and block-wide sums.
+#ifndef AIOSPEC_WARP_GATHER
+#define AIOSPEC_WARP_GATHER 1
+#endif
+// AIOSPEC_NO_COLUMNS (measurement only, the frames are not the CPU writer's): 1 leaves out
+// every store of the rows' columns, 2 only those of the one-byte columns (flags, sampled_pos).
+#ifndef AIOSPEC_NO_COLUMNS
+#define AIOSPEC_NO_COLUMNS 0
+#endif
 #ifndef AIOSPEC_THREADS
 #define AIOSPEC_THREADS 256
 #endif
@@ -909,11 +919,60 @@ __global__ void __launch_bounds__(kThreads, 2)  // 2 blocks an SM: the cooperati
         AIOSPEC_BCLOCK(3, clock64() - c0_);
         AIOSPEC_BCLOCK(4, globaltimer_ns());
 #endif
+#if !AIOSPEC_WARP_GATHER
         s_gkey = kNoError;
         s_g[0] = s_g[2] = INT32_MAX;
         s_g[1] = s_g[3] = -1;
+#endif
+      }
+#if AIOSPEC_WARP_GATHER
+      // Warp 0 alone reads every block's counts and folds them with shuffles; the other
+      // warps wait at one barrier. In the gather over the whole block (AIOSPEC_WARP_GATHER=0)
+      // a warp that only some lanes used (34, 50 or 100 blocks) could reach block_sum2's
+      // shuffles with its lanes apart, and the compiled code then takes its divergent path, a
+      // WARPSYNC.COLLECTIVE around each of 80 shuffles: about 9 us a frame (docs/benchmarks.md,
+      // "The exchange's slow mode").
+      __shared__ Triple s_bt[2];
+      if (tid < 32) {
+        __syncwarp();  // lane 0's acquire, passed on to the warp's other lanes
+        AIOSPEC_PHASE(10);
+        unsigned long long gkey = kNoError;
+        int g0 = INT32_MAX, g1 = -1, g2 = INT32_MAX, g3 = -1;
+        const int nb = int(gridDim.x);
+        for (int b0 = 0; b0 < nb; b0 += 32) {
+          const int b = b0 + tid;
+          if (b < nb) {
+            const Part* q = part + b;  // L2 loads: another block's stores (its release, our acquire)
+            const Triple c{__ldcg(&q->r), __ldcg(&q->t), __ldcg(&q->d), __ldcg(&q->e)};
+            total.r += c.r, total.t += c.t, total.d += c.d, total.e += c.e;
+            if (b < int(blockIdx.x)) before.r += c.r, before.t += c.t, before.d += c.d, before.e += c.e;
+            gkey = min_key(gkey, __ldcg(&q->key));
+            g0 = min(g0, __ldcg(&q->nt_min)), g1 = max(g1, __ldcg(&q->nt_max));
+            g2 = min(g2, __ldcg(&q->nd_min)), g3 = max(g3, __ldcg(&q->nd_max));
+          }
+        }
+        AIOSPEC_PHASE(11);
+        __syncwarp();  // the lanes in step before the shuffles (see above)
+        total = warp_sum(total);
+        before = warp_sum(before);
+        gkey = warp_min_u64(gkey);
+        g0 = warp_min_i32(g0), g1 = warp_max_i32(g1);
+        g2 = warp_min_i32(g2), g3 = warp_max_i32(g3);
+        if (tid == 0) {
+          s_bt[0] = before;
+          s_bt[1] = total;
+          s_gkey = gkey;
+          s_g[0] = g0, s_g[1] = g1, s_g[2] = g2, s_g[3] = g3;
+        }
+        AIOSPEC_PHASE(12);
       }
       __syncthreads();
+      AIOSPEC_PHASE(13);
+      before = s_bt[0];
+      total = s_bt[1];
+#else
+      __syncthreads();
+      AIOSPEC_PHASE(10);
       unsigned long long gkey = kNoError;
       int g0 = INT32_MAX, g1 = -1, g2 = INT32_MAX, g3 = -1;
       for (int b = tid; b < int(gridDim.x); b += kThreads) {
@@ -925,6 +984,7 @@ __global__ void __launch_bounds__(kThreads, 2)  // 2 blocks an SM: the cooperati
         g0 = min(g0, __ldcg(&q->nt_min)), g1 = max(g1, __ldcg(&q->nt_max));
         g2 = min(g2, __ldcg(&q->nd_min)), g3 = max(g3, __ldcg(&q->nd_max));
       }
+      AIOSPEC_PHASE(11);
       if (gkey != kNoError) atomicMin(&s_gkey, gkey);
       if (g1 >= 0) {
         atomicMin(&s_g[0], g0);
@@ -932,7 +992,10 @@ __global__ void __launch_bounds__(kThreads, 2)  // 2 blocks an SM: the cooperati
         atomicMin(&s_g[2], g2);
         atomicMax(&s_g[3], g3);
       }
+      AIOSPEC_PHASE(12);
       block_sum2(before, total);  // its barriers order the shared minima as well
+      AIOSPEC_PHASE(13);
+#endif
       skey = s_gkey;
       if (tid <= n) {
         s_rec[tid] += before.r;
@@ -1103,9 +1166,12 @@ __global__ void __launch_bounds__(kThreads, 2)  // 2 blocks an SM: the cooperati
 
   // 5. This block's rows: records, then token ids with their logprobs and ranks, draft ids,
   //    top-k ids and logprobs. Int64 ids are checked even when nothing is written.
+  // measurement builds (AIOSPEC_NO_COLUMNS) leave out some of these stores
+  const int wcol = AIOSPEC_NO_COLUMNS == 1 ? 0 : write;
+  const int wbyte = AIOSPEC_NO_COLUMNS != 0 ? 0 : write;
   const int has_lp = aiospec_has_logprobs(&a);
   unsigned long long key = kNoError;
-  if (write) {
+  if (wcol) {
     uint64_t* handles = reinterpret_cast<uint64_t*>(pay + lay.off[AIOSPEC_COL_HANDLES]);
     uint8_t* flags = pay + lay.off[AIOSPEC_COL_FLAGS];
     int32_t* positions = reinterpret_cast<int32_t*>(pay + lay.off[AIOSPEC_COL_POSITIONS]);
@@ -1118,7 +1184,7 @@ __global__ void __launch_bounds__(kThreads, 2)  // 2 blocks an SM: the cooperati
       const long long r = s_rec[li];
       const int64_t i = row0 + li;
       handles[r] = uint64_t(a.handles[i]);
-      flags[r] = uint8_t(aiospec_row_flags(&a, i));
+      if (wbyte) flags[r] = uint8_t(aiospec_row_flags(&a, i));
       if (a.positions != nullptr) positions[r] = int32_t(aiospec_load_int(a.positions, a.positions_i64, i));
       if (has_toff) toff[r] = int32_t(s_tok[li]);
       if (has_doff) doff[r] = int32_t(s_dr[li]);
@@ -1151,8 +1217,8 @@ __global__ void __launch_bounds__(kThreads, 2)  // 2 blocks an SM: the cooperati
       }
       int chunk = 0;
       const int x = block_exclusive_scan_int(e < t1 && p == AIOSPEC_SAMPLED_EXCEPTION, &chunk);
-      if (write && e < t1) {
-        spos[e] = uint8_t(p);
+      if (wcol && e < t1) {
+        if (wbyte) spos[e] = uint8_t(p);
         if (p == AIOSPEC_SAMPLED_EXCEPTION) {
           const long long xi = xbase + x;
           x_ids[xi] = int32_t(v);
@@ -1173,12 +1239,12 @@ __global__ void __launch_bounds__(kThreads, 2)  // 2 blocks an SM: the cooperati
       const int64_t j = e - s_tok[li];
       const int64_t v = aiospec_load_int(a.token_ids, a.token_ids_i64, aiospec_token_row(&a, i) + j);
       if (!aiospec_fits_i32(v)) key = min_key(key, id_error_key(i, AIOSPEC_CHECK_TOKEN_IDS, j));
-      if (write) ids[e] = int32_t(v);
+      if (wcol) ids[e] = int32_t(v);
       if (has_lp) {
         const int64_t lr = s_lp[li] + j;
         const int64_t rank = aiospec_load_int(a.lp_ranks, a.lp_ranks_i64, lr);
         if (!aiospec_fits_i32(rank)) key = min_key(key, id_error_key(i, AIOSPEC_CHECK_LP, lr));
-        if (write) {
+        if (wcol) {
           lps[e] = a.lp_values[aiospec_lp_values_row(&a, lr)];
           ranks[e] = int32_t(rank);
         }
@@ -1194,7 +1260,7 @@ __global__ void __launch_bounds__(kThreads, 2)  // 2 blocks an SM: the cooperati
       const int64_t j = e - s_dr[li];
       const int64_t v = aiospec_load_int(a.draft_ids, a.draft_ids_i64, aiospec_draft_row(&a, i) + j);
       if (!aiospec_fits_i32(v)) key = min_key(key, id_error_key(i, AIOSPEC_CHECK_DRAFT_IDS, j));
-      if (write) ids[e] = int32_t(v);
+      if (wcol) ids[e] = int32_t(v);
     }
   }
   if (has_lp && k > 0) {
@@ -1209,7 +1275,7 @@ __global__ void __launch_bounds__(kThreads, 2)  // 2 blocks an SM: the cooperati
       const int64_t lr = s_lp[li] + (t - s_tok[li]);
       const int64_t v = aiospec_load_int(a.lp_ids, a.lp_ids_i64, aiospec_lp_ids_row(&a, lr) + c);
       if (!aiospec_fits_i32(v)) key = min_key(key, id_error_key(row0 + li, AIOSPEC_CHECK_LP, lr));
-      if (write) {
+      if (wcol) {
         tk_ids[e] = int32_t(v);
         tk_lps[e] = a.lp_values[aiospec_lp_values_row(&a, lr) + c];
       }

@@ -22,7 +22,8 @@
 //        csrc/cuda/emit_cuda.cu csrc/cpu/emit_cpu.cc -o emit_check
 // Exit status 0 when every check passed; prints one line per scenario.
 // Timing modes (no checks against the CPU writer): `time [RPB...]`, `roofline [RPB]` (frames of
-// about 2 KB to 1 MB, for scripts/bench_roofline.py), `cold`, `coldone`, `one` (see main).
+// about 2 KB to 1 MB, for scripts/bench_roofline.py), `shapes RPB R T K...`, `cold`, `coldone`,
+// `one` (see main).
 #include <cuda_runtime.h>
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -750,14 +751,16 @@ aiospec_cuda_producer* timing_producer(const Segment& seg, int64_t max_rows, int
 // The kernel's phase clocks (AIOSPEC_PHASES builds): each emit's cycles from the kernel's entry
 // to every phase boundary, printed as the median per phase.
 struct PhaseClocks {
-  std::vector<std::vector<double>> ph = std::vector<std::vector<double>>(9);
+  // 0-8 the phases, 10-13 inside the exchange's end (9 is the entry)
+  std::vector<std::vector<double>> ph = std::vector<std::vector<double>>(14);
   void add() {  // after an emit has finished
     unsigned long long c[16];
     CUDA_OK(cudaError_t(aiospec_cuda_phases(c)));
-    for (int q = 0; q <= 8; ++q) ph[size_t(q)].push_back(double(c[q] - c[9]));
+    for (int q = 0; q <= 13; ++q) ph[size_t(q)].push_back(q == 9 ? 0.0 : double(c[q] - c[9]));
   }
   void print() {
-    for (int q = 0; q <= 8; ++q) {
+    for (int q = 0; q <= 13; ++q) {
+      if (q == 9) continue;
       std::sort(ph[size_t(q)].begin(), ph[size_t(q)].end());
       std::printf(" p%d=%.0f", q, ph[size_t(q)][ph[size_t(q)].size() / 2]);
     }
@@ -1060,6 +1063,16 @@ int main(int argc, char** argv) {
     // sets each against the bare probe at the same size and the link)
     std::mt19937_64 rng(7);
     time_emits(rng, argc > 2 ? std::atoi(argv[2]) : 0, kRooflineBatches, "roofline");
+    std::fflush(stdout);
+    return g_failures ? 1 : 0;
+  }
+  if (argc >= 6 && std::strcmp(argv[1], "shapes") == 0) {
+    // shapes RPB R T K [R T K ...]: `time`'s measurement of the given batches (K < 0: no
+    // logprobs; RPB 0: the producer's default)
+    std::vector<Batch> b;
+    for (int i = 3; i + 2 < argc; i += 3) b.push_back({std::atoll(argv[i]), std::atoll(argv[i + 1]), std::atoll(argv[i + 2])});
+    std::mt19937_64 rng(7);
+    time_emits(rng, std::atoi(argv[2]), b, "shapes");
     std::fflush(stdout);
     return g_failures ? 1 : 0;
   }
