@@ -42,7 +42,9 @@ constexpr long long kMaxBlocks = 264;
 // where the rows allow, fewer rows a block than rows_per_block if need be: on an H200 a
 // cooperative grid of 2, 8 or 16 blocks took 24-30 us for 64 or 128 rows x 6 tokens x top-5,
 // the same rows in 32 blocks 15-17 us, every block's own work alike (docs/benchmarks.md,
-// "Small exchange grids").
+// "Small exchange grids"). That was the block-wide gather's divergent shuffles, since
+// replaced by warp 0's gather ("The exchange's slow mode, found and removed"); the rule stays
+// until the two are measured against each other on that gather (the `minx1` variant).
 #ifndef AIOSPEC_MIN_EXCHANGE_BLOCKS
 #define AIOSPEC_MIN_EXCHANGE_BLOCKS 32
 #endif

@@ -931,7 +931,7 @@ __global__ void __launch_bounds__(kThreads, 2)  // 2 blocks an SM: the cooperati
       // a warp that only some lanes used (34, 50 or 100 blocks) could reach block_sum2's
       // shuffles with its lanes apart, and the compiled code then takes its divergent path, a
       // WARPSYNC.COLLECTIVE around each of 80 shuffles: about 9 us a frame (docs/benchmarks.md,
-      // "The exchange's slow mode").
+      // "The exchange's slow mode, found and removed").
       __shared__ Triple s_bt[2];
       if (tid < 32) {
         __syncwarp();  // lane 0's acquire, passed on to the warp's other lanes
@@ -952,7 +952,6 @@ __global__ void __launch_bounds__(kThreads, 2)  // 2 blocks an SM: the cooperati
           }
         }
         AIOSPEC_PHASE(11);
-        __syncwarp();  // the lanes in step before the shuffles (see above)
         total = warp_sum(total);
         before = warp_sum(before);
         gkey = warp_min_u64(gkey);
