@@ -376,6 +376,20 @@ __device__ __forceinline__ Triple warp_sum(Triple v) {
   return v;
 }
 
+// The exchange's gather: block b's published counts added to the totals (and to `before`
+// when b is ahead of this block), its error key and count bounds folded in.
+__device__ __forceinline__ void fold_part(const Part* part, int b, Triple& total, Triple& before,
+                                          unsigned long long& key, int& nt_min, int& nt_max, int& nd_min,
+                                          int& nd_max) {
+  const Part* q = part + b;
+  const Triple c{__ldcg(&q->r), __ldcg(&q->t), __ldcg(&q->d), __ldcg(&q->e)};
+  total.r += c.r, total.t += c.t, total.d += c.d, total.e += c.e;
+  if (b < int(blockIdx.x)) before.r += c.r, before.t += c.t, before.d += c.d, before.e += c.e;
+  key = min_key(key, __ldcg(&q->key));
+  nt_min = min(nt_min, __ldcg(&q->nt_min)), nt_max = max(nt_max, __ldcg(&q->nt_max));
+  nd_min = min(nd_min, __ldcg(&q->nd_min)), nd_max = max(nd_max, __ldcg(&q->nd_max));
+}
+
 // Block-wide sums of two triples; every thread gets the results.
 __device__ __forceinline__ void block_sum2(Triple& x, Triple& y) {
   __shared__ Triple part[2][kThreads / 32];
@@ -942,13 +956,8 @@ __global__ void __launch_bounds__(kThreads, 2)  // 2 blocks an SM: the cooperati
         for (int b0 = 0; b0 < nb; b0 += 32) {
           const int b = b0 + tid;
           if (b < nb) {
-            const Part* q = part + b;  // L2 loads: another block's stores (its release, our acquire)
-            const Triple c{__ldcg(&q->r), __ldcg(&q->t), __ldcg(&q->d), __ldcg(&q->e)};
-            total.r += c.r, total.t += c.t, total.d += c.d, total.e += c.e;
-            if (b < int(blockIdx.x)) before.r += c.r, before.t += c.t, before.d += c.d, before.e += c.e;
-            gkey = min_key(gkey, __ldcg(&q->key));
-            g0 = min(g0, __ldcg(&q->nt_min)), g1 = max(g1, __ldcg(&q->nt_max));
-            g2 = min(g2, __ldcg(&q->nd_min)), g3 = max(g3, __ldcg(&q->nd_max));
+            // L2 loads: another block's stores (its release, our acquire)
+            fold_part(part, b, total, before, gkey, g0, g1, g2, g3);
           }
         }
         AIOSPEC_PHASE(11);
@@ -975,13 +984,8 @@ __global__ void __launch_bounds__(kThreads, 2)  // 2 blocks an SM: the cooperati
       unsigned long long gkey = kNoError;
       int g0 = INT32_MAX, g1 = -1, g2 = INT32_MAX, g3 = -1;
       for (int b = tid; b < int(gridDim.x); b += kThreads) {
-        const Part* q = part + b;  // L2 loads: another block's stores, ordered by the barrier
-        const Triple c{__ldcg(&q->r), __ldcg(&q->t), __ldcg(&q->d), __ldcg(&q->e)};
-        total.r += c.r, total.t += c.t, total.d += c.d, total.e += c.e;
-        if (b < int(blockIdx.x)) before.r += c.r, before.t += c.t, before.d += c.d, before.e += c.e;
-        gkey = min_key(gkey, __ldcg(&q->key));
-        g0 = min(g0, __ldcg(&q->nt_min)), g1 = max(g1, __ldcg(&q->nt_max));
-        g2 = min(g2, __ldcg(&q->nd_min)), g3 = max(g3, __ldcg(&q->nd_max));
+        // L2 loads: another block's stores, ordered by the barrier
+        fold_part(part, b, total, before, gkey, g0, g1, g2, g3);
       }
       AIOSPEC_PHASE(11);
       if (gkey != kNoError) atomicMin(&s_gkey, gkey);
