@@ -187,7 +187,11 @@ def test_a_killed_server_process_is_aborted_in_the_engine_and_the_others_go_on()
         # for nobody), and its reader slot is free again
         eng = _get(srv.url + "/stats")["engines"][0]
         assert eng["running"] == 0 and eng["waiting"] == 0, eng
-        assert eng["aborted"] >= len(failed), eng
+        # every request ends in the engine finished or aborted; a request of the dead server
+        # that the engine finished just before the kill cannot be aborted (its client missed
+        # only the last chunks), every other one of its requests is
+        assert eng["finished"] + eng["aborted"] == 30 and eng["finished"] >= len(ok), eng
+        assert eng["aborted"] >= len(failed) - (eng["finished"] - len(ok)), eng
         r = shm.Ring.attach(ring)
         try:
             _wait(lambda: sum(1 for x in r.stats().readers if x.state == "active") == 2, 10, "2 active readers")
