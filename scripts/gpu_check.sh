@@ -79,16 +79,22 @@ cat "$LOGS/env.log"
 build_library() {
   python3 -c 'from aiospec.ops import _cuda; print(_cuda.load_library()._name)'
 }
+# the driver (against the CPU writer), with measurement switches of emit_kernel.cuh if given:
+# build_driver_bin OUT [FLAGS...]
+build_driver_bin() {
+  local out=$1
+  shift
+  nvcc -arch=sm_90 -O2 -std=c++17 -Icsrc/include -Ishm/include "$@" csrc/cuda/tools/emit_check.cu \
+    csrc/cuda/emit_cuda.cu csrc/cpu/emit_cpu.cc -o "$out"
+}
 if has build; then
   build_library > "$LOGS/build_lib.log" 2>&1 &
   lib_pid=$!
   nvcc -arch=sm_90 -O2 -std=c++17 csrc/cuda/tools/emit_probe.cu -o "$PROBE" > "$LOGS/build_probe.log" 2>&1 &
   probe_pid=$!
   # the phase clocks of the kernel (AIOSPEC_PHASES), for the timing stage
-  nvcc -arch=sm_90 -O2 -std=c++17 -DAIOSPEC_PHASES -Icsrc/include -Ishm/include csrc/cuda/tools/emit_check.cu \
-    csrc/cuda/emit_cuda.cu csrc/cpu/emit_cpu.cc -o "$DRIVER.phases" > "$LOGS/build_phases.log" 2>&1 &
-  stage build_driver 300 nvcc -arch=sm_90 -O2 -lineinfo -std=c++17 -Icsrc/include -Ishm/include csrc/cuda/tools/emit_check.cu \
-    csrc/cuda/emit_cuda.cu csrc/cpu/emit_cpu.cc -o "$DRIVER"
+  build_driver_bin "$DRIVER.phases" -DAIOSPEC_PHASES > "$LOGS/build_phases.log" 2>&1 &
+  stage build_driver 300 bash -c "$(declare -f build_driver_bin); build_driver_bin $DRIVER -lineinfo"
   wait $lib_pid
   rc=$?
   tail -n 20 "$LOGS/build_lib.log"
@@ -183,8 +189,7 @@ if has variants; then
   build_variant() {  # NAME FLAGS...
     local name=$1
     shift
-    nvcc -arch=sm_90 -O2 -std=c++17 -Icsrc/include -Ishm/include "$@" csrc/cuda/tools/emit_check.cu csrc/cuda/emit_cuda.cu \
-      csrc/cpu/emit_cpu.cc -o "$DRIVER.$name"
+    build_driver_bin "$DRIVER.$name" "$@"
   }
   # VARIANTS picks some of them (default: all)
   declare -A flags=([f0]=-DAIOSPEC_FENCE_MODE=0 [f1]=-DAIOSPEC_FENCE_MODE=1 [f3]=-DAIOSPEC_FENCE_MODE=3
@@ -195,9 +200,9 @@ if has variants; then
     [empty]=-DAIOSPEC_EMPTY=1 [empty_pdl0]="-DAIOSPEC_EMPTY=1 -DAIOSPEC_PDL=0"
     [spec0]=-DAIOSPEC_SPECIALIZE=0 [spec2]=-DAIOSPEC_SPECIALIZE=2
     [pos8]=-DAIOSPEC_POS_LANES=8 [pos2]=-DAIOSPEC_POS_LANES=2 [minx1]=-DAIOSPEC_MIN_EXCHANGE_BLOCKS=1
-    [wg0]=-DAIOSPEC_WARP_GATHER=0 [nc1]=-DAIOSPEC_NO_COLUMNS=1 [nc2]=-DAIOSPEC_NO_COLUMNS=2 [co0]=-DAIOSPEC_COOP=0
+    [wg0]=-DAIOSPEC_WARP_GATHER=0 [wg2]=-DAIOSPEC_WARP_GATHER=2 [nc1]=-DAIOSPEC_NO_COLUMNS=1 [nc2]=-DAIOSPEC_NO_COLUMNS=2 [co0]=-DAIOSPEC_COOP=0
     [dr]=-DAIOSPEC_DEVICE_RING=1)
-  VARIANTS="${VARIANTS:-f0 f1 t128 t512 solo0 solo64k inline0 inline8k pdl0 pdl2 wc0 hw0 spec0 spec2 pos8 pos2 minx1 wg0 f3 nc1 nc2 co0 dr empty empty_pdl0}"
+  VARIANTS="${VARIANTS:-f0 f1 t128 t512 solo0 solo64k inline0 inline8k pdl0 pdl2 wc0 hw0 spec0 spec2 pos8 pos2 minx1 wg0 wg2 f3 nc1 nc2 co0 dr empty empty_pdl0}"
   # shellcheck disable=SC2086
   for v in $VARIANTS; do build_variant "$v" ${flags[$v]} & done
   wait
@@ -217,6 +222,9 @@ if has variants; then
         wg0)  # the exchange's counts gathered by every thread: its slow mode at 34, 50, 100 blocks
           "$DRIVER.$v" shapes 0 200 1 20 256 1 20 400 1 20 512 1 20 100 6 5 96 6 5
           "$DRIVER" shapes 0 200 1 20 256 1 20 400 1 20 512 1 20 100 6 5 96 6 5 ;;
+        wg2)  # a warp per 32 blocks past 32: frames of 33 to 264 blocks
+          "$DRIVER.$v" shapes 0 400 1 20 1000 1 20 512 6 20 1024 6 20
+          "$DRIVER" shapes 0 400 1 20 1000 1 20 512 6 20 1024 6 20 ;;
         f3) "$DRIVER.$v" time 8; continue ;;  # no fences: a lower bound, not a correct protocol
         nc* | dr)  # measurement only (frames not the CPU writer's): stores left out, or to device memory
           "$DRIVER.$v" shapes 0 200 1 20 256 1 20 256 6 20 64 1 -1; continue ;;
