@@ -573,7 +573,11 @@ int aiospec_cuda_check(aiospec_cuda_producer* p, aiospec_error* out, uint64_t* s
 #ifdef AIOSPEC_PHASES
 // Measurement builds only (emit_kernel.cuh): the last emit's phase clocks.
 int aiospec_cuda_phases(unsigned long long* out) {
-  return int(cudaMemcpyFromSymbol(out, aiospec_cuda_phase_clock, 16 * sizeof(unsigned long long)));
+  // read, then zeroed: a clock the next emit does not store (a phase its path skips) reads 0
+  const cudaError_t rc = cudaMemcpyFromSymbol(out, aiospec_cuda_phase_clock, 16 * sizeof(unsigned long long));
+  if (rc != cudaSuccess) return int(rc);
+  static const unsigned long long zero[16] = {};
+  return int(cudaMemcpyToSymbol(aiospec_cuda_phase_clock, zero, sizeof zero));
 }
 // and every block's clocks (kBlockClocks x 7 words)
 static_assert(kMaxBlocks <= aiospec::cuda::kBlockClocks, "a clock row for every block the launcher makes");

@@ -753,16 +753,26 @@ aiospec_cuda_producer* timing_producer(const Segment& seg, int64_t max_rows, int
 struct PhaseClocks {
   // 0-8 the phases, 10-13 inside the exchange's end (9 is the entry)
   std::vector<std::vector<double>> ph = std::vector<std::vector<double>>(14);
+  // A clock the emit did not store reads 0 (aiospec_cuda_phases zeroes them), and one behind
+  // the entry's was stored on another SM (p7, p8: the committing block's): neither is a phase
+  // of this emit, and a phase with no sample prints "-".
   void add() {  // after an emit has finished
     unsigned long long c[16];
     CUDA_OK(cudaError_t(aiospec_cuda_phases(c)));
-    for (int q = 0; q <= 13; ++q) ph[size_t(q)].push_back(q == 9 ? 0.0 : double(c[q] - c[9]));
+    for (int q = 0; q <= 13; ++q) {
+      if (q != 9 && c[q] != 0 && c[q] >= c[9]) ph[size_t(q)].push_back(double(c[q] - c[9]));
+    }
   }
   void print() {
     for (int q = 0; q <= 13; ++q) {
+      std::vector<double>& v = ph[size_t(q)];
       if (q == 9) continue;
-      std::sort(ph[size_t(q)].begin(), ph[size_t(q)].end());
-      std::printf(" p%d=%.0f", q, ph[size_t(q)][ph[size_t(q)].size() / 2]);
+      if (v.empty()) {
+        std::printf(" p%d=-", q);
+        continue;
+      }
+      std::sort(v.begin(), v.end());
+      std::printf(" p%d=%.0f", q, v[v.size() / 2]);
     }
   }
 };
