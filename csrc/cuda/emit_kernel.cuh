@@ -124,7 +124,9 @@
 #define AIOSPEC_EMPTY 0
 #endif
 // AIOSPEC_WARP_GATHER, who reads the exchange's counts of every block: 1 (default) warp 0,
-// folding them with shuffles; 0 every thread a block, with shared atomics and block-wide sums.
+// folding them with shuffles, 32 blocks a round; 2 as 1 up to 32 blocks, past them a warp for
+// each 32 blocks (one round each up to 256), the warps' sums folded from shared memory after
+// a barrier; 0 every thread a block, with shared atomics and block-wide sums.
 #ifndef AIOSPEC_WARP_GATHER
 #define AIOSPEC_WARP_GATHER 1
 #endif
@@ -908,8 +910,10 @@ __global__ void __launch_bounds__(kThreads, 2)  // 2 blocks an SM: the cooperati
       skey = s_key;
       total = Triple{s_rec[n], s_tok[n], s_dr[n], own_x};
     } else {
+#if !AIOSPEC_WARP_GATHER
       __shared__ unsigned long long s_gkey;
       __shared__ int s_g[4];
+#endif
 #ifdef AIOSPEC_PHASES
       AIOSPEC_BCLOCK(2, clock64() - c0_);
 #endif
@@ -946,15 +950,24 @@ __global__ void __launch_bounds__(kThreads, 2)  // 2 blocks an SM: the cooperati
       // shuffles with its lanes apart, and the compiled code then takes its divergent path, a
       // WARPSYNC.COLLECTIVE around each of 80 shuffles: about 9 us a frame (docs/benchmarks.md,
       // "The exchange's slow mode, found and removed").
-      __shared__ Triple s_bt[2];
-      if (tid < 32) {
-        __syncwarp();  // lane 0's acquire, passed on to the warp's other lanes
+      // Past 32 blocks (AIOSPEC_WARP_GATHER=2), a warp for each 32 of them (up to 8 warps, each
+      // a whole warp in every round, so no warp reaches the shuffles with its lanes apart),
+      // folded from shared memory after the barrier; warp 0 alone otherwise.
+      constexpr int kWarps = kThreads / 32;
+      __shared__ Triple s_wt[2][kWarps];
+      __shared__ unsigned long long s_wk[kWarps];
+      __shared__ int s_wg[kWarps][4];
+      const int nb = int(gridDim.x);
+      const int gw = AIOSPEC_WARP_GATHER == 2 && nb > 32 ? min(kWarps, (nb + 31) / 32) : 1;
+      if (gw > 1) __syncthreads();  // lane 0's acquire, passed on to the other warps
+      if (tid < 32 * gw) {
+        if (gw == 1) __syncwarp();  // lane 0's acquire, passed on to the warp's other lanes
         AIOSPEC_PHASE(10);
+        const int w = tid >> 5, lane = tid & 31;
         unsigned long long gkey = kNoError;
         int g0 = INT32_MAX, g1 = -1, g2 = INT32_MAX, g3 = -1;
-        const int nb = int(gridDim.x);
-        for (int b0 = 0; b0 < nb; b0 += 32) {
-          const int b = b0 + tid;
+        for (int b0 = 32 * w; b0 < nb; b0 += 32 * gw) {
+          const int b = b0 + lane;
           if (b < nb) {
             // L2 loads: another block's stores (its release, our acquire)
             fold_part(part, b, total, before, gkey, g0, g1, g2, g3);
@@ -966,18 +979,28 @@ __global__ void __launch_bounds__(kThreads, 2)  // 2 blocks an SM: the cooperati
         gkey = warp_min_u64(gkey);
         g0 = warp_min_i32(g0), g1 = warp_max_i32(g1);
         g2 = warp_min_i32(g2), g3 = warp_max_i32(g3);
-        if (tid == 0) {
-          s_bt[0] = before;
-          s_bt[1] = total;
-          s_gkey = gkey;
-          s_g[0] = g0, s_g[1] = g1, s_g[2] = g2, s_g[3] = g3;
+        if (lane == 0) {
+          s_wt[0][w] = before;
+          s_wt[1][w] = total;
+          s_wk[w] = gkey;
+          s_wg[w][0] = g0, s_wg[w][1] = g1, s_wg[w][2] = g2, s_wg[w][3] = g3;
         }
         AIOSPEC_PHASE(12);
       }
       __syncthreads();
       AIOSPEC_PHASE(13);
-      before = s_bt[0];
-      total = s_bt[1];
+      before = s_wt[0][0];
+      total = s_wt[1][0];
+      skey = s_wk[0];
+      int g0 = s_wg[0][0], g1 = s_wg[0][1], g2 = s_wg[0][2], g3 = s_wg[0][3];
+      for (int w = 1; w < gw; ++w) {
+        const Triple b2 = s_wt[0][w], t2 = s_wt[1][w];
+        before.r += b2.r, before.t += b2.t, before.d += b2.d, before.e += b2.e;
+        total.r += t2.r, total.t += t2.t, total.d += t2.d, total.e += t2.e;
+        skey = min_key(skey, s_wk[w]);
+        g0 = min(g0, s_wg[w][0]), g1 = max(g1, s_wg[w][1]);
+        g2 = min(g2, s_wg[w][2]), g3 = max(g3, s_wg[w][3]);
+      }
 #else
       __syncthreads();
       AIOSPEC_PHASE(10);
@@ -998,16 +1021,17 @@ __global__ void __launch_bounds__(kThreads, 2)  // 2 blocks an SM: the cooperati
       AIOSPEC_PHASE(12);
       block_sum2(before, total);  // its barriers order the shared minima as well
       AIOSPEC_PHASE(13);
-#endif
       skey = s_gkey;
+      g0 = s_g[0], g1 = s_g[1], g2 = s_g[2], g3 = s_g[3];
+#endif
       if (tid <= n) {
         s_rec[tid] += before.r;
         s_tok[tid] += before.t;
         s_dr[tid] += before.d;
       }
       if (tid == 0) {
-        s_nt_min = s_g[0], s_nt_max = s_g[1];
-        s_nd_min = s_g[2], s_nd_max = s_g[3];
+        s_nt_min = g0, s_nt_max = g1;
+        s_nd_min = g2, s_nd_max = g3;
       }
       __syncthreads();
     }
