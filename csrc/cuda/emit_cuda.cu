@@ -43,8 +43,10 @@ constexpr long long kMaxBlocks = 264;
 // cooperative grid of 2, 8 or 16 blocks took 24-30 us for 64 or 128 rows x 6 tokens x top-5,
 // the same rows in 32 blocks 15-17 us, every block's own work alike (docs/benchmarks.md,
 // "Small exchange grids"). That was the block-wide gather's divergent shuffles, since
-// replaced by warp 0's gather ("The exchange's slow mode, found and removed"); the rule stays
-// until the two are measured against each other on that gather (the `minx1` variant).
+// replaced by warp 0's gather ("The exchange's slow mode, found and removed"). Measured again on
+// that gather (the `minx1` variant, "Past 32 blocks, and the exchange's grid size"), the rule
+// still pays for rows of several tokens with a top-20 (2 us at 32 x 6 x 20), and costs about
+// 0.5 us where its floor division makes 33 to 63 blocks (200 x 1 x 20: 34).
 #ifndef AIOSPEC_MIN_EXCHANGE_BLOCKS
 #define AIOSPEC_MIN_EXCHANGE_BLOCKS 32
 #endif

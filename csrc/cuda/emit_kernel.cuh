@@ -126,7 +126,9 @@
 // AIOSPEC_WARP_GATHER, who reads the exchange's counts of every block: 1 (default) warp 0,
 // folding them with shuffles, 32 blocks a round; 2 as 1 up to 32 blocks, past them a warp for
 // each 32 blocks (one round each up to 256), the warps' sums folded from shared memory after
-// a barrier; 0 every thread a block, with shared atomics and block-wide sums.
+// a barrier (1 us faster at 125 and 128 blocks, 0.4-0.8 us slower at 32 or fewer:
+// docs/benchmarks.md, "Past 32 blocks"); 0 every thread a block, with shared atomics and
+// block-wide sums.
 #ifndef AIOSPEC_WARP_GATHER
 #define AIOSPEC_WARP_GATHER 1
 #endif
