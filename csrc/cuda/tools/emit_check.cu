@@ -753,14 +753,15 @@ aiospec_cuda_producer* timing_producer(const Segment& seg, int64_t max_rows, int
 struct PhaseClocks {
   // 0-8 the phases, 10-13 inside the exchange's end (9 is the entry)
   std::vector<std::vector<double>> ph = std::vector<std::vector<double>>(14);
-  // A clock the emit did not store reads 0 (aiospec_cuda_phases zeroes them), and one behind
-  // the entry's was stored on another SM (p7, p8: the committing block's): neither is a phase
-  // of this emit, and a phase with no sample prints "-".
+  // A clock the emit did not store reads 0 (aiospec_cuda_phases zeroes them), and p7, p8 (the
+  // committing thread's) count on another SM's clock when its block ran elsewhere than block 0
+  // (slots 14 and 15, the two SMs): neither is a phase of this emit; one with no sample prints "-".
   void add() {  // after an emit has finished
     unsigned long long c[16];
     CUDA_OK(cudaError_t(aiospec_cuda_phases(c)));
     for (int q = 0; q <= 13; ++q) {
-      if (q != 9 && c[q] != 0 && c[q] >= c[9]) ph[size_t(q)].push_back(double(c[q] - c[9]));
+      const bool other_sm = (q == 7 || q == 8) && c[14] != c[15];
+      if (q != 9 && c[q] != 0 && c[q] >= c[9] && !other_sm) ph[size_t(q)].push_back(double(c[q] - c[9]));
     }
   }
   void print() {
