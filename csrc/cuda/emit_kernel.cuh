@@ -159,18 +159,19 @@ __device__ unsigned long long aiospec_cuda_block_clock[aiospec::cuda::kBlockCloc
   do {                                                                                             \
     if (threadIdx.x == 0 && blockIdx.x < aiospec::cuda::kBlockClocks) aiospec_cuda_block_clock[blockIdx.x][q] = (v); \
   } while (0)
-__device__ __forceinline__ unsigned long long aiospec_phase_sm() {
+__device__ __forceinline__ unsigned aiospec_smid() {
   unsigned sm;
   asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-  return sm + 1ull;  // 0: not stored
+  return sm;
 }
-// Slots 14 and 15: the SM (+1) of the committing thread (phases 7, 8) and of block 0 (entry):
-// clock64() is an SM's own counter, so phases 7 and 8 compare with the entry only on one SM.
+// Slots 14 and 15: the SM + 1 (0: not stored) of the committing thread (phases 7, 8) and of
+// block 0 (entry): clock64() is an SM's own counter, so phases 7 and 8 compare with the entry
+// only on one SM.
 #define AIOSPEC_PHASE(n)                                                                         \
   do {                                                                                           \
     if ((n) == 7 || (n) == 8 || (blockIdx.x == 0 && threadIdx.x == 0)) aiospec_cuda_phase_clock[n] = clock64(); \
-    if ((n) == 7) aiospec_cuda_phase_clock[14] = aiospec_phase_sm();                             \
-    if ((n) == 9 && blockIdx.x == 0 && threadIdx.x == 0) aiospec_cuda_phase_clock[15] = aiospec_phase_sm(); \
+    if ((n) == 7) aiospec_cuda_phase_clock[14] = aiospec_smid() + 1ull;                          \
+    if ((n) == 9 && blockIdx.x == 0 && threadIdx.x == 0) aiospec_cuda_phase_clock[15] = aiospec_smid() + 1ull; \
   } while (0)
 #else
 #define AIOSPEC_PHASE(n) \
@@ -793,11 +794,9 @@ __global__ void __launch_bounds__(kThreads, 2)  // 2 blocks an SM: the cooperati
   pdl_wait();
   if (AIOSPEC_EMPTY) return;
 #ifdef AIOSPEC_PHASES
-  unsigned smid_;
-  asm volatile("mov.u32 %0, %%smid;" : "=r"(smid_));
   const long long c0_ = clock64();
   AIOSPEC_BCLOCK(0, globaltimer_ns());
-  AIOSPEC_BCLOCK(5, smid_);
+  AIOSPEC_BCLOCK(5, aiospec_smid());
   AIOSPEC_BCLOCK(6, gridDim.x);
 #endif
 #if AIOSPEC_PDL == 2
