@@ -95,7 +95,7 @@ if has build; then
   probe_pid=$!
   # the phase clocks of the kernel (AIOSPEC_PHASES), for the timing stage
   build_driver_bin "$DRIVER.phases" -DAIOSPEC_PHASES > "$LOGS/build_phases.log" 2>&1 &
-  stage build_driver 300 bash -c "$(declare -f build_driver_bin); build_driver_bin $DRIVER -lineinfo"
+  stage build_driver 300 bash -c "$(declare -f build_driver_bin); build_driver_bin \"\$0\" -lineinfo" "$DRIVER"
   wait $lib_pid
   rc=$?
   tail -n 20 "$LOGS/build_lib.log"
